@@ -1,0 +1,250 @@
+#!/usr/bin/env bash
+# The local backing services for flashsale, as plain processes on loopback.
+#
+#   scripts/stack.sh up       install what is missing, start everything, wait until ready
+#   scripts/stack.sh down     stop what `up` started (by the PIDs it recorded)
+#   scripts/stack.sh status   one line per service
+#   scripts/stack.sh env      the FLASHSALE_* variables pointing at this stack
+#
+# Ports are not the defaults so a system Redis/MySQL does not clash. Data, logs and
+# pidfiles live under .stack/ (git-ignored). `up` is idempotent.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+STACK="$ROOT/.stack"
+REDIS_PORTS=(6390 6391 6392) # 6390 holds the stock; all three are RedLock's nodes
+MARIADB_PORT=3390
+ZK_PORT=2190
+ETCD_PORT=2390
+ETCD_PEER_PORT=2391
+DB_NAME=flashsale
+DB_USER=flashsale
+DB_PASSWORD=flashsale
+
+log() { printf '[stack] %s\n' "$*" >&2; }
+die() { printf '[stack] ERROR: %s\n' "$*" >&2; exit 1; }
+
+# --- helpers -----------------------------------------------------------------
+
+# A PID counts as running unless it is gone or a zombie (killed children linger).
+pid_alive() {
+  local pid=$1 state
+  [ -n "$pid" ] || return 1
+  state=$(ps -o stat= -p "$pid" 2>/dev/null | tr -d ' ') || return 1
+  [ -n "$state" ] && [ "${state#Z}" = "$state" ]
+}
+
+pidfile_alive() { [ -f "$1" ] && pid_alive "$(cat "$1")"; }
+
+# wait_for NAME LOGFILE CHECK-COMMAND...: poll up to 60 s, then show the log tail.
+wait_for() {
+  local name=$1 logfile=$2; shift 2
+  local i
+  for i in $(seq 1 240); do
+    if "$@" >/dev/null 2>&1; then return 0; fi
+    sleep 0.25
+  done
+  log "$name did not become ready; last lines of $logfile:"
+  tail -n 30 "$logfile" >&2 || true
+  die "$name failed to start"
+}
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+install_missing() {
+  local missing=()
+  command -v redis-server >/dev/null || missing+=(redis-server)
+  command -v mariadb-install-db >/dev/null || missing+=(mariadb-server)
+  [ -f /usr/share/java/zookeeper.jar ] || missing+=(zookeeper)
+  command -v etcd >/dev/null || missing+=(etcd-server)
+  command -v etcdctl >/dev/null || missing+=(etcd-client)
+  command -v java >/dev/null || missing+=(default-jre-headless)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  log "installing: ${missing[*]}"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+# --- Redis -------------------------------------------------------------------
+
+redis_ready() { [ "$(redis-cli -h 127.0.0.1 -p "$1" ping 2>/dev/null)" = PONG ]; }
+
+redis_up() {
+  local port=$1 dir="$STACK/redis-$1"
+  mkdir -p "$dir"
+  if pidfile_alive "$dir/redis.pid" && redis_ready "$port"; then return 0; fi
+  redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
+    --daemonize yes --dir "$dir" --pidfile "$dir/redis.pid" --logfile "$dir/redis.log"
+  wait_for "redis:$port" "$dir/redis.log" redis_ready "$port"
+}
+
+# --- MariaDB -----------------------------------------------------------------
+
+mariadb_client() {
+  mariadb --no-defaults --protocol=socket --socket="$STACK/mariadb/mariadb.sock" -uroot "$@"
+}
+
+mariadb_ready() {
+  mariadb --no-defaults -h127.0.0.1 -P"$MARIADB_PORT" -u"$DB_USER" -p"$DB_PASSWORD" \
+    "$DB_NAME" -e 'select 1'
+}
+
+mariadb_up() {
+  local dir="$STACK/mariadb"
+  mkdir -p "$dir"
+  if pidfile_alive "$dir/mariadb.pid" && mariadb_ready >/dev/null 2>&1; then return 0; fi
+  if [ ! -d "$dir/data/mysql" ]; then
+    log "initialising MariaDB datadir"
+    mariadb-install-db --no-defaults --datadir="$dir/data" --user="$(id -un)" \
+      --auth-root-authentication-method=socket >"$dir/install.log" 2>&1 \
+      || { tail -n 20 "$dir/install.log" >&2; die "mariadb-install-db failed"; }
+  fi
+  # max_connections: every test starts several replicas, each with its own pool.
+  # innodb_lock_wait_timeout stays at its default; strategies bound their own waits.
+  nohup /usr/sbin/mariadbd --no-defaults --datadir="$dir/data" --user="$(id -un)" \
+    --bind-address=127.0.0.1 --port="$MARIADB_PORT" --socket="$dir/mariadb.sock" \
+    --pid-file="$dir/mariadb.pid" --log-error="$dir/mariadb.log" \
+    --max-connections=2000 --skip-name-resolve --innodb-buffer-pool-size=256M \
+    >/dev/null 2>&1 &
+  echo $! >"$dir/mariadb.pid"
+  wait_for "mariadb" "$dir/mariadb.log" mariadb_client -e 'select 1'
+  # The service's user may create the per-test databases flashsale_* as well.
+  mariadb_client <<SQL
+CREATE DATABASE IF NOT EXISTS \`$DB_NAME\`;
+CREATE USER IF NOT EXISTS '$DB_USER'@'127.0.0.1' IDENTIFIED BY '$DB_PASSWORD';
+CREATE USER IF NOT EXISTS '$DB_USER'@'localhost' IDENTIFIED BY '$DB_PASSWORD';
+GRANT ALL PRIVILEGES ON \`flashsale%\`.* TO '$DB_USER'@'127.0.0.1';
+GRANT ALL PRIVILEGES ON \`flashsale%\`.* TO '$DB_USER'@'localhost';
+FLUSH PRIVILEGES;
+SQL
+  wait_for "mariadb (tcp)" "$dir/mariadb.log" mariadb_ready
+}
+
+# --- ZooKeeper ---------------------------------------------------------------
+
+zk_ready() {
+  local reply
+  exec 3<>"/dev/tcp/127.0.0.1/$ZK_PORT" || return 1
+  printf 'srvr' >&3
+  reply=$(timeout 2 cat <&3 || true)
+  exec 3>&-
+  grep -q 'Mode: standalone' <<<"$reply"
+}
+
+zookeeper_up() {
+  local dir="$STACK/zookeeper"
+  mkdir -p "$dir/data"
+  if pidfile_alive "$dir/zookeeper.pid" && zk_ready 2>/dev/null; then return 0; fi
+  cat >"$dir/zoo.cfg" <<CFG
+tickTime=2000
+dataDir=$dir/data
+clientPort=$ZK_PORT
+clientPortAddress=127.0.0.1
+maxClientCnxns=0
+minSessionTimeout=1000
+admin.enableServer=false
+4lw.commands.whitelist=srvr,ruok,stat,mntr,cons
+CFG
+  cat >"$dir/log4j.properties" <<CFG
+log4j.rootLogger=INFO, FILE
+log4j.appender.FILE=org.apache.log4j.FileAppender
+log4j.appender.FILE.File=$dir/zookeeper.log
+log4j.appender.FILE.layout=org.apache.log4j.PatternLayout
+log4j.appender.FILE.layout.ConversionPattern=%d{ISO8601} [%t] %-5p %c{1} - %m%n
+CFG
+  local cp=/usr/share/java/zookeeper.jar:/usr/share/java/slf4j-log4j12.jar:/usr/share/java/log4j-1.2.jar
+  nohup java -Xmx256m -cp "$cp" -Dlog4j.configuration="file:$dir/log4j.properties" \
+    -Dzookeeper.log.dir="$dir" org.apache.zookeeper.server.ZooKeeperServerMain "$dir/zoo.cfg" \
+    >"$dir/stdout.log" 2>&1 &
+  echo $! >"$dir/zookeeper.pid"
+  wait_for "zookeeper" "$dir/zookeeper.log" zk_ready
+}
+
+# --- etcd --------------------------------------------------------------------
+
+etcd_ready() { ETCDCTL_API=3 etcdctl --endpoints="127.0.0.1:$ETCD_PORT" endpoint health; }
+
+etcd_up() {
+  local dir="$STACK/etcd"
+  mkdir -p "$dir"
+  if pidfile_alive "$dir/etcd.pid" && etcd_ready >/dev/null 2>&1; then return 0; fi
+  nohup etcd --name flashsale --data-dir "$dir/data" \
+    --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-cluster "flashsale=http://127.0.0.1:$ETCD_PEER_PORT" \
+    >"$dir/etcd.log" 2>&1 &
+  echo $! >"$dir/etcd.pid"
+  wait_for "etcd" "$dir/etcd.log" etcd_ready
+}
+
+# --- commands ----------------------------------------------------------------
+
+stop_pidfile() {
+  local name=$1 pidfile=$2 pid i
+  [ -f "$pidfile" ] || return 0
+  pid=$(cat "$pidfile")
+  if pid_alive "$pid"; then
+    kill "$pid" 2>/dev/null || true
+    for i in $(seq 1 60); do pid_alive "$pid" || break; sleep 0.25; done
+    pid_alive "$pid" && kill -9 "$pid" 2>/dev/null || true
+    log "stopped $name (pid $pid)"
+  fi
+  rm -f "$pidfile"
+}
+
+cmd_up() {
+  install_missing
+  mkdir -p "$STACK"
+  for port in "${REDIS_PORTS[@]}"; do redis_up "$port"; done
+  mariadb_up
+  zookeeper_up
+  etcd_up
+  log "all services ready"
+}
+
+cmd_down() {
+  for port in "${REDIS_PORTS[@]}"; do stop_pidfile "redis:$port" "$STACK/redis-$port/redis.pid"; done
+  stop_pidfile mariadb "$STACK/mariadb/mariadb.pid"
+  stop_pidfile zookeeper "$STACK/zookeeper/zookeeper.pid"
+  stop_pidfile etcd "$STACK/etcd/etcd.pid"
+}
+
+status_line() {
+  local name=$1 pidfile=$2; shift 2
+  if pidfile_alive "$pidfile" && "$@" >/dev/null 2>&1; then
+    printf '%-12s up    pid %s\n' "$name" "$(cat "$pidfile")"
+  else
+    printf '%-12s down\n' "$name"; return 1
+  fi
+}
+
+cmd_status() {
+  local rc=0
+  for port in "${REDIS_PORTS[@]}"; do
+    status_line "redis:$port" "$STACK/redis-$port/redis.pid" redis_ready "$port" || rc=1
+  done
+  status_line "mariadb:$MARIADB_PORT" "$STACK/mariadb/mariadb.pid" mariadb_ready || rc=1
+  status_line "zookeeper:$ZK_PORT" "$STACK/zookeeper/zookeeper.pid" zk_ready || rc=1
+  status_line "etcd:$ETCD_PORT" "$STACK/etcd/etcd.pid" etcd_ready || rc=1
+  return $rc
+}
+
+cmd_env() {
+  cat <<ENV
+export FLASHSALE_REDIS_URL=redis://127.0.0.1:${REDIS_PORTS[0]}
+export FLASHSALE_REDLOCK_URLS=redis://127.0.0.1:${REDIS_PORTS[0]},redis://127.0.0.1:${REDIS_PORTS[1]},redis://127.0.0.1:${REDIS_PORTS[2]}
+export FLASHSALE_DATABASE_URL=mysql://$DB_USER:$DB_PASSWORD@127.0.0.1:$MARIADB_PORT/$DB_NAME
+export FLASHSALE_ZOOKEEPER=127.0.0.1:$ZK_PORT
+export FLASHSALE_ETCD=http://127.0.0.1:$ETCD_PORT
+ENV
+}
+
+case "${1:-}" in
+  up) cmd_up ;;
+  down) cmd_down ;;
+  status) cmd_status ;;
+  env) cmd_env ;;
+  *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
+esac

@@ -1,0 +1,182 @@
+//! One replica put together: connect the stores, build the router, announce the
+//! replica, serve until told to stop, then deregister.
+//!
+//! Tests use `Server::bind` + `Server::run` directly to start real replicas on random
+//! ports, exactly as `flashsale serve` does.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use anyhow::Context;
+use deadpool_redis::{PoolConfig, Runtime, Timeouts};
+use tokio::net::TcpListener;
+
+use crate::config::ServeConfig;
+use crate::error::AppError;
+use crate::replica::Heartbeat;
+use crate::store::{ClusterState, Records, StockCache, Store};
+use crate::strategy::{self, DEFAULT_STRATEGY, SaleFlow, Strategy};
+
+/// Shared by every handler of one replica.
+#[derive(Clone)]
+pub struct AppState {
+    pub flow: Arc<SaleFlow>,
+    pub strategies: Arc<[Arc<dyn Strategy>]>,
+    pub max_quantity: i64,
+    /// Requests served by this replica, announced in its heartbeat.
+    pub requests: Arc<AtomicU64>,
+}
+
+impl AppState {
+    /// The strategy named by the request, or else the cluster's active one.
+    pub async fn strategy(&self, requested: Option<&str>) -> Result<Arc<dyn Strategy>, AppError> {
+        let name = match requested {
+            Some(name) => name.to_owned(),
+            None => self
+                .flow
+                .store
+                .cluster
+                .active_strategy()
+                .await?
+                .unwrap_or_else(|| DEFAULT_STRATEGY.to_owned()),
+        };
+        match strategy::find(&self.strategies, &name) {
+            Some(strategy) => Ok(strategy.clone()),
+            None if requested.is_some() => Err(AppError::Invalid(format!(
+                "unknown strategy '{name}'; known: {}",
+                self.strategy_names().join(", ")
+            ))),
+            None => {
+                tracing::error!(%name, "the cluster's active strategy is unknown to this replica");
+                Err(AppError::Internal)
+            }
+        }
+    }
+
+    pub fn strategy_names(&self) -> Vec<&'static str> {
+        self.strategies.iter().map(|s| s.name()).collect()
+    }
+}
+
+/// A replica bound to its port, ready to serve.
+pub struct Server {
+    listener: TcpListener,
+    router: axum::Router,
+    heartbeat: Heartbeat,
+}
+
+impl Server {
+    pub async fn bind(config: ServeConfig) -> anyhow::Result<Server> {
+        let listener = TcpListener::bind((config.bind, config.port))
+            .await
+            .with_context(|| format!("binding {}:{}", config.bind, config.port))?;
+        let address = listener.local_addr()?;
+        let replica_id = config
+            .replica_id
+            .clone()
+            .unwrap_or_else(|| format!("replica-{}", address.port()));
+
+        let redis = redis_pool(&config)?;
+        let records = Records::connect(
+            &config.database_url,
+            config.db_pool,
+            config.connect_timeout(),
+        )
+        .await
+        .context("connecting to MySQL and applying migrations")?;
+        let store = Store {
+            cache: StockCache::new(redis.clone(), config.namespace.clone()),
+            records,
+            cluster: ClusterState::new(redis, config.namespace.clone()),
+        };
+        let state = AppState {
+            flow: Arc::new(SaleFlow {
+                store: store.clone(),
+                work: config.work(),
+                replica_id: replica_id.clone(),
+            }),
+            strategies: strategy::registry().into(),
+            max_quantity: config.max_quantity,
+            requests: Arc::new(AtomicU64::new(0)),
+        };
+        let heartbeat = Heartbeat::new(
+            store.cluster.clone(),
+            replica_id,
+            address,
+            state.requests.clone(),
+        );
+        let router = crate::http::router(state, &config.static_dir);
+        Ok(Server {
+            listener,
+            router,
+            heartbeat,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        // The listener was bound successfully, so it has an address.
+        self.listener
+            .local_addr()
+            .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    /// Serves until `shutdown` completes, lets in-flight requests finish, then
+    /// deregisters the replica.
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        tracing::info!(address = %self.local_addr(), "serving");
+        let heartbeat = self.heartbeat.start().await;
+        let served = axum::serve(self.listener, self.router)
+            .with_graceful_shutdown(shutdown)
+            .await;
+        heartbeat.stop().await;
+        served.context("serving HTTP")
+    }
+}
+
+/// A Redis pool whose waits are bounded, so an outage answers 503 instead of hanging.
+fn redis_pool(config: &ServeConfig) -> anyhow::Result<deadpool_redis::Pool> {
+    let mut redis = deadpool_redis::Config::from_url(config.redis_url.clone());
+    let bound = Some(std::time::Duration::from_secs(2));
+    redis.pool = Some(PoolConfig {
+        max_size: config.redis_pool,
+        timeouts: Timeouts {
+            wait: bound,
+            create: bound,
+            recycle: bound,
+        },
+        ..PoolConfig::default()
+    });
+    redis
+        .create_pool(Some(Runtime::Tokio1))
+        .context("creating the Redis pool")
+}
+
+/// Completes on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(error) = tokio::signal::ctrl_c().await {
+            tracing::error!(%error, "cannot listen for SIGINT");
+            std::future::pending::<()>().await;
+        }
+    };
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    tracing::info!("shutting down");
+}

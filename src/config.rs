@@ -1,0 +1,116 @@
+//! Command-line and environment configuration.
+//!
+//! Every option has a `FLASHSALE_*` environment fallback so that `scripts/stack.sh env`,
+//! docker-compose and the tests can point replicas at their services without flags.
+//! The defaults match the ports `scripts/stack.sh` uses.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "flashsale",
+    version,
+    about = "Flash-sale oversell lab: order service replicas"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run one replica of the order service.
+    Serve(ServeConfig),
+    /// Run several `serve` replicas on consecutive ports and stop them together.
+    Cluster(ClusterConfig),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeConfig {
+    /// Address to listen on.
+    #[arg(long, env = "FLASHSALE_BIND", default_value = "127.0.0.1")]
+    pub bind: IpAddr,
+
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, env = "FLASHSALE_PORT", default_value_t = 8081)]
+    pub port: u16,
+
+    /// This replica's name in /api/stats and in the orders it records
+    /// [default: replica-<port>].
+    #[arg(long, env = "FLASHSALE_REPLICA_ID")]
+    pub replica_id: Option<String>,
+
+    /// Redis holding the stock cache, the active strategy and the replica registry.
+    #[arg(
+        long,
+        env = "FLASHSALE_REDIS_URL",
+        default_value = "redis://127.0.0.1:6390"
+    )]
+    pub redis_url: String,
+
+    /// MySQL/MariaDB, the system of record.
+    #[arg(
+        long,
+        env = "FLASHSALE_DATABASE_URL",
+        default_value = "mysql://flashsale:flashsale@127.0.0.1:3390/flashsale",
+        hide_env_values = true
+    )]
+    pub database_url: String,
+
+    /// Prefix of every Redis key, so several deployments (or tests) share one Redis.
+    #[arg(long, env = "FLASHSALE_NAMESPACE", default_value = "flashsale")]
+    pub namespace: String,
+
+    /// Simulated work inside the critical section, in milliseconds (widens the race).
+    #[arg(long, env = "FLASHSALE_WORK_MS", default_value_t = 0)]
+    pub work_ms: u64,
+
+    /// Largest quantity one order may ask for.
+    #[arg(long, env = "FLASHSALE_MAX_QUANTITY", default_value_t = 10)]
+    pub max_quantity: i64,
+
+    /// MySQL connections per replica.
+    #[arg(long, env = "FLASHSALE_DB_POOL", default_value_t = 16)]
+    pub db_pool: u32,
+
+    /// Redis connections per replica.
+    #[arg(long, env = "FLASHSALE_REDIS_POOL", default_value_t = 32)]
+    pub redis_pool: usize,
+
+    /// How long to keep retrying the first database connection at start.
+    #[arg(long, env = "FLASHSALE_CONNECT_TIMEOUT_S", default_value_t = 60)]
+    pub connect_timeout_s: u64,
+
+    /// Folder with the dashboard's static files.
+    #[arg(long, env = "FLASHSALE_STATIC_DIR", default_value = "static")]
+    pub static_dir: PathBuf,
+}
+
+impl ServeConfig {
+    pub fn work(&self) -> Duration {
+        Duration::from_millis(self.work_ms)
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_secs(self.connect_timeout_s)
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ClusterConfig {
+    /// How many replicas to start.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=32))]
+    pub replicas: u16,
+
+    /// Port of the first replica; the others take the next ones.
+    #[arg(long, default_value_t = 8081)]
+    pub base_port: u16,
+
+    /// Extra arguments passed to every `serve` (after `--`).
+    #[arg(last = true)]
+    pub serve_args: Vec<String>,
+}

@@ -1,0 +1,133 @@
+//! The one error type every handler returns.
+//!
+//! Each variant knows its HTTP status and its stable `error` code, so a client gets
+//! `{"error": "<code>", "message": "<sentence>"}` and never a bare 500 for bad input.
+//! Backend failures are logged with their detail here and answered with a generic
+//! sentence, so internals (SQL, URLs) never leak into responses.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::store::StoreError;
+use crate::strategy::OrderError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    /// The request could not be read as the expected JSON shape (syntax, missing
+    /// field, wrong type).
+    #[error("{0}")]
+    Malformed(String),
+    /// The request was well-formed but a value is out of range or not allowed.
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    #[error("sold out: {available} left, {requested} requested")]
+    SoldOut { available: i64, requested: i64 },
+    #[error("could not get the lock within {waited:?}; try again")]
+    LockTimeout { waited: Duration },
+    /// Redis or MySQL could not be reached in time.
+    #[error("{backend} is unavailable; try again shortly")]
+    BackendUnavailable { backend: &'static str },
+    /// A bug or an unexpected backend answer; the detail is in the log only.
+    #[error("internal error")]
+    Internal,
+}
+
+impl AppError {
+    fn status_and_code(&self) -> (StatusCode, &'static str) {
+        match self {
+            AppError::Malformed(_) => (StatusCode::BAD_REQUEST, "malformed_request"),
+            AppError::Invalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_value"),
+            AppError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            AppError::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            AppError::UnsupportedMediaType(_) => {
+                (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
+            }
+            AppError::SoldOut { .. } => (StatusCode::CONFLICT, "sold_out"),
+            AppError::LockTimeout { .. } => (StatusCode::SERVICE_UNAVAILABLE, "lock_timeout"),
+            AppError::BackendUnavailable { .. } => {
+                (StatusCode::SERVICE_UNAVAILABLE, "backend_unavailable")
+            }
+            AppError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        }
+    }
+}
+
+impl IntoResponse for AppError {
+    fn into_response(self) -> Response {
+        let (status, code) = self.status_and_code();
+        let body = Json(json!({ "error": code, "message": self.to_string() }));
+        let mut response = (status, body).into_response();
+        let retry_after = match &self {
+            AppError::LockTimeout { .. } | AppError::BackendUnavailable { .. } => Some("1"),
+            _ => None,
+        };
+        if let Some(seconds) = retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static(seconds));
+        }
+        response
+    }
+}
+
+impl From<JsonRejection> for AppError {
+    fn from(rejection: JsonRejection) -> Self {
+        let message = rejection.body_text();
+        match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => AppError::PayloadTooLarge(message),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => AppError::UnsupportedMediaType(
+                "expected a JSON body with Content-Type: application/json".into(),
+            ),
+            _ => AppError::Malformed(message),
+        }
+    }
+}
+
+impl From<QueryRejection> for AppError {
+    fn from(rejection: QueryRejection) -> Self {
+        AppError::Malformed(rejection.body_text())
+    }
+}
+
+impl From<StoreError> for AppError {
+    fn from(error: StoreError) -> Self {
+        match error.unavailable_backend() {
+            Some(backend) => {
+                tracing::warn!(%error, backend, "backend unavailable");
+                AppError::BackendUnavailable { backend }
+            }
+            None => {
+                tracing::error!(%error, "backend error");
+                AppError::Internal
+            }
+        }
+    }
+}
+
+impl From<OrderError> for AppError {
+    fn from(error: OrderError) -> Self {
+        match error {
+            OrderError::UnknownSku(sku) => AppError::NotFound(format!("unknown SKU '{sku}'")),
+            OrderError::SoldOut {
+                available,
+                requested,
+            } => AppError::SoldOut {
+                available,
+                requested,
+            },
+            OrderError::LockTimeout { waited } => AppError::LockTimeout { waited },
+            OrderError::Store(error) => error.into(),
+        }
+    }
+}

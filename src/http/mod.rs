@@ -1,0 +1,73 @@
+//! The HTTP surface of one replica (SPEC §5): routes, the JSON extractor whose
+//! rejections become our JSON errors, and the layers around them.
+//!
+//! Handlers translate between HTTP and the domain; they never talk to Redis or MySQL
+//! directly but through `store` and `strategy`.
+
+mod admin;
+mod health;
+mod orders;
+mod stats;
+mod strategies;
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use tower_http::services::ServeDir;
+use tower_http::trace::TraceLayer;
+
+use crate::app::AppState;
+use crate::error::AppError;
+
+/// Request bodies larger than this are refused with 413 before they are parsed.
+pub const MAX_BODY_BYTES: usize = 16 * 1024;
+
+/// `Json<T>` whose rejections (bad syntax, wrong type, wrong content type, too large)
+/// become `AppError`s, so every error has the same JSON shape.
+#[derive(FromRequest)]
+#[from_request(via(axum::Json), rejection(AppError))]
+pub struct ApiJson<T>(pub T);
+
+impl<T: serde::Serialize> IntoResponse for ApiJson<T> {
+    fn into_response(self) -> Response {
+        axum::Json(self.0).into_response()
+    }
+}
+
+pub fn router(state: AppState, static_dir: &Path) -> Router {
+    let api = Router::new()
+        .route("/healthz", get(health::healthz))
+        .route("/api/orders", post(orders::place_order))
+        .route("/api/strategies", get(strategies::list))
+        .route(
+            "/api/admin/strategy",
+            get(admin::active_strategy).put(admin::set_strategy),
+        )
+        .route("/api/admin/reset", post(admin::reset))
+        .route("/api/stats", get(stats::stats))
+        .route("/api/{*rest}", axum::routing::any(unknown_api_route));
+
+    api.fallback_service(ServeDir::new(static_dir))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+async fn unknown_api_route() -> AppError {
+    AppError::NotFound("no such API route".into())
+}
+
+/// Counts requests for the replica registry's "requests served".
+async fn count_requests(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    state.requests.fetch_add(1, Ordering::Relaxed);
+    next.run(request).await
+}

@@ -1,0 +1,45 @@
+//! `POST /api/orders`: validate the shopper's request, pick the strategy, place it.
+
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use serde::Deserialize;
+
+use super::ApiJson;
+use crate::app::AppState;
+use crate::error::AppError;
+use crate::model::{NewOrder, Order, Sku, integer_in_range, parse_user_id};
+
+#[derive(Debug, Deserialize)]
+pub struct OrderBody {
+    sku: String,
+    user_id: String,
+    quantity: serde_json::Number,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct OrderQuery {
+    strategy: Option<String>,
+}
+
+impl OrderBody {
+    fn validate(self, max_quantity: i64) -> Result<NewOrder, AppError> {
+        Ok(NewOrder {
+            sku: Sku::parse(&self.sku).map_err(AppError::Invalid)?,
+            user_id: parse_user_id(&self.user_id).map_err(AppError::Invalid)?,
+            quantity: integer_in_range("quantity", &self.quantity, 1, max_quantity)
+                .map_err(AppError::Invalid)?,
+        })
+    }
+}
+
+pub async fn place_order(
+    State(state): State<AppState>,
+    query: Result<Query<OrderQuery>, axum::extract::rejection::QueryRejection>,
+    ApiJson(body): ApiJson<OrderBody>,
+) -> Result<(StatusCode, ApiJson<Order>), AppError> {
+    let Query(query) = query?;
+    let order = body.validate(state.max_quantity)?;
+    let strategy = state.strategy(query.strategy.as_deref()).await?;
+    let placed = strategy.place_order(&state.flow, &order).await?;
+    Ok((StatusCode::CREATED, ApiJson(placed)))
+}

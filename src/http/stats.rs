@@ -1,0 +1,116 @@
+//! `GET /api/stats`: the sale as the service's own records see it. Oversold and
+//! consistency are computed from MySQL's orders and both stock copies, never from what
+//! clients counted.
+
+use axum::extract::{Query, State};
+use serde::{Deserialize, Serialize};
+
+use super::ApiJson;
+use crate::app::AppState;
+use crate::error::AppError;
+use crate::model::Sku;
+use crate::store::{ProductRecord, ReplicaInfo};
+
+#[derive(Debug, Deserialize)]
+pub struct StatsQuery {
+    sku: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Stats {
+    pub strategy: String,
+    pub replicas: Vec<ReplicaInfo>,
+    pub skus: Vec<SkuStats>,
+}
+
+#[derive(Debug, Serialize, PartialEq)]
+pub struct SkuStats {
+    pub sku: Sku,
+    pub initial_stock: i64,
+    /// `None` when Redis has no stock for this SKU (flushed or restarted).
+    pub stock_redis: Option<i64>,
+    pub stock_mysql: i64,
+    pub orders: i64,
+    pub ordered_quantity: i64,
+    pub oversold: i64,
+    pub consistent: bool,
+}
+
+impl SkuStats {
+    pub fn new(record: ProductRecord, stock_redis: Option<i64>) -> Self {
+        let expected = record.initial_stock - record.ordered_quantity;
+        SkuStats {
+            oversold: (record.ordered_quantity - record.initial_stock).max(0),
+            consistent: stock_redis == Some(record.stock) && record.stock == expected,
+            sku: record.sku,
+            initial_stock: record.initial_stock,
+            stock_redis,
+            stock_mysql: record.stock,
+            orders: record.orders,
+            ordered_quantity: record.ordered_quantity,
+        }
+    }
+}
+
+pub async fn stats(
+    State(state): State<AppState>,
+    query: Result<Query<StatsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<ApiJson<Stats>, AppError> {
+    let Query(query) = query?;
+    let sku = query
+        .sku
+        .as_deref()
+        .map(Sku::parse)
+        .transpose()
+        .map_err(AppError::Invalid)?;
+    let store = &state.flow.store;
+    let records = store.records.products(sku.as_ref()).await?;
+    if let (Some(sku), true) = (&sku, records.is_empty()) {
+        return Err(AppError::NotFound(format!("unknown SKU '{sku}'")));
+    }
+    let skus: Vec<Sku> = records.iter().map(|r| r.sku.clone()).collect();
+    let redis_stocks = store.cache.stocks(&skus).await?;
+    Ok(ApiJson(Stats {
+        strategy: state.strategy(None).await?.name().to_owned(),
+        replicas: store.cluster.live_replicas().await?,
+        skus: records
+            .into_iter()
+            .zip(redis_stocks)
+            .map(|(record, redis)| SkuStats::new(record, redis))
+            .collect(),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(initial: i64, stock: i64, ordered: i64) -> ProductRecord {
+        ProductRecord {
+            sku: Sku::parse("a").unwrap(),
+            initial_stock: initial,
+            stock,
+            orders: ordered,
+            ordered_quantity: ordered,
+        }
+    }
+
+    #[test]
+    fn consistent_sale() {
+        let s = SkuStats::new(record(20, 5, 15), Some(5));
+        assert_eq!((s.oversold, s.consistent), (0, true));
+    }
+
+    #[test]
+    fn lost_updates_oversell_and_disagree() {
+        // 200 orders all read 20 and wrote back 19.
+        let s = SkuStats::new(record(20, 19, 200), Some(19));
+        assert_eq!((s.oversold, s.consistent), (180, false));
+    }
+
+    #[test]
+    fn missing_cache_is_inconsistent() {
+        let s = SkuStats::new(record(20, 20, 0), None);
+        assert!(!s.consistent);
+    }
+}

@@ -1,0 +1,19 @@
+//! flashsale: a lab that shows why a flash sale oversells and how each
+//! distributed-lock strategy stops it.
+//!
+//! The layout follows the architecture:
+//! - `http`: handlers and routes (knows HTTP, not Redis or SQL);
+//! - `strategy`: one module per coordination strategy, plus the shared order flow;
+//! - `store`: the Redis stock cache, the MySQL records and cluster-wide state;
+//! - `app`, `replica`, `cluster`: putting replicas together and running them;
+//! - `config`, `model`, `error`: options, domain values and the one error type.
+
+pub mod app;
+pub mod cluster;
+pub mod config;
+pub mod error;
+pub mod http;
+pub mod model;
+pub mod replica;
+pub mod store;
+pub mod strategy;

@@ -1,0 +1,57 @@
+//! Where the sale's data lives: the Redis stock cache, the MySQL records, and the
+//! small pieces of cluster-wide state (active strategy, live replicas) in Redis.
+//!
+//! Everything here speaks in domain terms (`stock`, `commit_order`); the Redis
+//! commands and SQL stay inside this folder.
+
+mod cluster_state;
+mod records;
+mod stock_cache;
+
+pub use cluster_state::{ClusterState, ReplicaInfo};
+pub use records::{ProductRecord, Records};
+pub use stock_cache::StockCache;
+
+use deadpool_redis::redis::RedisError;
+
+/// The stores one replica uses, with their connection pools.
+#[derive(Clone)]
+pub struct Store {
+    pub cache: StockCache,
+    pub records: Records,
+    pub cluster: ClusterState,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("redis: {0}")]
+    Redis(#[from] RedisError),
+    #[error("redis pool: {0}")]
+    RedisPool(#[from] deadpool_redis::PoolError),
+    #[error("mysql: {0}")]
+    Mysql(#[from] sqlx::Error),
+    #[error("unexpected data in {what}: {detail}")]
+    Corrupt { what: &'static str, detail: String },
+}
+
+impl StoreError {
+    /// The backend's name when the error means "could not reach it in time" (worth a
+    /// 503 and a retry), `None` when it is a bug or bad data.
+    pub fn unavailable_backend(&self) -> Option<&'static str> {
+        match self {
+            StoreError::Redis(e)
+                if e.is_io_error() || e.is_connection_dropped() || e.is_timeout() =>
+            {
+                Some("redis")
+            }
+            StoreError::RedisPool(_) => Some("redis"),
+            StoreError::Mysql(
+                sqlx::Error::Io(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::WorkerCrashed,
+            ) => Some("mysql"),
+            _ => None,
+        }
+    }
+}

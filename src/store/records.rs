@@ -1,0 +1,167 @@
+//! The MySQL system of record: products (stock per SKU) and orders.
+//!
+//! Every statement uses bound parameters. The order write is one transaction, so an
+//! order row never exists without its stock write and vice versa.
+
+use std::time::Duration;
+
+use chrono::Utc;
+use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
+use sqlx::{MySql, Row, Transaction};
+
+use super::StoreError;
+use crate::model::{NewOrder, Order, Sku};
+
+#[derive(Clone)]
+pub struct Records {
+    pool: MySqlPool,
+}
+
+/// A product row joined with what its orders add up to.
+#[derive(Debug, Clone)]
+pub struct ProductRecord {
+    pub sku: Sku,
+    pub initial_stock: i64,
+    pub stock: i64,
+    pub orders: i64,
+    pub ordered_quantity: i64,
+}
+
+impl Records {
+    /// Connects, retrying until `patience` runs out (the database may still be
+    /// starting, as under docker-compose), then applies the migrations.
+    pub async fn connect(url: &str, pool_size: u32, patience: Duration) -> anyhow::Result<Self> {
+        let started = tokio::time::Instant::now();
+        let pool = loop {
+            let attempt = MySqlPoolOptions::new()
+                .max_connections(pool_size)
+                .acquire_timeout(Duration::from_secs(3))
+                .connect(url)
+                .await;
+            match attempt {
+                Ok(pool) => break pool,
+                Err(error) if started.elapsed() < patience => {
+                    tracing::warn!(%error, "database not reachable yet, retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(error) => return Err(error.into()),
+            }
+        };
+        sqlx::migrate!("./migrations").run(&pool).await?;
+        Ok(Records { pool })
+    }
+
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Creates or restocks the product and clears its orders, in one transaction.
+    pub async fn reset(&self, sku: &Sku, stock: i64) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO products (sku, stock, initial_stock, version) VALUES (?, ?, ?, 0)
+             ON DUPLICATE KEY UPDATE stock = VALUES(stock),
+                 initial_stock = VALUES(initial_stock), version = 0",
+        )
+        .bind(sku.as_str())
+        .bind(stock)
+        .bind(stock)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("DELETE FROM orders WHERE sku = ?")
+            .bind(sku.as_str())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The lock strategies' write: set the product's stock to `new_stock` (an absolute
+    /// value computed from what the caller read, which is exactly what loses updates
+    /// without a lock) and insert the order, in one transaction.
+    pub async fn commit_order(
+        &self,
+        order: &NewOrder,
+        new_stock: i64,
+        strategy: &str,
+        replica: &str,
+    ) -> Result<Order, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("UPDATE products SET stock = ?, version = version + 1 WHERE sku = ?")
+            .bind(new_stock)
+            .bind(order.sku.as_str())
+            .execute(&mut *tx)
+            .await?;
+        let recorded = insert_order(&mut tx, order, strategy, replica).await?;
+        tx.commit().await?;
+        Ok(recorded)
+    }
+
+    /// Products with their order totals; all of them, or only `sku`.
+    pub async fn products(&self, sku: Option<&Sku>) -> Result<Vec<ProductRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT p.sku, p.initial_stock, p.stock,
+                    COUNT(o.id) AS orders, CAST(COALESCE(SUM(o.quantity), 0) AS SIGNED) AS ordered
+             FROM products p LEFT JOIN orders o ON o.sku = p.sku
+             WHERE (? IS NULL OR p.sku = ?)
+             GROUP BY p.sku, p.initial_stock, p.stock
+             ORDER BY p.sku",
+        )
+        .bind(sku.map(Sku::as_str))
+        .bind(sku.map(Sku::as_str))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|row| {
+                let raw_sku: String = row.try_get("sku")?;
+                let sku = Sku::parse(&raw_sku).map_err(|detail| StoreError::Corrupt {
+                    what: "products.sku",
+                    detail,
+                })?;
+                Ok(ProductRecord {
+                    sku,
+                    initial_stock: row.try_get("initial_stock")?,
+                    stock: row.try_get("stock")?,
+                    orders: row.try_get("orders")?,
+                    ordered_quantity: row.try_get("ordered")?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Inserts the order row inside the caller's transaction and returns it as recorded.
+pub(crate) async fn insert_order(
+    tx: &mut Transaction<'_, MySql>,
+    order: &NewOrder,
+    strategy: &str,
+    replica: &str,
+) -> Result<Order, StoreError> {
+    let created_at = Utc::now();
+    let result = sqlx::query(
+        "INSERT INTO orders (sku, user_id, quantity, strategy, replica, created_at)
+         VALUES (?, ?, ?, ?, ?, ?)",
+    )
+    .bind(order.sku.as_str())
+    .bind(&order.user_id)
+    .bind(order.quantity)
+    .bind(strategy)
+    .bind(replica)
+    .bind(created_at)
+    .execute(&mut **tx)
+    .await?;
+    Ok(Order {
+        id: result.last_insert_id(),
+        sku: order.sku.clone(),
+        user_id: order.user_id.clone(),
+        quantity: order.quantity,
+        strategy: strategy.to_owned(),
+        replica: replica.to_owned(),
+        created_at,
+    })
+}

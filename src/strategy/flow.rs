@@ -1,0 +1,61 @@
+//! The critical section every lock strategy runs (SPEC §4), written once so that the
+//! only thing that differs between lock strategies is how they coordinate:
+//!
+//! ```text
+//! stock = GET stock in Redis
+//! if stock < quantity: sold out
+//! optional work (simulated validation)
+//! MySQL transaction: write stock - quantity, insert the order
+//! SET stock - quantity in Redis
+//! ```
+//!
+//! Without a lock around it, two replicas read the same stock and both write back
+//! `stock - 1`: the lost update that oversells.
+
+use std::time::Duration;
+
+use super::OrderError;
+use crate::model::{NewOrder, Order};
+use crate::store::Store;
+
+/// What one replica needs to run the order flow.
+pub struct SaleFlow {
+    pub store: Store,
+    /// Simulated work inside the critical section (FLASHSALE_WORK_MS).
+    pub work: Duration,
+    pub replica_id: String,
+}
+
+impl SaleFlow {
+    /// Runs the read-check-write critical section. The caller holds whatever lock its
+    /// strategy uses (or none).
+    pub async fn sell(&self, order: &NewOrder, strategy: &str) -> Result<Order, OrderError> {
+        let stock = self
+            .store
+            .cache
+            .stock(&order.sku)
+            .await?
+            .ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
+        if stock < order.quantity {
+            return Err(OrderError::SoldOut {
+                available: stock.max(0),
+                requested: order.quantity,
+            });
+        }
+        if !self.work.is_zero() {
+            tokio::time::sleep(self.work).await;
+        }
+        let new_stock = stock - order.quantity;
+        let recorded = self
+            .store
+            .records
+            .commit_order(order, new_stock, strategy, &self.replica_id)
+            .await?;
+        // The order is committed: if the cache write fails now, the order still stands
+        // and /api/stats reports the cache as inconsistent until the next reset.
+        if let Err(error) = self.store.cache.set_stock(&order.sku, new_stock).await {
+            tracing::error!(%error, sku = %order.sku, "order committed but Redis stock not updated");
+        }
+        Ok(recorded)
+    }
+}

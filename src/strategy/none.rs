@@ -1,0 +1,39 @@
+//! `none`: no coordination at all. Every replica runs the critical section
+//! concurrently, so under load several read the same stock and oversell. This is the
+//! baseline that shows why the other strategies exist.
+
+use async_trait::async_trait;
+
+use super::{Explanation, OrderError, SaleFlow, Strategy};
+use crate::model::{NewOrder, Order};
+
+pub struct NoCoordination;
+
+#[async_trait]
+impl Strategy for NoCoordination {
+    fn name(&self) -> &'static str {
+        "none"
+    }
+
+    fn explanation(&self) -> Explanation {
+        Explanation {
+            name: self.name(),
+            title: "No coordination",
+            summary: "Each replica reads the stock from Redis, checks it, does its work, \
+                      then writes back stock minus quantity to MySQL and Redis. Nothing stops \
+                      two replicas from reading the same value, so both sell the same unit.",
+            commands: vec![
+                "GET <ns>:stock:<sku>",
+                "BEGIN; UPDATE products SET stock = <read - q> WHERE sku = ?; \
+                 INSERT INTO orders (...) VALUES (...); COMMIT",
+                "SET <ns>:stock:<sku> <read - q>",
+            ],
+            failure_mode: "Lost update: concurrent buyers all read stock = N and all write N-1, \
+                           so far more orders are recorded than there were units (oversold).",
+        }
+    }
+
+    async fn place_order(&self, flow: &SaleFlow, order: &NewOrder) -> Result<Order, OrderError> {
+        flow.sell(order, self.name()).await
+    }
+}
