@@ -214,9 +214,9 @@ cmd_down() {
 status_line() {
   local name=$1 pidfile=$2; shift 2
   if pidfile_alive "$pidfile" && "$@" >/dev/null 2>&1; then
-    printf '%-12s up    pid %s\n' "$name" "$(cat "$pidfile")"
+    printf '%-16s up    pid %s\n' "$name" "$(cat "$pidfile")"
   else
-    printf '%-12s down\n' "$name"; return 1
+    printf '%-16s down\n' "$name"; return 1
   fi
 }
 

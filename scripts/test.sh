@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Every test, against the real services: starts the stack (installing what is
+# missing), clears what earlier test runs left behind, then runs the workspace's tests.
+# Extra arguments go to `cargo test` (e.g. a test name filter).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+./scripts/stack.sh up
+eval "$(./scripts/stack.sh env)"
+
+# Each test creates its own database flashsale_t_* and Redis namespace; drop the
+# leftovers of earlier runs so they do not pile up.
+mysql_args=(--no-defaults -h127.0.0.1 -P3390 -uflashsale -pflashsale -N)
+for db in $(mariadb "${mysql_args[@]}" -e \
+  "SELECT schema_name FROM information_schema.schemata WHERE schema_name LIKE 'flashsale\\_t\\_%'"); do
+  mariadb "${mysql_args[@]}" -e "DROP DATABASE \`$db\`"
+done
+redis-cli -p 6390 --scan --pattern 'flashsale_t_*' | xargs -r -n 500 redis-cli -p 6390 del >/dev/null
+
+cargo test --workspace "$@"

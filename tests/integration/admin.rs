@@ -1,0 +1,91 @@
+//! Cluster-wide admin state: a reset and a strategy switch made through one replica
+//! are seen by all of them, and every replica shows up in the stats.
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::support::TestCluster;
+
+#[tokio::test]
+async fn reset_and_strategy_are_shared_by_all_replicas() {
+    let cluster = TestCluster::start(3, &[]).await;
+    let sku = "admin-shared";
+    cluster.reset(sku, 7).await;
+    for replica in 0..3 {
+        let stats = cluster
+            .get_json(replica, &format!("/api/stats?sku={sku}"))
+            .await;
+        assert_eq!(stats["skus"][0]["stock_redis"], 7);
+        assert_eq!(stats["skus"][0]["stock_mysql"], 7);
+        assert_eq!(stats["skus"][0]["initial_stock"], 7);
+    }
+
+    let switched = cluster
+        .http
+        .put(cluster.url(2, "/api/admin/strategy"))
+        .json(&json!({ "strategy": "none" }))
+        .send()
+        .await
+        .expect("PUT strategy");
+    assert_eq!(switched.status(), StatusCode::OK);
+    for replica in 0..3 {
+        let active = cluster.get_json(replica, "/api/admin/strategy").await;
+        assert_eq!(active["strategy"], "none");
+    }
+
+    // A second reset clears the orders placed since.
+    assert_eq!(
+        cluster.order(1, sku, "u", 3).await.status(),
+        StatusCode::CREATED
+    );
+    cluster.reset(sku, 5).await;
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(stats["orders"], 0);
+    assert_eq!(stats["stock_redis"], 5);
+    assert_eq!(cluster.count_orders(sku).await, 0);
+}
+
+#[tokio::test]
+async fn stats_list_every_live_replica_and_drop_stopped_ones() {
+    let mut cluster = TestCluster::start(3, &[]).await;
+    let stats = cluster.get_json(0, "/api/stats").await;
+    let ids: Vec<&str> = stats["replicas"]
+        .as_array()
+        .expect("replicas array")
+        .iter()
+        .filter_map(|r| r["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["replica-1", "replica-2", "replica-3"]);
+
+    cluster.replicas[2].stop().await;
+    let stats = cluster.get_json(0, "/api/stats").await;
+    assert_eq!(
+        stats["replicas"].as_array().map(Vec::len),
+        Some(2),
+        "stopped replica deregistered"
+    );
+}
+
+#[tokio::test]
+async fn strategies_are_listed_with_explanations() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let strategies = cluster.get_json(0, "/api/strategies").await;
+    let none = &strategies[0];
+    assert_eq!(none["name"], "none");
+    assert!(none["summary"].as_str().is_some_and(|s| !s.is_empty()));
+    assert!(none["commands"].as_array().is_some_and(|c| !c.is_empty()));
+}
+
+#[tokio::test]
+async fn healthz_reports_each_backend() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let health = cluster.get_json(0, "/healthz").await;
+    assert_eq!(health["status"], "ok");
+    let names: Vec<&str> = health["backends"]
+        .as_array()
+        .expect("backends")
+        .iter()
+        .filter_map(|b| b["name"].as_str())
+        .collect();
+    assert_eq!(names, ["redis", "mysql"]);
+}

@@ -1,0 +1,341 @@
+//! Hostile and broken requests get the right 4xx with a JSON error, and leave the
+//! stock and orders exactly as they were.
+
+use reqwest::{Method, StatusCode};
+use serde_json::Value;
+
+use crate::support::TestCluster;
+
+struct Case {
+    name: &'static str,
+    method: Method,
+    path: &'static str,
+    content_type: Option<&'static str>,
+    body: String,
+    status: StatusCode,
+    code: &'static str,
+}
+
+fn case(
+    name: &'static str,
+    method: Method,
+    path: &'static str,
+    body: impl Into<String>,
+    status: u16,
+    code: &'static str,
+) -> Case {
+    Case {
+        name,
+        method,
+        path,
+        content_type: Some("application/json"),
+        body: body.into(),
+        status: StatusCode::from_u16(status).expect("valid status"),
+        code,
+    }
+}
+
+fn cases() -> Vec<Case> {
+    use Method as M;
+    let order = "/api/orders";
+    let mut cases = vec![
+        case(
+            "malformed JSON",
+            M::POST,
+            order,
+            r#"{"sku": "bad-input""#,
+            400,
+            "malformed_request",
+        ),
+        case("empty body", M::POST, order, "", 400, "malformed_request"),
+        case(
+            "array body",
+            M::POST,
+            order,
+            "[1,2]",
+            400,
+            "malformed_request",
+        ),
+        case(
+            "null body",
+            M::POST,
+            order,
+            "null",
+            400,
+            "malformed_request",
+        ),
+        case(
+            "missing quantity",
+            M::POST,
+            order,
+            r#"{"sku":"bad-input","user_id":"u"}"#,
+            400,
+            "malformed_request",
+        ),
+        case(
+            "missing sku",
+            M::POST,
+            order,
+            r#"{"user_id":"u","quantity":1}"#,
+            400,
+            "malformed_request",
+        ),
+        case(
+            "quantity as string",
+            M::POST,
+            order,
+            r#"{"sku":"bad-input","user_id":"u","quantity":"1"}"#,
+            400,
+            "malformed_request",
+        ),
+        case(
+            "sku as number",
+            M::POST,
+            order,
+            r#"{"sku":5,"user_id":"u","quantity":1}"#,
+            400,
+            "malformed_request",
+        ),
+        case(
+            "quantity zero",
+            M::POST,
+            order,
+            r#"{"sku":"bad-input","user_id":"u","quantity":0}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "quantity negative",
+            M::POST,
+            order,
+            r#"{"sku":"bad-input","user_id":"u","quantity":-5}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "quantity fractional",
+            M::POST,
+            order,
+            r#"{"sku":"bad-input","user_id":"u","quantity":1.5}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "quantity absurd",
+            M::POST,
+            order,
+            r#"{"sku":"bad-input","user_id":"u","quantity":1e30}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "quantity over u64",
+            M::POST,
+            order,
+            r#"{"sku":"bad-input","user_id":"u","quantity":99999999999999999999999}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "quantity above max",
+            M::POST,
+            order,
+            r#"{"sku":"bad-input","user_id":"u","quantity":11}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "sku with slash",
+            M::POST,
+            order,
+            r#"{"sku":"../etc","user_id":"u","quantity":1}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "sku too long",
+            M::POST,
+            order,
+            format!(
+                r#"{{"sku":"{}","user_id":"u","quantity":1}}"#,
+                "s".repeat(65)
+            ),
+            422,
+            "invalid_value",
+        ),
+        case(
+            "empty user",
+            M::POST,
+            order,
+            r#"{"sku":"bad-input","user_id":"","quantity":1}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "control char user",
+            M::POST,
+            order,
+            r#"{"sku":"bad-input","user_id":"a\u0000b","quantity":1}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "unknown SKU",
+            M::POST,
+            order,
+            r#"{"sku":"never-stocked","user_id":"u","quantity":1}"#,
+            404,
+            "not_found",
+        ),
+        case(
+            "unknown strategy",
+            M::POST,
+            "/api/orders?strategy=magic",
+            r#"{"sku":"bad-input","user_id":"u","quantity":1}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "1 MiB body",
+            M::POST,
+            order,
+            format!(
+                r#"{{"sku":"bad-input","user_id":"{}","quantity":1}}"#,
+                "u".repeat(1 << 20)
+            ),
+            413,
+            "payload_too_large",
+        ),
+        case(
+            "reset negative stock",
+            M::POST,
+            "/api/admin/reset",
+            r#"{"sku":"bad-input","stock":-1}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "reset huge stock",
+            M::POST,
+            "/api/admin/reset",
+            r#"{"sku":"bad-input","stock":1e12}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "reset bad sku",
+            M::POST,
+            "/api/admin/reset",
+            r#"{"sku":"a b","stock":5}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "reset missing stock",
+            M::POST,
+            "/api/admin/reset",
+            r#"{"sku":"bad-input"}"#,
+            400,
+            "malformed_request",
+        ),
+        case(
+            "unknown strategy switch",
+            M::PUT,
+            "/api/admin/strategy",
+            r#"{"strategy":"magic"}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "strategy as number",
+            M::PUT,
+            "/api/admin/strategy",
+            r#"{"strategy":3}"#,
+            400,
+            "malformed_request",
+        ),
+        case(
+            "stats bad sku",
+            M::GET,
+            "/api/stats?sku=a%20b",
+            "",
+            422,
+            "invalid_value",
+        ),
+        case(
+            "stats unknown sku",
+            M::GET,
+            "/api/stats?sku=never-stocked",
+            "",
+            404,
+            "not_found",
+        ),
+        case(
+            "unknown API route",
+            M::GET,
+            "/api/nothing-here",
+            "",
+            404,
+            "not_found",
+        ),
+    ];
+    let mut wrong_type = case(
+        "wrong content type",
+        M::POST,
+        order,
+        r#"{"sku":"bad-input","user_id":"u","quantity":1}"#,
+        415,
+        "unsupported_media_type",
+    );
+    wrong_type.content_type = Some("text/plain");
+    let mut no_type = case(
+        "no content type",
+        M::POST,
+        order,
+        r#"{"sku":"bad-input","user_id":"u","quantity":1}"#,
+        415,
+        "unsupported_media_type",
+    );
+    no_type.content_type = None;
+    cases.extend([wrong_type, no_type]);
+    cases
+}
+
+#[tokio::test]
+async fn bad_requests_get_json_4xx_and_change_nothing() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let sku = "bad-input";
+    cluster.reset(sku, 5).await;
+    assert_eq!(
+        cluster.order(0, sku, "first", 1).await.status(),
+        StatusCode::CREATED
+    );
+    let before = cluster.sku_stats(sku).await;
+
+    for case in cases() {
+        let mut request = cluster
+            .http
+            .request(case.method.clone(), cluster.url(0, case.path))
+            .body(case.body.clone());
+        if let Some(content_type) = case.content_type {
+            request = request.header("content-type", content_type);
+        }
+        let response = request.send().await.expect("request sent");
+        let status = response.status();
+        let body: Value = response.json().await.unwrap_or(Value::Null);
+        assert_eq!(status, case.status, "{}: status (body {body})", case.name);
+        assert_eq!(body["error"], case.code, "{}: error code", case.name);
+        assert!(
+            body["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{}: a human message",
+            case.name
+        );
+    }
+
+    assert_eq!(
+        cluster.sku_stats(sku).await,
+        before,
+        "nothing stored changed"
+    );
+    assert_eq!(cluster.count_orders(sku).await, 1);
+}

@@ -1,0 +1,7 @@
+//! Integration tests against the real Redis and MariaDB of `scripts/stack.sh`.
+//! Run them with `./scripts/test.sh`.
+
+mod admin;
+mod bad_input;
+mod none_strategy;
+mod support;

@@ -1,0 +1,188 @@
+//! Test support: real replicas of the service on random ports, against the real
+//! services of `scripts/stack.sh`, each test isolated in its own MySQL database and
+//! Redis namespace so tests run in parallel.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use clap::Parser;
+use flashsale::app::Server;
+use flashsale::config::{Cli, Command};
+use reqwest::{Response, StatusCode};
+use serde_json::{Value, json};
+use sqlx::mysql::MySqlPool;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub const DEFAULT_DATABASE_URL: &str = "mysql://flashsale:flashsale@127.0.0.1:3390/flashsale";
+
+/// A fresh name for this test's database and Redis namespace.
+fn unique_name() -> String {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "flashsale_t_{}_{}_{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+        nanos % 1_000_000
+    )
+}
+
+/// One replica running inside the test process, with its own pools.
+pub struct Replica {
+    pub base_url: String,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Replica {
+    /// Graceful stop, as on SIGTERM: in-flight requests finish, the replica deregisters.
+    pub async fn stop(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await
+                .expect("replica task panicked")
+                .expect("replica failed");
+        }
+    }
+}
+
+/// Several replicas sharing one database and Redis namespace, like a deployment.
+pub struct TestCluster {
+    pub replicas: Vec<Replica>,
+    pub database_url: String,
+    pub namespace: String,
+    pub http: reqwest::Client,
+}
+
+impl TestCluster {
+    /// Starts `count` replicas; `extra` are `serve` flags such as `--work-ms 50`.
+    pub async fn start(count: usize, extra: &[&str]) -> TestCluster {
+        let base = std::env::var("FLASHSALE_DATABASE_URL")
+            .unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
+        let name = unique_name();
+        let admin = MySqlPool::connect(&base)
+            .await
+            .expect("MySQL from scripts/stack.sh");
+        // The name is generated above from digits and underscores, never from input.
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE `{name}`")))
+            .execute(&admin)
+            .await
+            .expect("create test database");
+        admin.close().await;
+        let (server_url, _) = base.rsplit_once('/').expect("database URL has a path");
+        let database_url = format!("{server_url}/{name}");
+
+        let mut replicas = Vec::new();
+        for index in 0..count {
+            let replica_id = format!("replica-{}", index + 1);
+            let mut args = vec![
+                "flashsale",
+                "serve",
+                "--port",
+                "0",
+                "--bind",
+                "127.0.0.1",
+                "--database-url",
+                &database_url,
+                "--namespace",
+                &name,
+                "--replica-id",
+                &replica_id,
+                "--db-pool",
+                "8",
+                "--redis-pool",
+                "16",
+            ];
+            args.extend_from_slice(extra);
+            let Command::Serve(config) = Cli::parse_from(args).command else {
+                unreachable!("parsed a serve command")
+            };
+            // Sequential start: the first replica applies the migrations.
+            let server = Server::bind(config).await.expect("replica starts");
+            let base_url = format!("http://{}", server.local_addr());
+            let (tx, rx) = oneshot::channel();
+            let task = tokio::spawn(server.run(async move {
+                let _ = rx.await;
+            }));
+            replicas.push(Replica {
+                base_url,
+                shutdown: Some(tx),
+                task: Some(task),
+            });
+        }
+        TestCluster {
+            replicas,
+            database_url,
+            namespace: name,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    pub fn url(&self, replica: usize, path: &str) -> String {
+        format!("{}{}", self.replicas[replica].base_url, path)
+    }
+
+    pub async fn reset(&self, sku: &str, stock: i64) {
+        let response = self
+            .http
+            .post(self.url(0, "/api/admin/reset"))
+            .json(&json!({ "sku": sku, "stock": stock }))
+            .send()
+            .await
+            .expect("reset request");
+        assert_eq!(response.status(), StatusCode::OK, "reset failed");
+    }
+
+    pub async fn order(&self, replica: usize, sku: &str, user: &str, quantity: i64) -> Response {
+        self.http
+            .post(self.url(replica, "/api/orders"))
+            .json(&json!({ "sku": sku, "user_id": user, "quantity": quantity }))
+            .send()
+            .await
+            .expect("order request")
+    }
+
+    pub async fn get_json(&self, replica: usize, path: &str) -> Value {
+        let response = self
+            .http
+            .get(self.url(replica, path))
+            .send()
+            .await
+            .expect("GET");
+        assert!(
+            response.status().is_success(),
+            "GET {path}: {}",
+            response.status()
+        );
+        response.json().await.expect("JSON body")
+    }
+
+    /// The `/api/stats` entry of one SKU, as replica 0 reports it.
+    pub async fn sku_stats(&self, sku: &str) -> Value {
+        let stats = self.get_json(0, &format!("/api/stats?sku={sku}")).await;
+        stats["skus"][0].clone()
+    }
+
+    /// A direct connection to this test's database, to check figures with plain SQL.
+    pub async fn mysql(&self) -> MySqlPool {
+        MySqlPool::connect(&self.database_url)
+            .await
+            .expect("test database")
+    }
+
+    pub async fn count_orders(&self, sku: &str) -> i64 {
+        let pool = self.mysql().await;
+        let count = sqlx::query_scalar("SELECT COUNT(*) FROM orders WHERE sku = ?")
+            .bind(sku)
+            .fetch_one(&pool)
+            .await
+            .expect("count orders");
+        pool.close().await;
+        count
+    }
+}
