@@ -49,6 +49,17 @@ wait_for() {
   die "$name failed to start"
 }
 
+port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# Refuse to start NAME on PORT when something we did not start already listens there:
+# talking to a stranger's server would make every figure a lie.
+ensure_port_free() {
+  local name=$1 port=$2
+  if port_busy "$port"; then
+    die "port $port (for $name) is taken by a process this stack did not start; stop it first"
+  fi
+}
+
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 install_missing() {
@@ -73,6 +84,7 @@ redis_up() {
   local port=$1 dir="$STACK/redis-$1"
   mkdir -p "$dir"
   if pidfile_alive "$dir/redis.pid" && redis_ready "$port"; then return 0; fi
+  ensure_port_free redis "$port"
   redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
     --daemonize yes --dir "$dir" --pidfile "$dir/redis.pid" --logfile "$dir/redis.log"
   wait_for "redis:$port" "$dir/redis.log" redis_ready "$port"
@@ -93,6 +105,7 @@ mariadb_up() {
   local dir="$STACK/mariadb"
   mkdir -p "$dir"
   if pidfile_alive "$dir/mariadb.pid" && mariadb_ready >/dev/null 2>&1; then return 0; fi
+  ensure_port_free mariadb "$MARIADB_PORT"
   if [ ! -d "$dir/data/mysql" ]; then
     log "initialising MariaDB datadir"
     mariadb-install-db --no-defaults --datadir="$dir/data" --user="$(id -un)" \
@@ -135,6 +148,7 @@ zookeeper_up() {
   local dir="$STACK/zookeeper"
   mkdir -p "$dir/data"
   if pidfile_alive "$dir/zookeeper.pid" && zk_ready 2>/dev/null; then return 0; fi
+  ensure_port_free zookeeper "$ZK_PORT"
   cat >"$dir/zoo.cfg" <<CFG
 tickTime=2000
 dataDir=$dir/data
@@ -168,6 +182,7 @@ etcd_up() {
   local dir="$STACK/etcd"
   mkdir -p "$dir"
   if pidfile_alive "$dir/etcd.pid" && etcd_ready >/dev/null 2>&1; then return 0; fi
+  ensure_port_free etcd "$ETCD_PORT"
   nohup etcd --name flashsale --data-dir "$dir/data" \
     --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
     --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
