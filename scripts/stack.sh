@@ -65,7 +65,7 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 install_missing() {
   local missing=()
   command -v redis-server >/dev/null || missing+=(redis-server)
-  command -v mariadb-install-db >/dev/null || missing+=(mariadb-server)
+  { [ -x /usr/sbin/mariadbd ] && command -v mariadb-install-db && command -v mariadb; } >/dev/null || missing+=(mariadb-server)
   [ -f /usr/share/java/zookeeper.jar ] || missing+=(zookeeper)
   command -v etcd >/dev/null || missing+=(etcd-server)
   command -v etcdctl >/dev/null || missing+=(etcd-client)
