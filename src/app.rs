@@ -16,7 +16,7 @@ use crate::config::ServeConfig;
 use crate::error::AppError;
 use crate::replica::Heartbeat;
 use crate::store::{ClusterState, Records, StockCache, Store};
-use crate::strategy::{self, DEFAULT_STRATEGY, SaleFlow, Strategy};
+use crate::strategy::{self, Backends, DEFAULT_STRATEGY, SaleFlow, Strategy};
 
 /// Shared by every handler of one replica.
 #[derive(Clone)]
@@ -78,6 +78,8 @@ impl Server {
             .unwrap_or_else(|| format!("replica-{}", address.port()));
 
         let redis = redis_pool(&config)?;
+        let redis_client = deadpool_redis::redis::Client::open(config.redis_url.as_str())
+            .context("parsing the Redis URL")?;
         let records = Records::connect(
             &config.database_url,
             config.db_pool,
@@ -85,6 +87,17 @@ impl Server {
         )
         .await
         .context("connecting to MySQL and applying migrations")?;
+        let backends = Backends {
+            redis_client,
+            redis_pool: redis.clone(),
+            mysql: records.pool().clone(),
+            namespace: config.namespace.clone(),
+            replica_id: replica_id.clone(),
+            lease: config.lock_lease(),
+            zookeeper: config.zookeeper.clone(),
+            zookeeper_session_timeout: config.zk_session_timeout(),
+            optimistic_attempts: config.optimistic_attempts,
+        };
         let store = Store {
             cache: StockCache::new(redis.clone(), config.namespace.clone()),
             records,
@@ -95,8 +108,9 @@ impl Server {
                 store: store.clone(),
                 work: config.work(),
                 replica_id: replica_id.clone(),
+                lock_wait: config.lock_wait(),
             }),
-            strategies: strategy::registry().into(),
+            strategies: strategy::registry(&backends).into(),
             max_quantity: config.max_quantity,
             requests: Arc::new(AtomicU64::new(0)),
         };

@@ -65,6 +65,30 @@ pub struct ServeConfig {
     #[arg(long, env = "FLASHSALE_NAMESPACE", default_value = "flashsale")]
     pub namespace: String,
 
+    /// ZooKeeper servers (host:port, comma-separated) for the zookeeper strategy.
+    #[arg(long, env = "FLASHSALE_ZOOKEEPER", default_value = "127.0.0.1:2190")]
+    pub zookeeper: String,
+
+    /// ZooKeeper session timeout in milliseconds: how long after a replica dies its
+    /// lock nodes disappear.
+    #[arg(long, env = "FLASHSALE_ZK_SESSION_MS", default_value_t = 4000)]
+    pub zk_session_ms: u64,
+
+    /// How long an order waits for its lock before answering 503 lock_timeout.
+    #[arg(long, env = "FLASHSALE_LOCK_WAIT_MS", default_value_t = 5000)]
+    pub lock_wait_ms: u64,
+
+    /// Lease of the Redis and lock-table locks; the watchdog renews it every third.
+    /// A replica that dies holding a lock blocks the SKU for at most this long.
+    #[arg(long, env = "FLASHSALE_LOCK_LEASE_MS", default_value_t = 10000,
+          value_parser = clap::value_parser!(u64).range(30..))]
+    pub lock_lease_ms: u64,
+
+    /// Attempts of the optimistic strategy before it answers 503.
+    #[arg(long, env = "FLASHSALE_OPTIMISTIC_ATTEMPTS", default_value_t = 10,
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub optimistic_attempts: u32,
+
     /// Simulated work inside the critical section, in milliseconds (widens the race).
     #[arg(long, env = "FLASHSALE_WORK_MS", default_value_t = 0)]
     pub work_ms: u64,
@@ -93,6 +117,18 @@ pub struct ServeConfig {
 impl ServeConfig {
     pub fn work(&self) -> Duration {
         Duration::from_millis(self.work_ms)
+    }
+
+    pub fn lock_wait(&self) -> Duration {
+        Duration::from_millis(self.lock_wait_ms)
+    }
+
+    pub fn lock_lease(&self) -> Duration {
+        Duration::from_millis(self.lock_lease_ms)
+    }
+
+    pub fn zk_session_timeout(&self) -> Duration {
+        Duration::from_millis(self.zk_session_ms)
     }
 
     pub fn connect_timeout(&self) -> Duration {

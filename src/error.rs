@@ -5,8 +5,6 @@
 //! Backend failures are logged with their detail here and answered with a generic
 //! sentence, so internals (SQL, URLs) never leak into responses.
 
-use std::time::Duration;
-
 use axum::Json;
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::http::{HeaderValue, StatusCode, header};
@@ -33,8 +31,12 @@ pub enum AppError {
     UnsupportedMediaType(String),
     #[error("sold out: {available} left, {requested} requested")]
     SoldOut { available: i64, requested: i64 },
-    #[error("could not get the lock within {waited:?}; try again")]
-    LockTimeout { waited: Duration },
+    /// Contention: the lock was not free in time, or optimistic retries ran out.
+    #[error("{0}")]
+    Busy(String),
+    /// The holder lost its lock before committing; the order was not recorded.
+    #[error("the lock was lost before the order was committed; nothing was written ({0})")]
+    LockLost(String),
     /// Redis or MySQL could not be reached in time.
     #[error("{backend} is unavailable; try again shortly")]
     BackendUnavailable { backend: &'static str },
@@ -54,7 +56,8 @@ impl AppError {
                 (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
             }
             AppError::SoldOut { .. } => (StatusCode::CONFLICT, "sold_out"),
-            AppError::LockTimeout { .. } => (StatusCode::SERVICE_UNAVAILABLE, "lock_timeout"),
+            AppError::Busy(_) => (StatusCode::SERVICE_UNAVAILABLE, "lock_timeout"),
+            AppError::LockLost(_) => (StatusCode::CONFLICT, "lock_lost"),
             AppError::BackendUnavailable { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, "backend_unavailable")
             }
@@ -69,7 +72,7 @@ impl IntoResponse for AppError {
         let body = Json(json!({ "error": code, "message": self.to_string() }));
         let mut response = (status, body).into_response();
         let retry_after = match &self {
-            AppError::LockTimeout { .. } | AppError::BackendUnavailable { .. } => Some("1"),
+            AppError::Busy(_) | AppError::BackendUnavailable { .. } => Some("1"),
             _ => None,
         };
         if let Some(seconds) = retry_after {
@@ -126,7 +129,12 @@ impl From<OrderError> for AppError {
                 available,
                 requested,
             },
-            OrderError::LockTimeout { waited } => AppError::LockTimeout { waited },
+            OrderError::Busy(message) => AppError::Busy(message),
+            OrderError::LockLost(detail) => AppError::LockLost(detail),
+            OrderError::LockBackend { backend, detail } => {
+                tracing::warn!(backend, %detail, "lock backend failed");
+                AppError::BackendUnavailable { backend }
+            }
             OrderError::Store(error) => error.into(),
         }
     }

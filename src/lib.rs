@@ -4,6 +4,7 @@
 //! The layout follows the architecture:
 //! - `http`: handlers and routes (knows HTTP, not Redis or SQL);
 //! - `strategy`: one module per coordination strategy, plus the shared order flow;
+//! - `lock`: distributed lock primitives per backend (knows no HTTP, no orders);
 //! - `store`: the Redis stock cache, the MySQL records and cluster-wide state;
 //! - `app`, `replica`, `cluster`: putting replicas together and running them;
 //! - `config`, `model`, `error`: options, domain values and the one error type.
@@ -13,6 +14,7 @@ pub mod cluster;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod lock;
 pub mod model;
 pub mod replica;
 pub mod store;

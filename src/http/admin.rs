@@ -62,7 +62,7 @@ pub async fn reset(
     let stock = integer_in_range("stock", &body.stock, 0, MAX_STOCK).map_err(AppError::Invalid)?;
     let store = &state.flow.store;
     store.records.reset(&sku, stock).await?;
-    store.cache.set_stock(&sku, stock).await?;
+    store.cache.reset(&sku, stock).await?;
     tracing::info!(%sku, stock, "stock reset");
     Ok(ApiJson(ResetDone { sku, stock }))
 }

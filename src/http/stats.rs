@@ -2,6 +2,8 @@
 //! consistency are computed from MySQL's orders and both stock copies, never from what
 //! clients counted.
 
+use std::collections::BTreeMap;
+
 use axum::extract::{Query, State};
 use serde::{Deserialize, Serialize};
 
@@ -21,6 +23,9 @@ pub struct Stats {
     pub strategy: String,
     pub replicas: Vec<ReplicaInfo>,
     pub skus: Vec<SkuStats>,
+    /// Cluster-wide event counts by `strategy.counter` (lock timeouts, locks lost,
+    /// optimistic conflicts and give-ups).
+    pub counters: BTreeMap<String, i64>,
 }
 
 #[derive(Debug, Serialize, PartialEq)]
@@ -73,6 +78,7 @@ pub async fn stats(
     Ok(ApiJson(Stats {
         strategy: state.strategy(None).await?.name().to_owned(),
         replicas: store.cluster.live_replicas().await?,
+        counters: store.cluster.counters().await?,
         skus: records
             .into_iter()
             .zip(redis_stocks)

@@ -5,7 +5,7 @@
 //! so a switch takes effect on every replica for the very next request: a load test
 //! that switches and then fires never runs a stale strategy.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
 use deadpool_redis::Pool;
@@ -43,6 +43,10 @@ impl ClusterState {
         format!("{}:strategy", self.namespace)
     }
 
+    fn counters_key(&self) -> String {
+        format!("{}:counters", self.namespace)
+    }
+
     fn replicas_key(&self) -> String {
         format!("{}:replicas", self.namespace)
     }
@@ -57,6 +61,27 @@ impl ClusterState {
         let mut conn = self.pool.get().await?;
         let () = conn.set(self.strategy_key(), name).await?;
         Ok(())
+    }
+
+    /// Adds one to a cluster-wide counter such as `optimistic.conflicts`. Counting is
+    /// best effort: a failure is logged and never fails the order being counted.
+    pub async fn count(&self, strategy: &str, counter: &str) {
+        let counted = async {
+            let mut conn = self.pool.get().await?;
+            let () = conn
+                .hincr(self.counters_key(), format!("{strategy}.{counter}"), 1)
+                .await?;
+            Ok::<_, StoreError>(())
+        };
+        if let Err(error) = counted.await {
+            tracing::warn!(%error, strategy, counter, "could not count");
+        }
+    }
+
+    /// Every counter, by `strategy.counter`.
+    pub async fn counters(&self) -> Result<BTreeMap<String, i64>, StoreError> {
+        let mut conn = self.pool.get().await?;
+        Ok(conn.hgetall(self.counters_key()).await?)
     }
 
     pub async fn heartbeat(&self, replica: &ReplicaInfo) -> Result<(), StoreError> {

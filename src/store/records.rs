@@ -102,6 +102,46 @@ impl Records {
         Ok(recorded)
     }
 
+    /// The product's stock and row version, as the optimistic strategy reads them.
+    pub async fn stock_and_version(&self, sku: &Sku) -> Result<Option<(i64, i64)>, StoreError> {
+        Ok(
+            sqlx::query_as("SELECT stock, version FROM products WHERE sku = ?")
+                .bind(sku.as_str())
+                .fetch_optional(&self.pool)
+                .await?,
+        )
+    }
+
+    /// The optimistic write: decrement the stock only if the row is still at `version`,
+    /// and insert the order in the same transaction. `None` means another writer got
+    /// there first (nothing was written).
+    pub async fn commit_order_at_version(
+        &self,
+        order: &NewOrder,
+        version: i64,
+        strategy: &str,
+        replica: &str,
+    ) -> Result<Option<Order>, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let updated = sqlx::query(
+            "UPDATE products SET stock = stock - ?, version = version + 1
+             WHERE sku = ? AND version = ? AND stock >= ?",
+        )
+        .bind(order.quantity)
+        .bind(order.sku.as_str())
+        .bind(version)
+        .bind(order.quantity)
+        .execute(&mut *tx)
+        .await?;
+        if updated.rows_affected() == 0 {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        let recorded = insert_order(&mut tx, order, strategy, replica).await?;
+        tx.commit().await?;
+        Ok(Some(recorded))
+    }
+
     /// Products with their order totals; all of them, or only `sku`.
     pub async fn products(&self, sku: Option<&Sku>) -> Result<Vec<ProductRecord>, StoreError> {
         let rows = sqlx::query(

@@ -4,11 +4,29 @@
 //! stays the system of record; this copy is what makes the race visible, because the
 //! naive flow reads it, thinks, and writes back.
 
+use std::sync::LazyLock;
+
 use deadpool_redis::Pool;
-use deadpool_redis::redis::AsyncCommands;
+use deadpool_redis::redis::{AsyncCommands, Script};
 
 use super::StoreError;
 use crate::model::Sku;
+
+/// Writes the stock only if it comes from a newer MySQL version than the one cached,
+/// so a slow writer can never put back an older value.
+static SET_IF_NEWER: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local cached = tonumber(redis.call('GET', KEYS[2]) or '-1')
+if tonumber(ARGV[2]) > cached then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[2], ARGV[2])
+  return 1
+end
+return 0
+",
+    )
+});
 
 #[derive(Clone)]
 pub struct StockCache {
@@ -25,6 +43,10 @@ impl StockCache {
         format!("{}:stock:{}", self.namespace, sku)
     }
 
+    fn version_key(&self, sku: &Sku) -> String {
+        format!("{}:stock-version:{}", self.namespace, sku)
+    }
+
     /// Units left, or `None` when the SKU was never stocked.
     pub async fn stock(&self, sku: &Sku) -> Result<Option<i64>, StoreError> {
         let mut conn = self.pool.get().await?;
@@ -35,6 +57,38 @@ impl StockCache {
         let mut conn = self.pool.get().await?;
         let () = conn.set(self.key(sku), stock).await?;
         Ok(())
+    }
+
+    /// A fresh stock after a reset: the value, and no version yet.
+    pub async fn reset(&self, sku: &Sku, stock: i64) -> Result<(), StoreError> {
+        let mut conn = self.pool.get().await?;
+        let () = deadpool_redis::redis::pipe()
+            .atomic()
+            .set(self.key(sku), stock)
+            .ignore()
+            .del(self.version_key(sku))
+            .ignore()
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Sets the stock as of MySQL row version `version`, unless a newer one is cached.
+    pub async fn set_stock_if_newer(
+        &self,
+        sku: &Sku,
+        stock: i64,
+        version: i64,
+    ) -> Result<bool, StoreError> {
+        let mut conn = self.pool.get().await?;
+        let written: i64 = SET_IF_NEWER
+            .key(self.key(sku))
+            .key(self.version_key(sku))
+            .arg(stock)
+            .arg(version)
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(written == 1)
     }
 
     /// The stock of several SKUs in one round trip, in the same order.

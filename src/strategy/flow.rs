@@ -15,6 +15,7 @@
 use std::time::Duration;
 
 use super::OrderError;
+use crate::lock::{DistributedLock, HeldLock};
 use crate::model::{NewOrder, Order};
 use crate::store::Store;
 
@@ -24,12 +25,44 @@ pub struct SaleFlow {
     /// Simulated work inside the critical section (FLASHSALE_WORK_MS).
     pub work: Duration,
     pub replica_id: String,
+    /// How long a lock strategy waits for its lock before answering 503.
+    pub lock_wait: Duration,
 }
 
 impl SaleFlow {
-    /// Runs the read-check-write critical section. The caller holds whatever lock its
-    /// strategy uses (or none).
-    pub async fn sell(&self, order: &NewOrder, strategy: &str) -> Result<Order, OrderError> {
+    /// The whole flow of a lock strategy: acquire the SKU's lock, run the critical
+    /// section, release. The lock is released on every path, including errors.
+    pub async fn sell_locked<L: DistributedLock>(
+        &self,
+        lock: &L,
+        order: &NewOrder,
+        strategy: &str,
+    ) -> Result<Order, OrderError> {
+        let guard = match lock.acquire(order.sku.as_str(), self.lock_wait).await {
+            Ok(guard) => guard,
+            Err(error) => {
+                self.store.cluster.count(strategy, "lock_timeouts").await;
+                return Err(error.into());
+            }
+        };
+        let sold = self.sell(order, strategy, Some(&guard)).await;
+        if let Err(error) = guard.release().await {
+            tracing::warn!(%error, sku = %order.sku, strategy, "lock release failed");
+        }
+        if let Err(OrderError::LockLost(_)) = &sold {
+            self.store.cluster.count(strategy, "locks_lost").await;
+        }
+        sold
+    }
+
+    /// Runs the read-check-write critical section. The caller holds `hold`, its
+    /// strategy's lock, or nothing (`none`); a lost lock aborts before the commit.
+    pub async fn sell(
+        &self,
+        order: &NewOrder,
+        strategy: &str,
+        hold: Option<&dyn HeldLock>,
+    ) -> Result<Order, OrderError> {
         let stock = self
             .store
             .cache
@@ -44,6 +77,12 @@ impl SaleFlow {
         }
         if !self.work.is_zero() {
             tokio::time::sleep(self.work).await;
+        }
+        // The last moment to notice a lost lock. A lease can still run out between
+        // this check and the commit; closing that gap takes a fencing token checked
+        // by MySQL itself.
+        if let Some(hold) = hold {
+            hold.ensure_held().await?;
         }
         let new_stock = stock - order.quantity;
         let recorded = self

@@ -5,8 +5,12 @@
 //! one line in `registry()`; the HTTP layer, the stats and the dashboard pick it up
 //! from there.
 
+mod db_unique;
 mod flow;
 mod none;
+mod optimistic;
+mod redis_lock;
+mod zookeeper;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +20,10 @@ use serde::Serialize;
 
 pub use flow::SaleFlow;
 
+use crate::lock::LockError;
+use crate::lock::redis::RedisLock;
+use crate::lock::table::TableLock;
+use crate::lock::zookeeper::ZooKeeperLock;
 use crate::model::{NewOrder, Order};
 use crate::store::StoreError;
 
@@ -51,15 +59,77 @@ pub enum OrderError {
     UnknownSku(String),
     #[error("sold out")]
     SoldOut { available: i64, requested: i64 },
-    #[error("lock not acquired within {waited:?}")]
-    LockTimeout { waited: Duration },
+    /// The strategy could not get exclusive access in time (lock wait, or optimistic
+    /// retries exhausted): worth retrying later.
+    #[error("{0}")]
+    Busy(String),
+    /// The lock was lost before the order was committed; nothing was written.
+    #[error("{0}")]
+    LockLost(String),
+    #[error("{backend}: {detail}")]
+    LockBackend {
+        backend: &'static str,
+        detail: String,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
 
+impl From<LockError> for OrderError {
+    fn from(error: LockError) -> Self {
+        match error {
+            LockError::Timeout { waited } => OrderError::Busy(format!(
+                "the lock was not free within {waited:?}; try again"
+            )),
+            LockError::Lost(detail) => OrderError::LockLost(detail),
+            LockError::Backend { backend, detail } => OrderError::LockBackend { backend, detail },
+        }
+    }
+}
+
+/// What one replica's strategies are built from: its own clients and pools (never
+/// opened per request) and the lock settings.
+pub struct Backends {
+    pub redis_client: deadpool_redis::redis::Client,
+    pub redis_pool: deadpool_redis::Pool,
+    pub mysql: sqlx::MySqlPool,
+    pub namespace: String,
+    pub replica_id: String,
+    /// Lease of the lease locks (Redis, lock table); renewed every third of it.
+    pub lease: Duration,
+    pub zookeeper: String,
+    pub zookeeper_session_timeout: Duration,
+    pub optimistic_attempts: u32,
+}
+
 /// Every strategy this build knows, in the order the report and dashboard show them.
-pub fn registry() -> Vec<Arc<dyn Strategy>> {
-    vec![Arc::new(none::NoCoordination)]
+pub fn registry(backends: &Backends) -> Vec<Arc<dyn Strategy>> {
+    let owner = &backends.replica_id;
+    vec![
+        Arc::new(none::NoCoordination),
+        Arc::new(redis_lock::RedisLockStrategy {
+            lock: RedisLock::new(
+                backends.redis_client.clone(),
+                backends.redis_pool.clone(),
+                &backends.namespace,
+                owner,
+                backends.lease,
+            ),
+        }),
+        Arc::new(db_unique::DbUniqueStrategy {
+            lock: TableLock::new(backends.mysql.clone(), owner, backends.lease),
+        }),
+        Arc::new(optimistic::OptimisticStrategy {
+            max_attempts: backends.optimistic_attempts,
+        }),
+        Arc::new(zookeeper::ZooKeeperStrategy {
+            lock: ZooKeeperLock::new(
+                &backends.zookeeper,
+                backends.zookeeper_session_timeout,
+                &backends.namespace,
+            ),
+        }),
+    ]
 }
 
 /// Looks a strategy up by name.

@@ -34,6 +34,6 @@ impl Strategy for NoCoordination {
     }
 
     async fn place_order(&self, flow: &SaleFlow, order: &NewOrder) -> Result<Order, OrderError> {
-        flow.sell(order, self.name()).await
+        flow.sell(order, self.name(), None).await
     }
 }

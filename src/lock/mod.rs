@@ -1,0 +1,108 @@
+//! Distributed lock primitives, one module per backend.
+//!
+//! A primitive knows nothing about orders or HTTP: it acquires a named lock with a
+//! bounded wait, tells its holder whether the lock is still held, and releases it.
+//! The strategies in `crate::strategy` wire a primitive around the order flow.
+//!
+//! "Still held" matters because every lease-based lock can be lost under a slow holder
+//! (an expired lease, an expired session). A holder checks `ensure_held` right before
+//! its irreversible write and aborts if the lock is gone. That narrows the window but
+//! cannot close it: only a fencing token checked by the storage itself does.
+
+pub mod lease;
+pub mod redis;
+pub mod table;
+pub mod zookeeper;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    /// The lock stayed held by others for the whole wait.
+    #[error("lock not acquired within {waited:?}")]
+    Timeout { waited: Duration },
+    /// The holder's lease or session is gone; someone else may hold the lock now.
+    #[error("lock lost: {0}")]
+    Lost(String),
+    /// The lock's backend failed or could not be reached.
+    #[error("{backend}: {detail}")]
+    Backend {
+        backend: &'static str,
+        detail: String,
+    },
+}
+
+impl LockError {
+    pub fn backend(backend: &'static str, error: impl std::fmt::Display) -> Self {
+        LockError::Backend {
+            backend,
+            detail: error.to_string(),
+        }
+    }
+}
+
+/// A lock service: hands out exclusive holds on named locks.
+#[async_trait]
+pub trait DistributedLock: Send + Sync {
+    type Guard: HeldLock;
+
+    /// Waits at most `wait` for the lock named `name`.
+    async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError>;
+}
+
+/// A lock being held.
+#[async_trait]
+pub trait HeldLock: Send + Sync {
+    /// `Ok` while this holder can still trust that it holds the lock.
+    async fn ensure_held(&self) -> Result<(), LockError>;
+
+    /// Gives the lock back. Releasing a lock that was lost is not an error for the
+    /// caller to act on; it is logged by the primitive and reported as `Lost`.
+    async fn release(self) -> Result<(), LockError>
+    where
+        Self: Sized;
+}
+
+/// The backoff between attempts of a polling lock: doubling from `base` up to `cap`,
+/// with full jitter so that waiters released together do not retry in lockstep.
+pub fn jittered_backoff(attempt: u32, base: Duration, cap: Duration) -> Duration {
+    let ceiling = base.saturating_mul(1u32 << attempt.min(16)).min(cap);
+    let millis = ceiling.as_millis().max(1) as u64;
+    Duration::from_millis(rand::random_range(millis / 2..=millis))
+}
+
+/// A random token identifying one acquisition, so a holder can only ever release or
+/// renew its own hold.
+pub fn acquisition_token(owner: &str) -> String {
+    format!("{owner}:{:032x}", rand::random::<u128>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_the_cap_with_jitter() {
+        let base = Duration::from_millis(4);
+        let cap = Duration::from_millis(100);
+        for attempt in 0..40 {
+            let wait = jittered_backoff(attempt, base, cap);
+            assert!(wait <= cap, "attempt {attempt}: {wait:?}");
+            assert!(
+                wait >= Duration::from_millis(2),
+                "attempt {attempt}: {wait:?}"
+            );
+        }
+        assert!(jittered_backoff(30, base, cap) >= cap / 2);
+    }
+
+    #[test]
+    fn tokens_are_unique_and_name_the_owner() {
+        let a = acquisition_token("replica-1");
+        let b = acquisition_token("replica-1");
+        assert_ne!(a, b);
+        assert!(a.starts_with("replica-1:"));
+    }
+}

@@ -1,0 +1,201 @@
+//! A lock made of a row in a MySQL table with a unique key on the lock name (the
+//! classic "database lock table").
+//!
+//! - **Acquire**: `INSERT` a row `(lock_name, owner, expires_at)`. A duplicate key
+//!   (1062), or the deadlock MariaDB reports for a contended insert (1213), means the
+//!   lock is held.
+//! - **Expired rows**: a holder that crashed leaves its row behind. A contender that
+//!   finds the row past `expires_at` deletes it *by its id* and inserts again. Deleting
+//!   by name would be wrong: between our look and our delete another contender may
+//!   have taken over and inserted a fresh row, which a delete by name would destroy.
+//! - **Renewal**: while working, the holder pushes `expires_at` forward (the shared
+//!   lease watchdog), `WHERE id = ? AND owner = ?`.
+//! - **Release**: `DELETE ... WHERE lock_name = ? AND owner = ?`.
+//! - **Waiting**: nothing wakes a waiter, so it polls with jittered exponential
+//!   backoff, bounded by the caller's wait.
+//!
+//! All times are the database's own (`NOW(6)`), so replicas' clocks do not matter.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::mysql::{MySqlDatabaseError, MySqlPool};
+use tokio::time::Instant;
+
+use super::lease::{LeaseGuard, LeaseHold};
+use super::{DistributedLock, LockError, acquisition_token, jittered_backoff};
+
+/// MySQL error numbers that mean "someone else holds it" for a lock-row INSERT.
+const DUPLICATE_KEY: u16 = 1062;
+const DEADLOCK: u16 = 1213;
+
+const BACKOFF_BASE: Duration = Duration::from_millis(2);
+const BACKOFF_CAP: Duration = Duration::from_millis(50);
+
+pub struct TableLock {
+    pool: MySqlPool,
+    owner: String,
+    lease: Duration,
+}
+
+impl TableLock {
+    pub fn new(pool: MySqlPool, owner: &str, lease: Duration) -> TableLock {
+        TableLock {
+            pool,
+            owner: owner.to_owned(),
+            lease,
+        }
+    }
+
+    /// One INSERT attempt: the new row's id, or `None` when the name is taken.
+    async fn try_insert(&self, name: &str, owner: &str) -> Result<Option<u64>, LockError> {
+        let inserted = sqlx::query(
+            "INSERT INTO distributed_locks (lock_name, owner, expires_at)
+             VALUES (?, ?, NOW(6) + INTERVAL ? MICROSECOND)",
+        )
+        .bind(name)
+        .bind(owner)
+        .bind(micros(self.lease))
+        .execute(&self.pool)
+        .await;
+        match inserted {
+            Ok(result) => Ok(Some(result.last_insert_id())),
+            Err(sqlx::Error::Database(error))
+                if error
+                    .try_downcast_ref::<MySqlDatabaseError>()
+                    .is_some_and(|e| matches!(e.number(), DUPLICATE_KEY | DEADLOCK)) =>
+            {
+                Ok(None)
+            }
+            Err(error) => Err(mysql_error(error)),
+        }
+    }
+
+    /// Deletes the row holding `name` if it has expired, by its id. Returns whether a
+    /// row was taken over.
+    async fn take_over_expired(&self, name: &str) -> Result<bool, LockError> {
+        let expired: Option<(u64, String)> = sqlx::query_as(
+            "SELECT id, owner FROM distributed_locks WHERE lock_name = ? AND expires_at < NOW(6)",
+        )
+        .bind(name)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(mysql_error)?;
+        let Some((id, previous_owner)) = expired else {
+            return Ok(false);
+        };
+        let deleted =
+            sqlx::query("DELETE FROM distributed_locks WHERE id = ? AND expires_at < NOW(6)")
+                .bind(id)
+                .execute(&self.pool)
+                .await
+                .map_err(mysql_error)?
+                .rows_affected();
+        if deleted == 1 {
+            tracing::warn!(lock = name, id, %previous_owner, "took over an expired lock row");
+        }
+        Ok(deleted == 1)
+    }
+}
+
+#[async_trait]
+impl DistributedLock for TableLock {
+    type Guard = LeaseGuard<TableHold>;
+
+    async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
+        let owner = acquisition_token(&self.owner);
+        let deadline = Instant::now() + wait;
+        let mut attempt = 0;
+        loop {
+            if let Some(id) = self.try_insert(name, &owner).await? {
+                let hold = TableHold {
+                    pool: self.pool.clone(),
+                    id,
+                    name: name.to_owned(),
+                    owner,
+                };
+                return Ok(LeaseGuard::start(hold, self.lease));
+            }
+            if self.take_over_expired(name).await? {
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(LockError::Timeout { waited: wait });
+            }
+            let pause = jittered_backoff(attempt, BACKOFF_BASE, BACKOFF_CAP);
+            tokio::time::sleep_until(deadline.min(now + pause)).await;
+            attempt += 1;
+        }
+    }
+}
+
+/// One acquisition: the row's id and the owner token written in it.
+#[derive(Clone)]
+pub struct TableHold {
+    pool: MySqlPool,
+    id: u64,
+    name: String,
+    owner: String,
+}
+
+impl TableHold {
+    /// The row's auto-increment id: it only grows, so it can serve as a fencing token.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+#[async_trait]
+impl LeaseHold for TableHold {
+    async fn renew(&self, lease: Duration) -> Result<bool, LockError> {
+        let updated = sqlx::query(
+            "UPDATE distributed_locks SET expires_at = NOW(6) + INTERVAL ? MICROSECOND
+             WHERE id = ? AND owner = ? AND expires_at >= NOW(6)",
+        )
+        .bind(micros(lease))
+        .bind(self.id)
+        .bind(&self.owner)
+        .execute(&self.pool)
+        .await
+        .map_err(mysql_error)?;
+        // MySQL reports rows *changed*; a renewal within the same microsecond changes
+        // nothing but still matched, so count a match via the row's presence.
+        if updated.rows_affected() == 1 {
+            return Ok(true);
+        }
+        let still_ours: Option<u64> = sqlx::query_scalar(
+            "SELECT id FROM distributed_locks WHERE id = ? AND owner = ? AND expires_at >= NOW(6)",
+        )
+        .bind(self.id)
+        .bind(&self.owner)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(mysql_error)?;
+        Ok(still_ours.is_some())
+    }
+
+    async fn delete(&self) -> Result<bool, LockError> {
+        let deleted =
+            sqlx::query("DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?")
+                .bind(&self.name)
+                .bind(&self.owner)
+                .execute(&self.pool)
+                .await
+                .map_err(mysql_error)?
+                .rows_affected();
+        Ok(deleted == 1)
+    }
+
+    fn describe(&self) -> String {
+        format!("lock row {} ({})", self.id, self.name)
+    }
+}
+
+fn micros(duration: Duration) -> i64 {
+    i64::try_from(duration.as_micros()).unwrap_or(i64::MAX)
+}
+
+fn mysql_error(error: sqlx::Error) -> LockError {
+    LockError::backend("mysql", error)
+}

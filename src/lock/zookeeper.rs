@@ -1,0 +1,157 @@
+//! A ZooKeeper lock: the recipe of Apache Curator's `InterProcessMutex`, through the
+//! zookeeper-client crate's Curator-compatible implementation.
+//!
+//! - Each contender creates an ephemeral sequential node
+//!   `<root>/<name>/_c_<uuid>-lock-<seq>`; the lowest sequence holds the lock.
+//! - Every other contender watches only its predecessor, so a release wakes exactly
+//!   one waiter (no herd).
+//! - The node is ephemeral: a holder whose process dies loses its session after the
+//!   session timeout and ZooKeeper deletes the node. The `_c_<uuid>` prefix lets the
+//!   recipe find its own node again after a connection loss during creation.
+//! - A holder checks, before committing, that its session is connected and its node
+//!   still exists; after a session expiry it must not commit. An expired session is
+//!   terminal, so the next acquisition opens a new one.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::RwLock;
+use zookeeper_client as zk;
+
+use super::{DistributedLock, HeldLock, LockError};
+
+pub struct ZooKeeperLock {
+    servers: String,
+    session_timeout: Duration,
+    root: String,
+    /// Opened on first use, and again after an expiry: a replica starts (and its other
+    /// strategies work) even while ZooKeeper is down.
+    client: RwLock<Option<zk::Client>>,
+}
+
+impl ZooKeeperLock {
+    /// One session per replica, shared by all its contenders (the Curator prefix keeps
+    /// their nodes apart).
+    pub fn new(servers: &str, session_timeout: Duration, namespace: &str) -> ZooKeeperLock {
+        ZooKeeperLock {
+            servers: servers.to_owned(),
+            session_timeout,
+            root: format!("/flashsale/{namespace}/locks"),
+            client: RwLock::new(None),
+        }
+    }
+
+    pub fn lock_dir(&self, name: &str) -> String {
+        format!("{}/{name}", self.root)
+    }
+
+    /// The current session, or a new one if there is none yet or it ended.
+    async fn session(&self) -> Result<zk::Client, LockError> {
+        let usable = |client: &Option<zk::Client>| {
+            client
+                .as_ref()
+                .filter(|c| !c.state().is_terminated())
+                .cloned()
+        };
+        if let Some(client) = usable(&*self.client.read().await) {
+            return Ok(client);
+        }
+        let mut slot = self.client.write().await;
+        if let Some(client) = usable(&slot) {
+            return Ok(client);
+        }
+        if let Some(ended) = slot.as_ref() {
+            tracing::warn!(state = ?ended.state(), "ZooKeeper session ended; opening a new one");
+        }
+        let client = connect(&self.servers, self.session_timeout).await?;
+        *slot = Some(client.clone());
+        Ok(client)
+    }
+}
+
+async fn connect(servers: &str, session_timeout: Duration) -> Result<zk::Client, LockError> {
+    zk::Client::connector()
+        .with_session_timeout(session_timeout)
+        .with_connection_timeout(Duration::from_secs(3))
+        .connect(servers)
+        .await
+        .map_err(zk_error)
+}
+
+#[async_trait]
+impl DistributedLock for ZooKeeperLock {
+    type Guard = ZooKeeperGuard;
+
+    async fn acquire(&self, name: &str, wait: Duration) -> Result<ZooKeeperGuard, LockError> {
+        let client = self.session().await?;
+        let dir = self.lock_dir(name);
+        let prefix = zk::LockPrefix::new_curator(&dir, "lock-").map_err(zk_error)?;
+        let options = zk::LockOptions::new(zk::Acls::anyone_all())
+            .with_ancestor_options(zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all()))
+            .map_err(zk_error)?;
+        // The recipe is cancellation safe: on timeout it deletes the node it created.
+        let contended = tokio::time::timeout(wait, client.lock(prefix, b"", options)).await;
+        match contended {
+            Err(_) => Err(LockError::Timeout { waited: wait }),
+            Ok(Err(zk::Error::SessionExpired)) => Err(LockError::Lost(
+                "ZooKeeper session expired while waiting".into(),
+            )),
+            Ok(Err(error)) => Err(zk_error(error)),
+            Ok(Ok(lock)) => Ok(ZooKeeperGuard {
+                lock: lock.into_owned(),
+            }),
+        }
+    }
+}
+
+/// A held ZooKeeper lock: our ephemeral node. Dropping it deletes the node.
+pub struct ZooKeeperGuard {
+    lock: zk::OwnedLockClient,
+}
+
+impl ZooKeeperGuard {
+    pub fn path(&self) -> &str {
+        self.lock.lock_path()
+    }
+
+    /// The node's sequence number: it only grows under the lock's directory, so it
+    /// can serve as a fencing token.
+    pub fn sequence(&self) -> Option<u64> {
+        let path = self.path();
+        let digits = path.len() - path.bytes().rev().take_while(u8::is_ascii_digit).count();
+        path[digits..].parse().ok()
+    }
+}
+
+#[async_trait]
+impl HeldLock for ZooKeeperGuard {
+    async fn ensure_held(&self) -> Result<(), LockError> {
+        let client = self.lock.client();
+        let state = client.state();
+        if state != zk::SessionState::SyncConnected {
+            return Err(LockError::Lost(format!("ZooKeeper session is {state:?}")));
+        }
+        match client.check_stat(self.path()).await {
+            Ok(Some(stat)) if stat.ephemeral_owner == client.session_id().0 => Ok(()),
+            Ok(_) => Err(LockError::Lost(format!(
+                "lock node {} is gone",
+                self.path()
+            ))),
+            Err(zk::Error::SessionExpired) => {
+                Err(LockError::Lost("ZooKeeper session expired".into()))
+            }
+            Err(error) => Err(zk_error(error)),
+        }
+    }
+
+    /// Dropping the owned lock deletes the node (retrying over connection loss); the
+    /// successor's watch fires and it takes over.
+    async fn release(self) -> Result<(), LockError> {
+        drop(self.lock);
+        Ok(())
+    }
+}
+
+fn zk_error(error: zk::Error) -> LockError {
+    LockError::backend("zookeeper", error)
+}
