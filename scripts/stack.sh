@@ -150,12 +150,13 @@ zookeeper_up() {
   if pidfile_alive "$dir/zookeeper.pid" && zk_ready 2>/dev/null; then return 0; fi
   ensure_port_free zookeeper "$ZK_PORT"
   cat >"$dir/zoo.cfg" <<CFG
-tickTime=2000
+tickTime=500
 dataDir=$dir/data
 clientPort=$ZK_PORT
 clientPortAddress=127.0.0.1
 maxClientCnxns=0
 minSessionTimeout=1000
+maxSessionTimeout=60000
 admin.enableServer=false
 4lw.commands.whitelist=srvr,ruok,stat,mntr,cons
 CFG

@@ -63,6 +63,19 @@ impl<H: LeaseHold> LeaseGuard<H> {
         &self.hold
     }
 
+    /// Stops renewing the lease while keeping the guard, as a stop-the-world pause
+    /// would: the lease runs out and another contender can take the lock.
+    pub fn suspend_renewal(&self) {
+        self.watchdog.abort();
+    }
+
+    /// Behaves like a holder that crashed: stops renewing and never releases. The
+    /// lock frees itself when its lease runs out.
+    pub fn abandon(self) {
+        self.watchdog.abort();
+        self.state.released.store(true, Ordering::SeqCst);
+    }
+
     /// Takes the lock again as the same owner (a nested critical section), verified
     /// on the server. Returns the number of holds now.
     pub async fn reenter(&self) -> Result<u32, LockError> {

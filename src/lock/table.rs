@@ -74,7 +74,7 @@ impl TableLock {
     /// Deletes the row holding `name` if it has expired, by its id. Returns whether a
     /// row was taken over.
     async fn take_over_expired(&self, name: &str) -> Result<bool, LockError> {
-        let expired: Option<(u64, String)> = sqlx::query_as(
+        let expired: Option<(i64, String)> = sqlx::query_as(
             "SELECT id, owner FROM distributed_locks WHERE lock_name = ? AND expires_at < NOW(6)",
         )
         .bind(name)
@@ -164,7 +164,7 @@ impl LeaseHold for TableHold {
         if updated.rows_affected() == 1 {
             return Ok(true);
         }
-        let still_ours: Option<u64> = sqlx::query_scalar(
+        let still_ours: Option<i64> = sqlx::query_scalar(
             "SELECT id FROM distributed_locks WHERE id = ? AND owner = ? AND expires_at >= NOW(6)",
         )
         .bind(self.id)

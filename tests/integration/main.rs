@@ -3,5 +3,6 @@
 
 mod admin;
 mod bad_input;
+mod lock_strategies;
 mod none_strategy;
 mod support;

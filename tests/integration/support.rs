@@ -15,6 +15,25 @@ use tokio::task::JoinHandle;
 
 pub const DEFAULT_DATABASE_URL: &str = "mysql://flashsale:flashsale@127.0.0.1:3390/flashsale";
 
+pub fn redis_url() -> String {
+    std::env::var("FLASHSALE_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6390".to_owned())
+}
+
+pub fn zookeeper() -> String {
+    std::env::var("FLASHSALE_ZOOKEEPER").unwrap_or_else(|_| "127.0.0.1:2190".to_owned())
+}
+
+/// A fresh Redis pool: a separate client, as a separate replica would have.
+pub fn redis_pool() -> deadpool_redis::Pool {
+    deadpool_redis::Config::from_url(redis_url())
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .expect("Redis pool")
+}
+
+pub fn redis_client() -> deadpool_redis::redis::Client {
+    deadpool_redis::redis::Client::open(redis_url()).expect("Redis URL")
+}
+
 /// A fresh name for this test's database and Redis namespace.
 fn unique_name() -> String {
     static COUNTER: AtomicU32 = AtomicU32::new(0);
@@ -127,6 +146,17 @@ impl TestCluster {
         format!("{}{}", self.replicas[replica].base_url, path)
     }
 
+    pub async fn set_strategy(&self, strategy: &str) {
+        let response = self
+            .http
+            .put(self.url(0, "/api/admin/strategy"))
+            .json(&json!({ "strategy": strategy }))
+            .send()
+            .await
+            .expect("strategy request");
+        assert_eq!(response.status(), StatusCode::OK, "switching to {strategy}");
+    }
+
     pub async fn reset(&self, sku: &str, stock: i64) {
         let response = self
             .http
@@ -175,6 +205,53 @@ impl TestCluster {
             .expect("test database")
     }
 
+    /// Orders per replica for one SKU, from MySQL.
+    pub async fn orders_by_replica(&self, sku: &str) -> Vec<(String, i64)> {
+        let pool = self.mysql().await;
+        let rows = sqlx::query_as(
+            "SELECT replica, COUNT(*) FROM orders WHERE sku = ? GROUP BY replica ORDER BY replica",
+        )
+        .bind(sku)
+        .fetch_all(&pool)
+        .await
+        .expect("orders by replica");
+        pool.close().await;
+        rows
+    }
+
+    /// Starts a replica as a separate OS process on this cluster's database and
+    /// namespace, so a test can kill it with SIGKILL like a crashed machine.
+    pub async fn spawn_process_replica(&self, extra: &[&str]) -> ProcessReplica {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_flashsale"))
+            .args(["serve", "--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args([
+                "--database-url",
+                &self.database_url,
+                "--namespace",
+                &self.namespace,
+            ])
+            .args(["--replica-id", "replica-doomed"])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn replica process");
+        let base_url = format!("http://127.0.0.1:{port}");
+        for _ in 0..200 {
+            if let Ok(response) = self.http.get(format!("{base_url}/healthz")).send().await {
+                if response.status().is_success() {
+                    return ProcessReplica { base_url, child };
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        panic!("replica process did not become healthy");
+    }
+
     pub async fn count_orders(&self, sku: &str) -> i64 {
         let pool = self.mysql().await;
         let count = sqlx::query_scalar("SELECT COUNT(*) FROM orders WHERE sku = ?")
@@ -185,4 +262,10 @@ impl TestCluster {
         pool.close().await;
         count
     }
+}
+
+/// A replica running as its own process.
+pub struct ProcessReplica {
+    pub base_url: String,
+    pub child: tokio::process::Child,
 }

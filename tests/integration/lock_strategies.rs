@@ -1,0 +1,157 @@
+//! Every lock strategy, through the HTTP API of several replicas: a crowd on one SKU
+//! buys exactly the stock, and a replica killed while holding the lock does not block
+//! the others for longer than its lease or session.
+
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::support::TestCluster;
+
+/// 300 concurrent orders for 50 units over three replicas (separate pools and
+/// clients), each holding the lock for 5 ms of work.
+async fn sells_exactly_the_stock(strategy: &str) {
+    let cluster = TestCluster::start(
+        3,
+        &[
+            "--work-ms",
+            "5",
+            "--lock-wait-ms",
+            "60000",
+            "--optimistic-attempts",
+            "500",
+        ],
+    )
+    .await;
+    cluster.set_strategy(strategy).await;
+    let sku = "hot-item";
+    cluster.reset(sku, 50).await;
+
+    let orders = (0..300).map(|i| {
+        let cluster = &cluster;
+        async move {
+            cluster
+                .order(i % 3, sku, &format!("user-{i}"), 1)
+                .await
+                .status()
+        }
+    });
+    let statuses = join_all(orders).await;
+    let created = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::CREATED)
+        .count();
+    let sold_out = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::CONFLICT)
+        .count();
+    assert_eq!(
+        (created, sold_out),
+        (50, 250),
+        "{strategy}: statuses {statuses:?}"
+    );
+
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(stats["orders"], 50, "{strategy}");
+    assert_eq!(stats["oversold"], 0, "{strategy}");
+    assert_eq!(stats["stock_redis"], 0, "{strategy}");
+    assert_eq!(stats["stock_mysql"], 0, "{strategy}");
+    assert_eq!(stats["consistent"], true, "{strategy}");
+    assert_eq!(cluster.count_orders(sku).await, 50);
+    let by_replica = cluster.orders_by_replica(sku).await;
+    assert_eq!(
+        by_replica.len(),
+        3,
+        "{strategy}: every replica sold some: {by_replica:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_lock_sells_exactly_the_stock() {
+    sells_exactly_the_stock("redis-lock").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn db_unique_sells_exactly_the_stock() {
+    sells_exactly_the_stock("db-unique").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn optimistic_sells_exactly_the_stock() {
+    sells_exactly_the_stock("optimistic").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn zookeeper_sells_exactly_the_stock() {
+    sells_exactly_the_stock("zookeeper").await;
+}
+
+/// A replica process takes the lock, starts a long critical section and is killed
+/// with SIGKILL: it never releases. Another replica's order must go through once the
+/// lease (or ZooKeeper session) runs out, and nothing is oversold.
+async fn killed_holder_frees_the_lock(strategy: &str) {
+    let cluster = TestCluster::start(1, &["--lock-wait-ms", "20000"]).await;
+    let sku = "orphaned";
+    cluster.reset(sku, 5).await;
+    let mut doomed = cluster
+        .spawn_process_replica(&[
+            "--work-ms",
+            "60000",
+            "--lock-lease-ms",
+            "1500",
+            "--zk-session-ms",
+            "2000",
+        ])
+        .await;
+
+    let url = format!("{}/api/orders?strategy={strategy}", doomed.base_url);
+    let http = cluster.http.clone();
+    let stuck = tokio::spawn(async move {
+        let body = json!({ "sku": "orphaned", "user_id": "doomed", "quantity": 1 });
+        let _ = http.post(url).json(&body).send().await;
+    });
+    // Give the doomed replica time to take the lock and enter its long work.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    doomed.child.start_kill().expect("SIGKILL");
+    doomed.child.wait().await.expect("reaped");
+    let killed_at = Instant::now();
+
+    let response = cluster
+        .http
+        .post(cluster.url(0, &format!("/api/orders?strategy={strategy}")))
+        .json(&json!({ "sku": sku, "user_id": "survivor", "quantity": 1 }))
+        .send()
+        .await
+        .expect("order");
+    let recovery = killed_at.elapsed();
+    println!("{strategy}: lock free again {recovery:?} after the holder was killed");
+    let status = response.status();
+    let body = response.text().await.unwrap_or_default();
+    assert_eq!(status, StatusCode::CREATED, "{strategy}: {body}");
+    stuck.abort();
+
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        stats["orders"], 1,
+        "{strategy}: the killed holder committed nothing"
+    );
+    assert_eq!(stats["oversold"], 0);
+    assert_eq!(stats["consistent"], true);
+}
+
+#[tokio::test]
+async fn redis_lock_survives_a_killed_holder() {
+    killed_holder_frees_the_lock("redis-lock").await;
+}
+
+#[tokio::test]
+async fn db_unique_survives_a_killed_holder() {
+    killed_holder_frees_the_lock("db-unique").await;
+}
+
+#[tokio::test]
+async fn zookeeper_survives_a_killed_holder() {
+    killed_holder_frees_the_lock("zookeeper").await;
+}
