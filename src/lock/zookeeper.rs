@@ -83,23 +83,46 @@ impl DistributedLock for ZooKeeperLock {
     type Guard = ZooKeeperGuard;
 
     async fn acquire(&self, name: &str, wait: Duration) -> Result<ZooKeeperGuard, LockError> {
-        let client = self.session().await?;
+        let deadline = tokio::time::Instant::now() + wait;
         let dir = self.lock_dir(name);
-        let prefix = zk::LockPrefix::new_curator(&dir, "lock-").map_err(zk_error)?;
-        let options = zk::LockOptions::new(zk::Acls::anyone_all())
-            .with_ancestor_options(zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all()))
-            .map_err(zk_error)?;
-        // The recipe is cancellation safe: on timeout it deletes the node it created.
-        let contended = tokio::time::timeout(wait, client.lock(prefix, b"", options)).await;
-        match contended {
-            Err(_) => Err(LockError::Timeout { waited: wait }),
-            Ok(Err(zk::Error::SessionExpired)) => Err(LockError::Lost(
-                "ZooKeeper session expired while waiting".into(),
-            )),
-            Ok(Err(error)) => Err(zk_error(error)),
-            Ok(Ok(lock)) => Ok(ZooKeeperGuard {
-                lock: lock.into_owned(),
-            }),
+        // A session can turn out expired only when used; then one retry on a new one.
+        for _ in 0..2 {
+            let client = self.session().await?;
+            let prefix = zk::LockPrefix::new_curator(&dir, "lock-").map_err(zk_error)?;
+            let options = zk::LockOptions::new(zk::Acls::anyone_all())
+                .with_ancestor_options(zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all()))
+                .map_err(zk_error)?;
+            // The recipe is cancellation safe: on timeout it deletes the node it created.
+            let contended =
+                tokio::time::timeout_at(deadline, client.lock(prefix, b"", options)).await;
+            match contended {
+                Err(_) => return Err(LockError::Timeout { waited: wait }),
+                Ok(Ok(lock)) => {
+                    return Ok(ZooKeeperGuard {
+                        lock: lock.into_owned(),
+                    });
+                }
+                Ok(Err(zk::Error::SessionExpired)) => self.discard(&client).await,
+                Ok(Err(error)) => return Err(zk_error(error)),
+            }
+        }
+        Err(LockError::backend(
+            "zookeeper",
+            "session expired twice in a row",
+        ))
+    }
+}
+
+impl ZooKeeperLock {
+    /// Forgets `ended` so the next use opens a new session.
+    async fn discard(&self, ended: &zk::Client) {
+        let mut slot = self.client.write().await;
+        if slot
+            .as_ref()
+            .is_some_and(|c| c.session_id() == ended.session_id())
+        {
+            tracing::warn!("ZooKeeper session expired; opening a new one");
+            *slot = None;
         }
     }
 }
@@ -112,6 +135,16 @@ pub struct ZooKeeperGuard {
 impl ZooKeeperGuard {
     pub fn path(&self) -> &str {
         self.lock.lock_path()
+    }
+
+    /// The session the lock node belongs to.
+    pub fn session(&self) -> &zk::SessionInfo {
+        self.lock.client().session()
+    }
+
+    /// The session's state as this holder's client sees it.
+    pub fn session_state(&self) -> zk::SessionState {
+        self.lock.client().state()
     }
 
     /// The node's sequence number: it only grows under the lock's directory, so it

@@ -3,6 +3,7 @@
 
 mod admin;
 mod bad_input;
+mod lock_primitives;
 mod lock_strategies;
 mod none_strategy;
 mod support;

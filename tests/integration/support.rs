@@ -242,10 +242,9 @@ impl TestCluster {
             .expect("spawn replica process");
         let base_url = format!("http://127.0.0.1:{port}");
         for _ in 0..200 {
-            if let Ok(response) = self.http.get(format!("{base_url}/healthz")).send().await {
-                if response.status().is_success() {
-                    return ProcessReplica { base_url, child };
-                }
+            let health = self.http.get(format!("{base_url}/healthz")).send().await;
+            if health.is_ok_and(|r| r.status().is_success()) {
+                return ProcessReplica { base_url, child };
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
@@ -268,4 +267,75 @@ impl TestCluster {
 pub struct ProcessReplica {
     pub base_url: String,
     pub child: tokio::process::Child,
+}
+
+/// A TCP proxy on loopback that can cut every connection through it and refuse new
+/// ones, to simulate a network partition between one client and its server.
+pub struct PartitionProxy {
+    pub address: std::net::SocketAddr,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    connections: std::sync::Arc<std::sync::Mutex<Vec<JoinHandle<()>>>>,
+    acceptor: JoinHandle<()>,
+}
+
+impl PartitionProxy {
+    pub async fn start(target: &str) -> PartitionProxy {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::{Arc, Mutex};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind proxy");
+        let address = listener.local_addr().expect("proxy address");
+        let cut = Arc::new(AtomicBool::new(false));
+        let connections: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let target = target.to_owned();
+        let acceptor = {
+            let (cut, connections) = (cut.clone(), connections.clone());
+            tokio::spawn(async move {
+                while let Ok((mut inbound, _)) = listener.accept().await {
+                    if cut.load(Ordering::SeqCst) {
+                        continue; // dropped: the client sees the connection refused
+                    }
+                    let target = target.clone();
+                    let forward = tokio::spawn(async move {
+                        if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
+                            let _ =
+                                tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                        }
+                    });
+                    connections.lock().expect("proxy connections").push(forward);
+                }
+            })
+        };
+        PartitionProxy {
+            address,
+            cut,
+            connections,
+            acceptor,
+        }
+    }
+
+    /// Drops every open connection and refuses new ones until `heal`.
+    pub fn cut(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+        for connection in self
+            .connections
+            .lock()
+            .expect("proxy connections")
+            .drain(..)
+        {
+            connection.abort();
+        }
+    }
+
+    pub fn heal(&self) {
+        self.cut.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for PartitionProxy {
+    fn drop(&mut self) {
+        self.acceptor.abort();
+        self.cut();
+    }
 }
