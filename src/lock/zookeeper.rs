@@ -12,6 +12,7 @@
 //!   still exists; after a session expiry it must not commit. An expired session is
 //!   terminal, so the next acquisition opens a new one.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -24,20 +25,34 @@ pub struct ZooKeeperLock {
     servers: String,
     session_timeout: Duration,
     root: String,
-    /// Opened on first use, and again after an expiry: a replica starts (and its other
-    /// strategies work) even while ZooKeeper is down.
-    client: RwLock<Option<zk::Client>>,
+    /// Opened in the background at start, and again on use after an expiry or a
+    /// failed start: a replica starts (and its other strategies work) even while
+    /// ZooKeeper is down.
+    client: Arc<RwLock<Option<zk::Client>>>,
 }
 
 impl ZooKeeperLock {
     /// One session per replica, shared by all its contenders (the Curator prefix keeps
-    /// their nodes apart).
+    /// their nodes apart). Starts connecting at once, in the background, so the first
+    /// orders do not queue behind other replicas while this one connects. Must be
+    /// called within the Tokio runtime.
     pub fn new(servers: &str, session_timeout: Duration, namespace: &str) -> ZooKeeperLock {
+        let client: Arc<RwLock<Option<zk::Client>>> = Arc::default();
+        let (slot, address) = (client.clone(), servers.to_owned());
+        tokio::spawn(async move {
+            let mut slot = slot.write().await;
+            match connect(&address, session_timeout).await {
+                Ok(session) => *slot = Some(session),
+                Err(error) => {
+                    tracing::warn!(%error, "ZooKeeper not reachable at start; will retry on use")
+                }
+            }
+        });
         ZooKeeperLock {
             servers: servers.to_owned(),
             session_timeout,
             root: format!("/flashsale/{namespace}/locks"),
-            client: RwLock::new(None),
+            client,
         }
     }
 

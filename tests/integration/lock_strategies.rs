@@ -8,7 +8,12 @@ use futures::future::join_all;
 use reqwest::StatusCode;
 use serde_json::json;
 
-use crate::support::TestCluster;
+use flashsale::lock::redis::RedisLock;
+use flashsale::lock::table::TableLock;
+use flashsale::lock::zookeeper::ZooKeeperLock;
+use flashsale::lock::{DistributedLock, HeldLock};
+
+use crate::support::{TestCluster, redis_client, redis_pool, zookeeper};
 
 /// 300 concurrent orders for 50 units over three replicas (separate pools and
 /// clients), each holding the lock for 5 ms of work.
@@ -66,6 +71,14 @@ async fn sells_exactly_the_stock(strategy: &str) {
         3,
         "{strategy}: every replica sold some: {by_replica:?}"
     );
+    let counters = cluster.get_json(0, "/api/stats").await["counters"].clone();
+    println!("{strategy}: orders by replica {by_replica:?}, counters {counters}");
+    if strategy == "optimistic" {
+        assert!(
+            counters["optimistic.conflicts"].as_i64() > Some(0),
+            "conflicts are counted"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -154,4 +167,64 @@ async fn db_unique_survives_a_killed_holder() {
 #[tokio::test]
 async fn zookeeper_survives_a_killed_holder() {
     killed_holder_frees_the_lock("zookeeper").await;
+}
+
+/// While another holder keeps the SKU's lock, an order waits no longer than the
+/// configured bound, then gets 503 lock_timeout with Retry-After and changes nothing.
+async fn lock_wait_is_bounded<L: DistributedLock>(cluster: &TestCluster, strategy: &str, lock: L) {
+    let sku = "contended";
+    cluster.reset(sku, 5).await;
+    let guard = lock
+        .acquire(sku, Duration::from_secs(5))
+        .await
+        .expect("held by the test");
+    let response = cluster
+        .http
+        .post(cluster.url(0, &format!("/api/orders?strategy={strategy}")))
+        .json(&json!({ "sku": sku, "user_id": "patient", "quantity": 1 }))
+        .send()
+        .await
+        .expect("order");
+    assert_eq!(
+        response.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{strategy}"
+    );
+    assert!(
+        response.headers().contains_key("retry-after"),
+        "{strategy}: Retry-After"
+    );
+    let body: serde_json::Value = response.json().await.expect("JSON error");
+    assert_eq!(body["error"], "lock_timeout", "{strategy}");
+    guard.release().await.expect("released");
+
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        (stats["orders"].as_i64(), stats["stock_redis"].as_i64()),
+        (Some(0), Some(5))
+    );
+    let counters = cluster.get_json(0, "/api/stats").await["counters"].clone();
+    assert_eq!(
+        counters[format!("{strategy}.lock_timeouts")],
+        1,
+        "{strategy}: counted"
+    );
+}
+
+#[tokio::test]
+async fn lock_waits_are_bounded() {
+    let cluster = TestCluster::start(1, &["--lock-wait-ms", "200"]).await;
+    let lease = Duration::from_secs(30);
+    let redis = RedisLock::new(
+        redis_client(),
+        redis_pool(),
+        &cluster.namespace,
+        "test",
+        lease,
+    );
+    lock_wait_is_bounded(&cluster, "redis-lock", redis).await;
+    let mysql = cluster.mysql().await;
+    lock_wait_is_bounded(&cluster, "db-unique", TableLock::new(mysql, "test", lease)).await;
+    let zk = ZooKeeperLock::new(&zookeeper(), Duration::from_secs(4), &cluster.namespace);
+    lock_wait_is_bounded(&cluster, "zookeeper", zk).await;
 }
