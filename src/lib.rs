@@ -17,5 +17,6 @@ pub mod http;
 pub mod lock;
 pub mod model;
 pub mod replica;
+pub mod report;
 pub mod store;
 pub mod strategy;

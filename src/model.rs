@@ -5,13 +5,20 @@
 //! `NewOrder` nothing further down needs to check it again.
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// A stock-keeping unit: 1-64 characters of letters, digits, `-`, `_` and `.`, so it
 /// is safe inside Redis keys, ZooKeeper paths and log lines.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
-#[serde(transparent)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String")]
 pub struct Sku(String);
+
+impl TryFrom<String> for Sku {
+    type Error = String;
+    fn try_from(raw: String) -> Result<Sku, String> {
+        Sku::parse(&raw)
+    }
+}
 
 pub const MAX_ID_LEN: usize = 64;
 

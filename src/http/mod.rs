@@ -7,7 +7,8 @@
 mod admin;
 mod health;
 mod orders;
-mod stats;
+mod runs;
+pub mod stats;
 mod strategies;
 
 use std::path::Path;
@@ -26,6 +27,9 @@ use crate::error::AppError;
 
 /// Request bodies larger than this are refused with 413 before they are parsed.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
+
+/// Load-test reports are larger than orders; they get a limit of their own.
+pub const MAX_REPORT_BYTES: usize = 256 * 1024;
 
 /// `Json<T>` whose rejections (bad syntax, wrong type, wrong content type, too large)
 /// become `AppError`s, so every error has the same JSON shape.
@@ -50,6 +54,12 @@ pub fn router(state: AppState, static_dir: &Path) -> Router {
         )
         .route("/api/admin/reset", post(admin::reset))
         .route("/api/stats", get(stats::stats))
+        .route(
+            "/api/runs",
+            get(runs::list)
+                .post(runs::save)
+                .layer(DefaultBodyLimit::max(MAX_REPORT_BYTES)),
+        )
         .route("/api/{*rest}", axum::routing::any(unknown_api_route));
 
     api.fallback_service(ServeDir::new(static_dir))

@@ -18,7 +18,8 @@ pub struct StatsQuery {
     sku: Option<String>,
 }
 
-#[derive(Debug, Serialize)]
+/// The answer of `GET /api/stats`; clients (the load test) read it with these types.
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Stats {
     pub strategy: String,
     pub replicas: Vec<ReplicaInfo>,
@@ -28,7 +29,7 @@ pub struct Stats {
     pub counters: BTreeMap<String, i64>,
 }
 
-#[derive(Debug, Serialize, PartialEq)]
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
 pub struct SkuStats {
     pub sku: Sku,
     pub initial_stock: i64,

@@ -11,6 +11,7 @@ use sqlx::{MySql, Row, Transaction};
 
 use super::StoreError;
 use crate::model::{NewOrder, Order, Sku};
+use crate::report::LoadReport;
 
 #[derive(Clone)]
 pub struct Records {
@@ -170,6 +171,42 @@ impl Records {
                     orders: row.try_get("orders")?,
                     ordered_quantity: row.try_get("ordered")?,
                 })
+            })
+            .collect()
+    }
+}
+
+impl Records {
+    /// Keeps a load-test report; returns its id.
+    pub async fn save_report(&self, report: &LoadReport) -> Result<u64, StoreError> {
+        let json = serde_json::to_string(report).map_err(|e| StoreError::Corrupt {
+            what: "load report",
+            detail: e.to_string(),
+        })?;
+        let result = sqlx::query("INSERT INTO load_test_runs (generated_at, report) VALUES (?, ?)")
+            .bind(report.generated_at)
+            .bind(json)
+            .execute(&self.pool)
+            .await?;
+        Ok(result.last_insert_id())
+    }
+
+    /// The latest `limit` reports, newest first, with their ids.
+    pub async fn reports(&self, limit: u32) -> Result<Vec<(i64, LoadReport)>, StoreError> {
+        let rows: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT id, report FROM load_test_runs ORDER BY generated_at DESC, id DESC LIMIT ?",
+        )
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter()
+            .map(|(id, json)| {
+                serde_json::from_str(&json)
+                    .map(|report| (id, report))
+                    .map_err(|e| StoreError::Corrupt {
+                        what: "load_test_runs.report",
+                        detail: e.to_string(),
+                    })
             })
             .collect()
     }

@@ -1,0 +1,174 @@
+//! The flashsale load test: for each strategy, switch the cluster, restock, let a
+//! Goose crowd buy until sold out (plus a grace period) or a time bound, then read the
+//! service's own records and record the run (SPEC §6).
+
+pub mod crowd;
+pub mod options;
+pub mod report;
+pub mod service;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use chrono::Utc;
+use flashsale::report::{LoadConfig, LoadReport, RunResult};
+
+use crate::crowd::{CrowdPlan, Sale};
+use crate::options::Options;
+use crate::report::ServiceFigures;
+use crate::service::Service;
+
+/// Checks everything that can be checked before any load is sent: targets answer,
+/// strategies exist. Returns the service client and the strategies to run.
+pub async fn prepare(options: &Options) -> anyhow::Result<(Service, Vec<String>)> {
+    let service = Service::new(&options.targets)?;
+    service.check_targets().await?;
+    let known = service.strategy_names().await?;
+    let strategies = if options.strategies.trim() == "all" {
+        known
+    } else {
+        let chosen: Vec<String> = options
+            .strategies
+            .split(',')
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
+            .collect();
+        if let Some(unknown) = chosen.iter().find(|s| !known.contains(s)) {
+            bail!(
+                "unknown strategy '{unknown}'; the service knows: {}",
+                known.join(", ")
+            );
+        }
+        chosen
+    };
+    if strategies.is_empty() {
+        bail!("no strategies to run");
+    }
+    Ok((service, strategies))
+}
+
+/// Runs every strategy in turn and returns the report (not yet written or saved).
+pub async fn run(
+    options: &Options,
+    service: &Service,
+    strategies: &[String],
+) -> anyhow::Result<LoadReport> {
+    let skus: Vec<String> = (1..=options.skus).map(|i| format!("sale-{i}")).collect();
+    let mut runs = Vec::new();
+    for (index, strategy) in strategies.iter().enumerate() {
+        eprintln!(
+            "[{}/{}] {strategy}: restocking and switching the cluster",
+            index + 1,
+            strategies.len()
+        );
+        let run = run_strategy(options, service, strategy, &skus)
+            .await
+            .with_context(|| format!("running {strategy}"))?;
+        eprintln!(
+            "[{}/{}] {strategy}: {} orders for {} units, {} oversold, {:.1} s",
+            index + 1,
+            strategies.len(),
+            run.orders,
+            run.initial_stock,
+            run.oversold,
+            run.duration_s
+        );
+        runs.push(run);
+    }
+    Ok(LoadReport {
+        generated_at: Utc::now(),
+        config: LoadConfig {
+            targets: options.targets.clone(),
+            users: options.users,
+            stock: options.stock,
+            skus: options.skus,
+            max_seconds: options.max_seconds,
+            grace_ms: options.grace_ms,
+            strategies: strategies.to_vec(),
+            fault: None,
+        },
+        runs,
+    })
+}
+
+async fn run_strategy(
+    options: &Options,
+    service: &Service,
+    strategy: &str,
+    skus: &[String],
+) -> anyhow::Result<RunResult> {
+    service.switch_strategy(strategy).await?;
+    for sku in skus {
+        service.reset(sku, options.stock).await?;
+    }
+    let sale = Sale::new(CrowdPlan {
+        targets: options.targets.clone(),
+        skus: skus.to_vec(),
+        users: options.users,
+        max_seconds: options.max_seconds,
+        grace: Duration::from_millis(options.grace_ms),
+    });
+    std::fs::create_dir_all(&options.out)?;
+    let html = options.out.join(format!("goose-{strategy}.html"));
+    let progress = tokio::spawn(show_progress(
+        sale.clone(),
+        strategy.to_owned(),
+        options.stock * skus.len() as i64,
+    ));
+    let attack = crowd::attack(sale.clone(), &html).await;
+    progress.abort();
+    let metrics = attack?;
+    let duration = sale.elapsed();
+    let figures = ServiceFigures::sum(&settled_stats(service, skus).await?);
+    Ok(report::run_result(
+        strategy,
+        &sale.outcomes,
+        &crowd::request_times(&metrics),
+        duration,
+        sale.sell_out_time(),
+        figures,
+    ))
+}
+
+/// The service's figures once no more orders land (requests cut off by the end of the
+/// attack may still be committing).
+async fn settled_stats(
+    service: &Service,
+    skus: &[String],
+) -> anyhow::Result<Vec<flashsale::http::stats::SkuStats>> {
+    let mut previous: Option<Vec<i64>> = None;
+    for _ in 0..50 {
+        let mut stats = Vec::new();
+        for sku in skus {
+            stats.push(service.sku_stats(sku).await?);
+        }
+        let orders: Vec<i64> = stats.iter().map(|s| s.orders).collect();
+        if previous.as_ref() == Some(&orders) {
+            return Ok(stats);
+        }
+        previous = Some(orders);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    bail!("orders kept changing for 10 s after the crowd stopped")
+}
+
+async fn show_progress(sale: Arc<Sale>, strategy: String, units: i64) {
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let o = &sale.outcomes;
+        eprintln!(
+            "      {strategy}: {:>5.1} s  {:>6} requests  {:>5}/{units} sold  {} busy  {} errors{}",
+            sale.elapsed().as_secs_f64(),
+            o.requests(),
+            o.orders.load(std::sync::atomic::Ordering::Relaxed),
+            o.busy.load(std::sync::atomic::Ordering::Relaxed),
+            o.errors.load(std::sync::atomic::Ordering::Relaxed),
+            if sale.sell_out_time().is_some() {
+                "  (sold out)"
+            } else {
+                ""
+            },
+        );
+    }
+}

@@ -1,0 +1,52 @@
+//! The load test's command line.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "loadtest",
+    about = "A crowd of shoppers against every flashsale replica, one strategy after another"
+)]
+pub struct Options {
+    /// Replicas to spread the crowd over (comma-separated base URLs).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:8081,http://127.0.0.1:8082,http://127.0.0.1:8083"
+    )]
+    pub targets: Vec<String>,
+
+    /// `all`, or a comma-separated list of strategy names.
+    #[arg(long, default_value = "all")]
+    pub strategies: String,
+
+    /// Shoppers buying at once, spread evenly over the targets.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=5000))]
+    pub users: u64,
+
+    /// Initial stock of each SKU.
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
+    pub stock: i64,
+
+    /// SKUs on sale at once (1 = one hot item; more spreads the lock contention).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub skus: u64,
+
+    /// Upper bound of each strategy's run, in seconds.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub max_seconds: u64,
+
+    /// How long the crowd keeps buying after everything sold out, in milliseconds.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    pub grace_ms: u64,
+
+    /// Where report.json, report.md and Goose's HTML reports go.
+    #[arg(long, default_value = "target/flashsale")]
+    pub out: PathBuf,
+
+    /// Do not POST the report to the service's run history.
+    #[arg(long)]
+    pub no_history: bool,
+}

@@ -1,0 +1,310 @@
+//! Turning an attack into a `RunResult`, and the report into a table and files.
+//!
+//! Counts of answers and latency come from the crowd (Goose); oversold and the stock
+//! figures come from the service's own records after the run.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use flashsale::http::stats::SkuStats;
+use flashsale::report::{Latency, LoadReport, RunResult};
+
+use crate::crowd::Outcomes;
+
+/// Nearest-rank percentile (`p` in 0..=1) of a histogram of milliseconds → count.
+pub fn percentile(times: &BTreeMap<usize, usize>, p: f64) -> f64 {
+    let total: usize = times.values().sum();
+    if total == 0 {
+        return 0.0;
+    }
+    let rank = ((p * total as f64).ceil() as usize).clamp(1, total);
+    let mut seen = 0;
+    for (ms, count) in times {
+        seen += count;
+        if seen >= rank {
+            return *ms as f64;
+        }
+    }
+    times.keys().next_back().map_or(0.0, |ms| *ms as f64)
+}
+
+pub fn latency(times: &BTreeMap<usize, usize>) -> Latency {
+    Latency {
+        p50: percentile(times, 0.50),
+        p90: percentile(times, 0.90),
+        p99: percentile(times, 0.99),
+        max: times.keys().next_back().map_or(0.0, |ms| *ms as f64),
+    }
+}
+
+/// The service's figures for the run's SKUs, added up.
+#[derive(Debug, Default, PartialEq)]
+pub struct ServiceFigures {
+    pub orders: u64,
+    pub initial_stock: i64,
+    pub oversold: i64,
+    pub stock_redis: Option<i64>,
+    pub stock_mysql: i64,
+    pub consistent: bool,
+}
+
+impl ServiceFigures {
+    pub fn sum(skus: &[SkuStats]) -> ServiceFigures {
+        ServiceFigures {
+            orders: skus.iter().map(|s| s.orders.max(0) as u64).sum(),
+            initial_stock: skus.iter().map(|s| s.initial_stock).sum(),
+            oversold: skus.iter().map(|s| s.oversold).sum(),
+            stock_redis: skus.iter().map(|s| s.stock_redis).sum(),
+            stock_mysql: skus.iter().map(|s| s.stock_mysql).sum(),
+            consistent: skus.iter().all(|s| s.consistent),
+        }
+    }
+}
+
+pub fn run_result(
+    strategy: &str,
+    outcomes: &Outcomes,
+    times: &BTreeMap<usize, usize>,
+    duration: Duration,
+    sell_out: Option<Duration>,
+    service: ServiceFigures,
+) -> RunResult {
+    let duration_s = duration.as_secs_f64();
+    let requests = outcomes.requests();
+    let selling_s = sell_out.map_or(duration_s, |d| d.as_secs_f64());
+    let per_second = |n: u64, seconds: f64| {
+        if seconds > 0.0 {
+            n as f64 / seconds
+        } else {
+            0.0
+        }
+    };
+    RunResult {
+        strategy: strategy.to_owned(),
+        requests,
+        orders: service.orders,
+        orders_acknowledged: outcomes.orders.load(Ordering::Relaxed),
+        sold_out: outcomes.sold_out.load(Ordering::Relaxed),
+        busy: outcomes.busy.load(Ordering::Relaxed),
+        errors: outcomes.errors.load(Ordering::Relaxed),
+        duration_s,
+        sell_out_s: sell_out.map(|d| d.as_secs_f64()),
+        rps: per_second(requests, duration_s),
+        orders_per_s: per_second(service.orders, selling_s),
+        latency_ms: latency(times),
+        initial_stock: service.initial_stock,
+        oversold: service.oversold,
+        stock_redis: service.stock_redis,
+        stock_mysql: service.stock_mysql,
+        consistent: service.consistent,
+    }
+}
+
+const HEADER: [&str; 13] = [
+    "strategy",
+    "orders",
+    "oversold",
+    "req/s",
+    "orders/s",
+    "p50 ms",
+    "p90 ms",
+    "p99 ms",
+    "busy",
+    "errors",
+    "sell-out s",
+    "stock R/M",
+    "consistent",
+];
+
+fn row(run: &RunResult) -> [String; 13] {
+    let redis = run.stock_redis.map_or("-".to_owned(), |s| s.to_string());
+    [
+        run.strategy.clone(),
+        run.orders.to_string(),
+        if run.oversold > 0 {
+            format!("{} OVERSOLD", run.oversold)
+        } else {
+            "0".into()
+        },
+        format!("{:.0}", run.rps),
+        format!("{:.0}", run.orders_per_s),
+        format!("{:.0}", run.latency_ms.p50),
+        format!("{:.0}", run.latency_ms.p90),
+        format!("{:.0}", run.latency_ms.p99),
+        run.busy.to_string(),
+        run.errors.to_string(),
+        run.sell_out_s.map_or("-".into(), |s| format!("{s:.2}")),
+        format!("{redis}/{}", run.stock_mysql),
+        if run.consistent {
+            "yes".into()
+        } else {
+            "NO".into()
+        },
+    ]
+}
+
+/// The results as an aligned text table for the terminal.
+pub fn text_table(report: &LoadReport) -> String {
+    let rows: Vec<[String; 13]> = report.runs.iter().map(row).collect();
+    let widths: Vec<usize> = (0..HEADER.len())
+        .map(|i| {
+            rows.iter()
+                .map(|r| r[i].len())
+                .chain([HEADER[i].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: Vec<&str>| {
+        cells
+            .iter()
+            .zip(&widths)
+            .map(|(cell, width)| format!("{cell:>width$}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+    };
+    let mut out = line(HEADER.to_vec());
+    out.push('\n');
+    for r in &rows {
+        out.push_str(&line(r.iter().map(String::as_str).collect()));
+        out.push('\n');
+    }
+    out
+}
+
+/// The report as Markdown: readable offline, in a terminal or on a forge.
+pub fn markdown(report: &LoadReport) -> String {
+    let c = &report.config;
+    let mut md = String::new();
+    let _ = writeln!(md, "# flashsale load test\n");
+    let _ = writeln!(md, "Generated {}.\n", report.generated_at.to_rfc3339());
+    let _ = writeln!(
+        md,
+        "{} shoppers over {} replica(s) ({}), {} SKU(s) with {} units each; each run ends {} ms \
+         after everything sold out, or after {} s.{}\n",
+        c.users,
+        c.targets.len(),
+        c.targets.join(", "),
+        c.skus,
+        c.stock,
+        c.grace_ms,
+        c.max_seconds,
+        c.fault
+            .as_ref()
+            .map_or(String::new(), |f| format!(" Fault injected: {f}."))
+    );
+    let _ = writeln!(md, "| {} |", HEADER.join(" | "));
+    let _ = writeln!(md, "|{}", "---|".repeat(HEADER.len()));
+    for run in &report.runs {
+        let _ = writeln!(md, "| {} |", row(run).join(" | "));
+    }
+    let _ = writeln!(
+        md,
+        "\nOrders, oversold and stock come from the service's records (MySQL orders, Redis and \
+         MySQL stock) after each run; requests, latency and busy/errors from the crowd. \
+         Oversold = orders − initial stock. Consistent = Redis stock, MySQL stock and \
+         initial − ordered all agree. orders/s counts the time until sold out. Goose's own \
+         HTML report per strategy is beside this file (its charts load from a CDN)."
+    );
+    md
+}
+
+pub fn write_files(report: &LoadReport, out: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(out)?;
+    std::fs::write(
+        out.join("report.json"),
+        serde_json::to_string_pretty(report)? + "\n",
+    )?;
+    std::fs::write(out.join("report.md"), markdown(report))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn histogram(pairs: &[(usize, usize)]) -> BTreeMap<usize, usize> {
+        pairs.iter().copied().collect()
+    }
+
+    #[test]
+    fn percentiles_use_nearest_rank() {
+        // 100 requests: 50 at 1 ms, 40 at 5 ms, 9 at 20 ms, 1 at 300 ms.
+        let times = histogram(&[(1, 50), (5, 40), (20, 9), (300, 1)]);
+        let l = latency(&times);
+        assert_eq!((l.p50, l.p90, l.p99, l.max), (1.0, 5.0, 20.0, 300.0));
+        assert_eq!(percentile(&times, 0.51), 5.0);
+        assert_eq!(percentile(&BTreeMap::new(), 0.5), 0.0);
+    }
+
+    fn sku(
+        orders: i64,
+        initial: i64,
+        redis: Option<i64>,
+        mysql: i64,
+        consistent: bool,
+    ) -> SkuStats {
+        SkuStats {
+            sku: flashsale::model::Sku::parse("s").expect("valid"),
+            initial_stock: initial,
+            stock_redis: redis,
+            stock_mysql: mysql,
+            orders,
+            ordered_quantity: orders,
+            oversold: (orders - initial).max(0),
+            consistent,
+        }
+    }
+
+    #[test]
+    fn service_figures_add_up_over_skus() {
+        let figures = ServiceFigures::sum(&[
+            sku(10, 10, Some(0), 0, true),
+            sku(14, 10, Some(3), 3, false),
+        ]);
+        assert_eq!(
+            figures,
+            ServiceFigures {
+                orders: 24,
+                initial_stock: 20,
+                oversold: 4,
+                stock_redis: Some(3),
+                stock_mysql: 3,
+                consistent: false,
+            }
+        );
+        assert_eq!(
+            ServiceFigures::sum(&[sku(1, 1, None, 0, false)]).stock_redis,
+            None
+        );
+    }
+
+    #[test]
+    fn rates_count_selling_time() {
+        let outcomes = Outcomes::default();
+        outcomes.orders.store(100, Ordering::Relaxed);
+        outcomes.sold_out.store(300, Ordering::Relaxed);
+        let service = ServiceFigures {
+            orders: 100,
+            initial_stock: 100,
+            consistent: true,
+            ..Default::default()
+        };
+        let run = run_result(
+            "x",
+            &outcomes,
+            &histogram(&[(2, 400)]),
+            Duration::from_secs(4),
+            Some(Duration::from_secs(2)),
+            service,
+        );
+        assert_eq!(
+            (run.requests, run.rps, run.orders_per_s),
+            (400, 100.0, 50.0)
+        );
+        assert_eq!(run.sell_out_s, Some(2.0));
+    }
+}

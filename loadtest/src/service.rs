@@ -1,0 +1,144 @@
+//! The load test's view of the flashsale cluster: the admin calls it makes before and
+//! after each run, over the public HTTP API.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use flashsale::http::stats::{SkuStats, Stats};
+use flashsale::report::LoadReport;
+use serde::Deserialize;
+use serde_json::json;
+
+pub struct Service {
+    http: reqwest::Client,
+    targets: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct StrategyInfo {
+    name: String,
+}
+
+#[derive(Deserialize)]
+struct ActiveStrategy {
+    strategy: String,
+}
+
+impl Service {
+    pub fn new(targets: &[String]) -> anyhow::Result<Service> {
+        if targets.is_empty() {
+            bail!("no targets given");
+        }
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()?;
+        let targets = targets
+            .iter()
+            .map(|t| t.trim_end_matches('/').to_owned())
+            .collect();
+        Ok(Service { http, targets })
+    }
+
+    fn admin_url(&self, path: &str) -> String {
+        format!("{}{path}", self.targets[0])
+    }
+
+    /// Every target must answer its health check before any load is sent.
+    pub async fn check_targets(&self) -> anyhow::Result<()> {
+        for target in &self.targets {
+            let url = format!("{target}/healthz");
+            let response = self
+                .http
+                .get(&url)
+                .send()
+                .await
+                .with_context(|| format!("target {target} is unreachable"))?;
+            if !response.status().is_success() {
+                bail!(
+                    "target {target} is not healthy: {}",
+                    response.text().await.unwrap_or_default()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn strategy_names(&self) -> anyhow::Result<Vec<String>> {
+        let strategies: Vec<StrategyInfo> = self
+            .http
+            .get(self.admin_url("/api/strategies"))
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        Ok(strategies.into_iter().map(|s| s.name).collect())
+    }
+
+    /// Switches the cluster and waits until every target reports the new strategy.
+    pub async fn switch_strategy(&self, strategy: &str) -> anyhow::Result<()> {
+        self.http
+            .put(self.admin_url("/api/admin/strategy"))
+            .json(&json!({ "strategy": strategy }))
+            .send()
+            .await?
+            .error_for_status()
+            .with_context(|| format!("switching to {strategy}"))?;
+        for target in &self.targets {
+            let active: ActiveStrategy = self
+                .http
+                .get(format!("{target}/api/admin/strategy"))
+                .send()
+                .await?
+                .error_for_status()?
+                .json()
+                .await?;
+            if active.strategy != strategy {
+                bail!(
+                    "{target} still runs {} after switching to {strategy}",
+                    active.strategy
+                );
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn reset(&self, sku: &str, stock: i64) -> anyhow::Result<()> {
+        self.http
+            .post(self.admin_url("/api/admin/reset"))
+            .json(&json!({ "sku": sku, "stock": stock }))
+            .send()
+            .await?
+            .error_for_status()
+            .with_context(|| format!("resetting {sku}"))?;
+        Ok(())
+    }
+
+    pub async fn sku_stats(&self, sku: &str) -> anyhow::Result<SkuStats> {
+        let stats: Stats = self
+            .http
+            .get(self.admin_url("/api/stats"))
+            .query(&[("sku", sku)])
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        stats
+            .skus
+            .into_iter()
+            .next()
+            .with_context(|| format!("no stats for {sku}"))
+    }
+
+    pub async fn save_report(&self, report: &LoadReport) -> anyhow::Result<()> {
+        self.http
+            .post(self.admin_url("/api/runs"))
+            .json(report)
+            .send()
+            .await?
+            .error_for_status()
+            .context("saving the report to /api/runs")?;
+        Ok(())
+    }
+}

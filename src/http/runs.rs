@@ -1,0 +1,52 @@
+//! `GET, POST /api/runs`: the history of load-test reports, kept in MySQL.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::Serialize;
+
+use super::ApiJson;
+use crate::app::AppState;
+use crate::error::AppError;
+use crate::report::LoadReport;
+
+/// Reports returned by `GET /api/runs`, newest first.
+const HISTORY_LENGTH: u32 = 50;
+
+/// A report may carry one run per strategy; more is not a load-test report.
+const MAX_RUNS_PER_REPORT: usize = 64;
+
+#[derive(Debug, Serialize)]
+pub struct StoredReport {
+    id: i64,
+    #[serde(flatten)]
+    report: LoadReport,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Saved {
+    id: u64,
+}
+
+pub async fn list(State(state): State<AppState>) -> Result<ApiJson<Vec<StoredReport>>, AppError> {
+    let reports = state.flow.store.records.reports(HISTORY_LENGTH).await?;
+    Ok(ApiJson(
+        reports
+            .into_iter()
+            .map(|(id, report)| StoredReport { id, report })
+            .collect(),
+    ))
+}
+
+pub async fn save(
+    State(state): State<AppState>,
+    ApiJson(report): ApiJson<LoadReport>,
+) -> Result<(StatusCode, ApiJson<Saved>), AppError> {
+    if report.runs.is_empty() || report.runs.len() > MAX_RUNS_PER_REPORT {
+        return Err(AppError::Invalid(format!(
+            "a report holds 1 to {MAX_RUNS_PER_REPORT} runs, got {}",
+            report.runs.len()
+        )));
+    }
+    let id = state.flow.store.records.save_report(&report).await?;
+    Ok((StatusCode::CREATED, ApiJson(Saved { id })))
+}

@@ -1,0 +1,69 @@
+//! The load-test report (SPEC §6): written by the `loadtest` crate, kept by the
+//! service under `/api/runs` for the dashboard's history. One definition for both, so
+//! they cannot drift apart.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadReport {
+    pub generated_at: DateTime<Utc>,
+    pub config: LoadConfig,
+    pub runs: Vec<RunResult>,
+}
+
+/// How the load test was run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadConfig {
+    pub targets: Vec<String>,
+    pub users: u64,
+    /// Initial stock of each SKU.
+    pub stock: i64,
+    pub skus: u64,
+    /// Upper bound of one strategy's run.
+    pub max_seconds: u64,
+    /// How long the crowd keeps buying after the last SKU sold out.
+    pub grace_ms: u64,
+    pub strategies: Vec<String>,
+    /// A fault injected during the runs, if any.
+    #[serde(default)]
+    pub fault: Option<String>,
+}
+
+/// One strategy's run: client-side counts and latency, then the stock figures from
+/// the service's own records.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunResult {
+    pub strategy: String,
+    pub requests: u64,
+    /// Orders recorded in MySQL for the run's SKUs.
+    pub orders: u64,
+    /// 201 answers the crowd received (equal to `orders` unless answers were lost).
+    pub orders_acknowledged: u64,
+    pub sold_out: u64,
+    /// 503 lock_timeout answers.
+    pub busy: u64,
+    /// Everything that is neither an order, a sold-out nor busy.
+    pub errors: u64,
+    pub duration_s: f64,
+    /// Seconds from the first request until every SKU answered sold out.
+    pub sell_out_s: Option<f64>,
+    pub rps: f64,
+    /// Orders per second while there was stock to sell.
+    pub orders_per_s: f64,
+    pub latency_ms: Latency,
+    pub initial_stock: i64,
+    pub oversold: i64,
+    /// `None` when Redis held no stock for some SKU.
+    pub stock_redis: Option<i64>,
+    pub stock_mysql: i64,
+    pub consistent: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Latency {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+}
