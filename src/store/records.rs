@@ -48,7 +48,7 @@ impl Records {
                 Err(error) => return Err(error.into()),
             }
         };
-        sqlx::migrate!("./migrations").run(&pool).await?;
+        migrate(&pool).await?;
         Ok(Records { pool })
     }
 
@@ -210,6 +210,26 @@ impl Records {
             })
             .collect()
     }
+}
+
+/// Applies the migrations, one replica at a time. sqlx takes a lock too, but with
+/// `GET_LOCK(name, -1)` and without checking the answer, and replicas starting together
+/// on MariaDB were seen applying the same migration twice. So: our own lock, with a
+/// bounded wait and a checked result, on the connection that migrates.
+async fn migrate(pool: &MySqlPool) -> anyhow::Result<()> {
+    let mut conn = pool.acquire().await?;
+    let locked: Option<i64> =
+        sqlx::query_scalar("SELECT GET_LOCK(CONCAT('flashsale-migrations-', DATABASE()), 60)")
+            .fetch_one(&mut *conn)
+            .await?;
+    if locked != Some(1) {
+        anyhow::bail!("another replica held the migration lock for 60 s");
+    }
+    let migrated = sqlx::migrate!("./migrations").run(&mut *conn).await;
+    sqlx::query("SELECT RELEASE_LOCK(CONCAT('flashsale-migrations-', DATABASE()))")
+        .execute(&mut *conn)
+        .await?;
+    Ok(migrated?)
 }
 
 /// Inserts the order row inside the caller's transaction and returns it as recorded.
