@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# The main job: the local services, a release build, three replicas on 8081-8083.
+# The main job: the local services, a release build, three replicas on 8081-8083,
+# then the load test over every strategy, its table and reports. The replicas keep
+# running afterwards for the dashboard.
 #
-#   scripts/demo.sh up     start everything and leave the replicas running
-#   scripts/demo.sh stop   stop the replicas (scripts/stack.sh down stops the services)
+#   scripts/demo.sh [LOADTEST ARGS]   everything (arguments go to the load test,
+#                                     e.g. --strategies none,redis-lock --users 100)
+#   scripts/demo.sh up                services, build and replicas, no load test
+#   scripts/demo.sh stop              stop the replicas (scripts/stack.sh down stops
+#                                     the services)
 #
-# The full run (the load test over every strategy) arrives with the load-test crate.
+# FLASHSALE_WORK_MS (default 2 here) is the simulated work inside the critical section.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -45,13 +50,14 @@ cmd_up() {
   ./scripts/stack.sh up
   eval "$(./scripts/stack.sh env)"
   log "building (release)"
-  cargo build --release --quiet
+  cargo build --release --workspace --quiet
   mkdir -p "$RUN"
   if [ -f "$PIDFILE" ] && pid_alive "$(cat "$PIDFILE")"; then
     log "replicas already running (pid $(cat "$PIDFILE")); restarting them on the new build"
     cmd_stop
   fi
-  FLASHSALE_STATIC_DIR="$ROOT/static" nohup ./target/release/flashsale cluster \
+  FLASHSALE_STATIC_DIR="$ROOT/static" FLASHSALE_WORK_MS="${FLASHSALE_WORK_MS:-2}" \
+    nohup ./target/release/flashsale cluster \
     --replicas "$REPLICAS" --base-port "$BASE_PORT" >"$RUN/cluster.log" 2>&1 &
   echo $! >"$PIDFILE"
   local i
@@ -62,11 +68,22 @@ cmd_up() {
   done
   replicas_up || { tail -n 30 "$RUN/cluster.log" >&2; log "replicas did not answer"; exit 1; }
   log "$REPLICAS replicas on ports $BASE_PORT-$((BASE_PORT + REPLICAS - 1)), logs in $RUN/cluster.log"
-  log "dashboard: http://127.0.0.1:$BASE_PORT/"
 }
 
-case "${1:-up}" in
-  up) cmd_up ;;
+cmd_run() {
+  cmd_up
+  local targets
+  targets=$(seq -s, -f "http://127.0.0.1:%g" "$BASE_PORT" $((BASE_PORT + REPLICAS - 1)))
+  log "load test over every strategy (progress below)"
+  ./target/release/loadtest --targets "$targets" --out "$ROOT/target/flashsale" "$@"
+}
+
+case "${1:-}" in
+  up) cmd_up; log "dashboard: http://127.0.0.1:$BASE_PORT/" ;;
   stop) cmd_stop ;;
-  *) echo "usage: $0 up|stop" >&2; exit 2 ;;
+  -h|--help|help) sed -n '2,15p' "$0" ;;
+  *)
+    cmd_run "$@"
+    log "replicas still running; dashboard: http://127.0.0.1:$BASE_PORT/ (scripts/demo.sh stop)"
+    ;;
 esac

@@ -109,14 +109,17 @@ async fn killed_holder_frees_the_lock(strategy: &str) {
     let sku = "orphaned";
     cluster.reset(sku, 5).await;
     let mut doomed = cluster
-        .spawn_process_replica(&[
-            "--work-ms",
-            "60000",
-            "--lock-lease-ms",
-            "1500",
-            "--zk-session-ms",
-            "2000",
-        ])
+        .spawn_process_replica(
+            env!("CARGO_BIN_EXE_flashsale"),
+            &[
+                "--work-ms",
+                "60000",
+                "--lock-lease-ms",
+                "1500",
+                "--zk-session-ms",
+                "2000",
+            ],
+        )
         .await;
 
     let url = format!("{}/api/orders?strategy={strategy}", doomed.base_url);

@@ -221,12 +221,13 @@ impl TestCluster {
 
     /// Starts a replica as a separate OS process on this cluster's database and
     /// namespace, so a test can kill it with SIGKILL like a crashed machine.
-    pub async fn spawn_process_replica(&self, extra: &[&str]) -> ProcessReplica {
+    /// `binary` is the `flashsale` executable (`env!("CARGO_BIN_EXE_flashsale")`).
+    pub async fn spawn_process_replica(&self, binary: &str, extra: &[&str]) -> ProcessReplica {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("free port")
             .port();
-        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_flashsale"))
+        let child = tokio::process::Command::new(binary)
             .args(["serve", "--bind", "127.0.0.1", "--port", &port.to_string()])
             .args([
                 "--database-url",

@@ -1,0 +1,135 @@
+//! A small crowd against in-process replicas: the report's orders and oversold must be
+//! exactly what MySQL holds, and the report lands in the run history.
+
+#[path = "../../tests/integration/support.rs"]
+#[allow(dead_code)]
+mod support;
+
+use clap::Parser;
+use loadtest::options::Options;
+
+use support::TestCluster;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn report_figures_are_the_services_records() {
+    let cluster = TestCluster::start(2, &["--work-ms", "20", "--lock-wait-ms", "20000"]).await;
+    let targets = format!(
+        "{},{}",
+        cluster.replicas[0].base_url, cluster.replicas[1].base_url
+    );
+    let out = std::env::temp_dir().join(format!("flashsale-loadtest-{}", cluster.namespace));
+    let mysql = cluster.mysql().await;
+
+    for strategy in ["none", "redis-lock"] {
+        let options = Options::parse_from([
+            "loadtest",
+            "--targets",
+            &targets,
+            "--strategies",
+            strategy,
+            "--users",
+            "20",
+            "--stock",
+            "15",
+            "--skus",
+            "2",
+            "--max-seconds",
+            "30",
+            "--grace-ms",
+            "200",
+            "--out",
+            &out.to_string_lossy(),
+        ]);
+        let (service, strategies) = loadtest::prepare(&options).await.expect("targets ready");
+        let report = loadtest::run(&options, &service, &strategies)
+            .await
+            .expect("load ran");
+        let run = &report.runs[0];
+
+        let orders: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM orders WHERE sku LIKE 'sale-%'")
+            .fetch_one(&mysql)
+            .await
+            .expect("count");
+        assert_eq!(run.orders as i64, orders, "{strategy}: orders are MySQL's");
+        assert_eq!(run.initial_stock, 30);
+        assert_eq!(
+            run.oversold,
+            (orders - 30).max(0),
+            "{strategy}: oversold from MySQL"
+        );
+        assert_eq!(
+            run.requests,
+            run.orders_acknowledged + run.sold_out + run.busy + run.errors
+        );
+        assert!(
+            run.latency_ms.p50 <= run.latency_ms.p99 && run.latency_ms.p99 <= run.latency_ms.max
+        );
+        match strategy {
+            "none" => assert!(run.oversold > 0, "none oversells: {run:?}"),
+            _ => assert_eq!((run.oversold, run.consistent), (0, true), "{run:?}"),
+        }
+
+        loadtest::report::write_files(&report, &out).expect("report files");
+        service
+            .save_report(&report)
+            .await
+            .expect("saved to /api/runs");
+    }
+
+    let written: flashsale::report::LoadReport = serde_json::from_str(
+        &std::fs::read_to_string(out.join("report.json")).expect("report.json"),
+    )
+    .expect("report.json parses as the SPEC's report");
+    assert_eq!(written.runs[0].strategy, "redis-lock");
+    assert!(out.join("report.md").exists() && out.join("goose-none.html").exists());
+    let history = cluster.get_json(0, "/api/runs").await;
+    assert_eq!(
+        history.as_array().map(Vec::len),
+        Some(2),
+        "both reports in the history"
+    );
+    assert_eq!(
+        history[0]["runs"][0]["strategy"], "redis-lock",
+        "newest first"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[tokio::test]
+async fn bad_arguments_stop_before_any_load() {
+    assert!(
+        Options::try_parse_from(["loadtest", "--users", "0"]).is_err(),
+        "zero users"
+    );
+    assert!(
+        Options::try_parse_from(["loadtest", "--stock", "-3"]).is_err(),
+        "negative stock"
+    );
+
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
+    let unreachable = format!("http://{}", closed.local_addr().expect("address"));
+    drop(closed);
+    let options = Options::parse_from(["loadtest", "--targets", &unreachable]);
+    let error = loadtest::prepare(&options)
+        .await
+        .err()
+        .expect("unreachable target");
+    assert!(error.to_string().contains("unreachable"), "{error}");
+
+    let cluster = TestCluster::start(1, &[]).await;
+    let options = Options::parse_from([
+        "loadtest",
+        "--targets",
+        &cluster.replicas[0].base_url,
+        "--strategies",
+        "none,magic",
+    ]);
+    let error = loadtest::prepare(&options)
+        .await
+        .err()
+        .expect("unknown strategy");
+    assert!(
+        error.to_string().contains("unknown strategy 'magic'"),
+        "{error}"
+    );
+}
