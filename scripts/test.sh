@@ -17,4 +17,13 @@ for db in $(mariadb "${mysql_args[@]}" -e \
 done
 redis-cli -p 6390 --scan --pattern 'flashsale_t_*' | xargs -r -n 500 redis-cli -p 6390 del >/dev/null
 
+# docker-compose.yml cannot run here (no Docker engine), but it must stay valid.
+if ! command -v docker-compose >/dev/null; then
+  echo "[test] installing docker-compose to validate docker-compose.yml" >&2
+  if [ "$(id -u)" = 0 ]; then sudo_cmd=(); else sudo_cmd=(sudo); fi
+  "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
+fi
+docker-compose --profile loadtest config -q
+echo "[test] docker-compose.yml is valid" >&2
+
 cargo test --workspace "$@"
