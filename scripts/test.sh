@@ -21,6 +21,7 @@ redis-cli -p 6390 --scan --pattern 'flashsale_t_*' | xargs -r -n 500 redis-cli -
 if ! command -v docker-compose >/dev/null; then
   echo "[test] installing docker-compose to validate docker-compose.yml" >&2
   if [ "$(id -u)" = 0 ]; then sudo_cmd=(); else sudo_cmd=(sudo); fi
+  "${sudo_cmd[@]}" apt-get update -qq
   "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
 fi
 docker-compose --profile loadtest config -q
