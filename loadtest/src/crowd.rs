@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use goose::config::GooseConfiguration;
 use goose::goose::{GooseUser, Scenario, Transaction, TransactionResult};
-use goose::metrics::GooseMetrics;
 use goose::prelude::{GooseAttack, GooseDefault, GooseDefaultType};
 use serde::Deserialize;
 use serde_json::json;
@@ -55,6 +54,9 @@ pub struct Sale {
     next_request: AtomicU64,
     sold_out: Vec<AtomicBool>,
     all_sold_out_at: Mutex<Option<Duration>>,
+    /// Goose's response times (ms → count) of the requests sent while stock remained.
+    /// Once sold out, answers are cheap refusals that would only dilute the figures.
+    selling_times: Mutex<BTreeMap<usize, usize>>,
 }
 
 #[derive(Deserialize)]
@@ -79,11 +81,20 @@ impl Sale {
             next_request: AtomicU64::new(0),
             sold_out,
             all_sold_out_at: Mutex::new(None),
+            selling_times: Mutex::new(BTreeMap::new()),
         })
     }
 
     pub fn elapsed(&self) -> Duration {
         self.started.elapsed()
+    }
+
+    /// Response times of the requests sent before the sale sold out.
+    pub fn selling_times(&self) -> BTreeMap<usize, usize> {
+        self.selling_times
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// When every SKU had answered sold out, measured from the attack's start.
@@ -128,7 +139,17 @@ impl Sale {
             "user_id": format!("shopper-{}", user.weighted_users_index),
             "quantity": 1,
         });
+        let selling = self.sell_out_time().is_none();
         let mut goose = user.post_json("/api/orders", &body).await?;
+        if selling {
+            let ms = usize::try_from(goose.request.response_time).unwrap_or(usize::MAX);
+            *self
+                .selling_times
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(ms)
+                .or_insert(0) += 1;
+        }
         let answer = match goose.response {
             Ok(response) => {
                 let status = response.status().as_u16();
@@ -151,8 +172,8 @@ impl Sale {
     }
 }
 
-/// Runs one Goose attack and returns Goose's metrics (latency, request counts).
-pub async fn attack(sale: Arc<Sale>, html_report: &Path) -> anyhow::Result<GooseMetrics> {
+/// Runs one Goose attack; the figures accumulate in `sale`.
+pub async fn attack(sale: Arc<Sale>, html_report: &Path) -> anyhow::Result<()> {
     let targets = sale.plan.targets.clone();
     let pick_target: Transaction = Transaction::new(Arc::new(move |user: &mut GooseUser| {
         let target = targets[user.weighted_users_index % targets.len()].clone();
@@ -173,7 +194,7 @@ pub async fn attack(sale: Arc<Sale>, html_report: &Path) -> anyhow::Result<Goose
     let plan = &sale.plan;
     let users = usize::try_from(plan.users)?;
     let configuration = GooseConfiguration::default();
-    let metrics = GooseAttack::initialize_with_config(configuration)?
+    GooseAttack::initialize_with_config(configuration)?
         .register_scenario(
             Scenario::new("shoppers")
                 .register_transaction(pick_target)
@@ -197,16 +218,5 @@ pub async fn attack(sale: Arc<Sale>, html_report: &Path) -> anyhow::Result<Goose
         )?
         .execute()
         .await?;
-    Ok(metrics)
-}
-
-/// All request timings of an attack merged into one histogram (ms → count).
-pub fn request_times(metrics: &GooseMetrics) -> BTreeMap<usize, usize> {
-    let mut merged = BTreeMap::new();
-    for aggregate in metrics.requests.values() {
-        for (ms, count) in &aggregate.raw_data.times {
-            *merged.entry(*ms).or_insert(0) += count;
-        }
-    }
-    merged
+    Ok(())
 }

@@ -118,13 +118,13 @@ async fn run_strategy(
     ));
     let attack = crowd::attack(sale.clone(), &html).await;
     progress.abort();
-    let metrics = attack?;
+    attack?;
     let duration = sale.elapsed();
     let figures = ServiceFigures::sum(&settled_stats(service, skus).await?);
     Ok(report::run_result(
         strategy,
         &sale.outcomes,
-        &crowd::request_times(&metrics),
+        &sale.selling_times(),
         duration,
         sale.sell_out_time(),
         figures,

@@ -206,7 +206,8 @@ pub fn markdown(report: &LoadReport) -> String {
         "\nOrders, oversold and stock come from the service's records (MySQL orders, Redis and \
          MySQL stock) after each run; requests, latency and busy/errors from the crowd. \
          Oversold = orders − initial stock. Consistent = Redis stock, MySQL stock and \
-         initial − ordered all agree. orders/s counts the time until sold out. Goose's own \
+         initial − ordered all agree. orders/s counts the time until sold out; latency \
+         percentiles (Goose's response times) cover the requests sent before sold out. Goose's own \
          HTML report per strategy is beside this file (its charts load from a CDN)."
     );
     md

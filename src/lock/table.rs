@@ -28,6 +28,8 @@ use super::{DistributedLock, LockError, acquisition_token, jittered_backoff};
 /// MySQL error numbers that mean "someone else holds it" for a lock-row INSERT.
 const DUPLICATE_KEY: u16 = 1062;
 const DEADLOCK: u16 = 1213;
+/// How often a release, renewal or takeover is retried after losing a deadlock.
+const DEADLOCK_RETRIES: u32 = 20;
 
 const BACKOFF_BASE: Duration = Duration::from_millis(2);
 const BACKOFF_CAP: Duration = Duration::from_millis(50);
@@ -61,9 +63,7 @@ impl TableLock {
         match inserted {
             Ok(result) => Ok(Some(result.last_insert_id())),
             Err(sqlx::Error::Database(error))
-                if error
-                    .try_downcast_ref::<MySqlDatabaseError>()
-                    .is_some_and(|e| matches!(e.number(), DUPLICATE_KEY | DEADLOCK)) =>
+                if matches!(mysql_number(&*error), Some(DUPLICATE_KEY | DEADLOCK)) =>
             {
                 Ok(None)
             }
@@ -84,13 +84,13 @@ impl TableLock {
         let Some((id, previous_owner)) = expired else {
             return Ok(false);
         };
-        let deleted =
+        let deleted = retry_deadlocks(|| {
             sqlx::query("DELETE FROM distributed_locks WHERE id = ? AND expires_at < NOW(6)")
                 .bind(id)
                 .execute(&self.pool)
-                .await
-                .map_err(mysql_error)?
-                .rows_affected();
+        })
+        .await?
+        .rows_affected();
         if deleted == 1 {
             tracing::warn!(lock = name, id, %previous_owner, "took over an expired lock row");
         }
@@ -149,16 +149,17 @@ impl TableHold {
 #[async_trait]
 impl LeaseHold for TableHold {
     async fn renew(&self, lease: Duration) -> Result<bool, LockError> {
-        let updated = sqlx::query(
-            "UPDATE distributed_locks SET expires_at = NOW(6) + INTERVAL ? MICROSECOND
-             WHERE id = ? AND owner = ? AND expires_at >= NOW(6)",
-        )
-        .bind(micros(lease))
-        .bind(self.id)
-        .bind(&self.owner)
-        .execute(&self.pool)
-        .await
-        .map_err(mysql_error)?;
+        let updated = retry_deadlocks(|| {
+            sqlx::query(
+                "UPDATE distributed_locks SET expires_at = NOW(6) + INTERVAL ? MICROSECOND
+                 WHERE id = ? AND owner = ? AND expires_at >= NOW(6)",
+            )
+            .bind(micros(lease))
+            .bind(self.id)
+            .bind(&self.owner)
+            .execute(&self.pool)
+        })
+        .await?;
         // MySQL reports rows *changed*; a renewal within the same microsecond changes
         // nothing but still matched, so count a match via the row's presence.
         if updated.rows_affected() == 1 {
@@ -176,20 +177,50 @@ impl LeaseHold for TableHold {
     }
 
     async fn delete(&self) -> Result<bool, LockError> {
-        let deleted =
+        let deleted = retry_deadlocks(|| {
             sqlx::query("DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?")
                 .bind(&self.name)
                 .bind(&self.owner)
                 .execute(&self.pool)
-                .await
-                .map_err(mysql_error)?
-                .rows_affected();
+        })
+        .await?
+        .rows_affected();
         Ok(deleted == 1)
     }
 
     fn describe(&self) -> String {
         format!("lock row {} ({})", self.id, self.name)
     }
+}
+
+/// Runs a lock-table statement again when InnoDB picks it as a deadlock victim. Under
+/// contention, the shared locks that failing duplicate-key INSERTs take on the lock
+/// row deadlock with the holder's DELETE or UPDATE of that row; the victim's statement
+/// was rolled back, so running it again is safe. Without this a release could fail
+/// and leave the row blocking everyone until its lease ran out.
+async fn retry_deadlocks<T, F, Fut>(mut statement: F) -> Result<T, LockError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, sqlx::Error>>,
+{
+    let mut attempt = 0;
+    loop {
+        match statement().await {
+            Err(sqlx::Error::Database(error))
+                if attempt < DEADLOCK_RETRIES && mysql_number(&*error) == Some(DEADLOCK) =>
+            {
+                attempt += 1;
+                tokio::time::sleep(jittered_backoff(attempt, BACKOFF_BASE, BACKOFF_CAP)).await;
+            }
+            result => return result.map_err(mysql_error),
+        }
+    }
+}
+
+fn mysql_number(error: &dyn sqlx::error::DatabaseError) -> Option<u16> {
+    error
+        .try_downcast_ref::<MySqlDatabaseError>()
+        .map(MySqlDatabaseError::number)
 }
 
 fn micros(duration: Duration) -> i64 {
