@@ -109,6 +109,7 @@ impl Server {
                 work: config.work(),
                 replica_id: replica_id.clone(),
                 lock_wait: config.lock_wait(),
+                lock_waiters: AtomicU64::new(0),
             }),
             strategies: strategy::registry(&backends).into(),
             max_quantity: config.max_quantity,
@@ -116,9 +117,9 @@ impl Server {
         };
         let heartbeat = Heartbeat::new(
             store.cluster.clone(),
-            replica_id,
             address,
             state.requests.clone(),
+            state.flow.clone(),
         );
         let router = crate::http::router(state, &config.static_dir);
         Ok(Server {

@@ -1,6 +1,7 @@
 //! A replica announces itself in Redis once a second (id, address, start time,
-//! requests served) so `/api/stats` can list the replicas alive. It deregisters on a
-//! clean shutdown; a killed replica simply stops beating and ages out.
+//! requests served, orders waiting for a lock) so `/api/stats` and the dashboard can
+//! list the replicas alive. It deregisters on a clean shutdown; a killed replica simply
+//! stops beating and ages out.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use chrono::Utc;
 use tokio::task::JoinHandle;
 
 use crate::store::{ClusterState, ReplicaInfo};
+use crate::strategy::SaleFlow;
 
 const INTERVAL: Duration = Duration::from_secs(1);
 
@@ -18,6 +20,7 @@ pub struct Heartbeat {
     cluster: ClusterState,
     info: ReplicaInfo,
     requests: Arc<AtomicU64>,
+    flow: Arc<SaleFlow>,
 }
 
 pub struct RunningHeartbeat {
@@ -29,41 +32,38 @@ pub struct RunningHeartbeat {
 impl Heartbeat {
     pub fn new(
         cluster: ClusterState,
-        id: String,
         address: SocketAddr,
         requests: Arc<AtomicU64>,
+        flow: Arc<SaleFlow>,
     ) -> Self {
         let now = Utc::now();
         let info = ReplicaInfo {
-            id,
+            id: flow.replica_id.clone(),
             address: address.to_string(),
             pid: std::process::id(),
             started_at: now,
             requests: 0,
+            lock_waiters: 0,
             last_seen: now,
         };
         Heartbeat {
             cluster,
             info,
             requests,
+            flow,
         }
     }
 
     /// Beats once right away (so the replica is listed as soon as it serves), then
     /// every second in the background.
-    pub async fn start(self) -> RunningHeartbeat {
-        let Heartbeat {
-            cluster,
-            mut info,
-            requests,
-        } = self;
-        let replica_id = info.id.clone();
-        let background = cluster.clone();
-        beat(&cluster, &mut info, &requests).await;
+    pub async fn start(mut self) -> RunningHeartbeat {
+        self.beat().await;
+        let cluster = self.cluster.clone();
+        let replica_id = self.info.id.clone();
         let task = tokio::spawn(async move {
             loop {
                 tokio::time::sleep(INTERVAL).await;
-                beat(&background, &mut info, &requests).await;
+                self.beat().await;
             }
         });
         RunningHeartbeat {
@@ -72,13 +72,14 @@ impl Heartbeat {
             task,
         }
     }
-}
 
-async fn beat(cluster: &ClusterState, info: &mut ReplicaInfo, requests: &AtomicU64) {
-    info.requests = requests.load(Ordering::Relaxed);
-    info.last_seen = Utc::now();
-    if let Err(error) = cluster.heartbeat(info).await {
-        tracing::warn!(%error, "heartbeat failed");
+    async fn beat(&mut self) {
+        self.info.requests = self.requests.load(Ordering::Relaxed);
+        self.info.lock_waiters = self.flow.lock_waiters.load(Ordering::Relaxed);
+        self.info.last_seen = Utc::now();
+        if let Err(error) = self.cluster.heartbeat(&self.info).await {
+            tracing::warn!(%error, "heartbeat failed");
+        }
     }
 }
 

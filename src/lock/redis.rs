@@ -122,6 +122,18 @@ impl RedisLock {
         format!("{}:lock-released:{name}", self.namespace)
     }
 
+    /// The token stored under the lock and its remaining TTL in ms, if it is held.
+    pub async fn inspect(&self, name: &str) -> Result<Option<(String, i64)>, LockError> {
+        let mut conn = self.pool.get().await.map_err(redis_error)?;
+        let (token, ttl): (Option<String>, i64) = redis::pipe()
+            .get(self.key(name))
+            .pttl(self.key(name))
+            .query_async(&mut conn)
+            .await
+            .map_err(redis_error)?;
+        Ok(token.map(|token| (token, ttl)))
+    }
+
     /// One `SET NX PX` attempt: `None` when acquired, else the lock's remaining TTL.
     async fn try_acquire(&self, key: &str, token: &str) -> Result<Option<i64>, LockError> {
         let mut conn = self.pool.get().await.map_err(redis_error)?;

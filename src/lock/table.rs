@@ -49,6 +49,19 @@ impl TableLock {
         }
     }
 
+    /// The row holding `name`, if any: its id, owner and milliseconds to expiry
+    /// (negative once expired and not yet taken over).
+    pub async fn inspect(&self, name: &str) -> Result<Option<(i64, String, i64)>, LockError> {
+        sqlx::query_as(
+            "SELECT id, owner, CAST(TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at) DIV 1000 AS SIGNED)
+             FROM distributed_locks WHERE lock_name = ?",
+        )
+        .bind(name)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(mysql_error)
+    }
+
     /// One INSERT attempt: the new row's id, or `None` when the name is taken.
     async fn try_insert(&self, name: &str, owner: &str) -> Result<Option<u64>, LockError> {
         let inserted = sqlx::query(

@@ -23,6 +23,8 @@ use super::{DistributedLock, HeldLock, LockError};
 
 pub struct ZooKeeperLock {
     servers: String,
+    /// Written into each lock node, so anyone can see which replica holds or waits.
+    owner: String,
     session_timeout: Duration,
     root: String,
     /// Opened in the background at start, and again on use after an expiry or a
@@ -36,7 +38,12 @@ impl ZooKeeperLock {
     /// their nodes apart). Starts connecting at once, in the background, so the first
     /// orders do not queue behind other replicas while this one connects. Must be
     /// called within the Tokio runtime.
-    pub fn new(servers: &str, session_timeout: Duration, namespace: &str) -> ZooKeeperLock {
+    pub fn new(
+        servers: &str,
+        session_timeout: Duration,
+        namespace: &str,
+        owner: &str,
+    ) -> ZooKeeperLock {
         let client: Arc<RwLock<Option<zk::Client>>> = Arc::default();
         let (slot, address) = (client.clone(), servers.to_owned());
         tokio::spawn(async move {
@@ -50,6 +57,7 @@ impl ZooKeeperLock {
         });
         ZooKeeperLock {
             servers: servers.to_owned(),
+            owner: owner.to_owned(),
             session_timeout,
             root: format!("/flashsale/{namespace}/locks"),
             client,
@@ -108,8 +116,11 @@ impl DistributedLock for ZooKeeperLock {
                 .with_ancestor_options(zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all()))
                 .map_err(zk_error)?;
             // The recipe is cancellation safe: on timeout it deletes the node it created.
-            let contended =
-                tokio::time::timeout_at(deadline, client.lock(prefix, b"", options)).await;
+            let contended = tokio::time::timeout_at(
+                deadline,
+                client.lock(prefix, self.owner.as_bytes(), options),
+            )
+            .await;
             match contended {
                 Err(_) => return Err(LockError::Timeout { waited: wait }),
                 Ok(Ok(lock)) => {
@@ -129,6 +140,29 @@ impl DistributedLock for ZooKeeperLock {
 }
 
 impl ZooKeeperLock {
+    /// The lock's nodes in queue order (the first holds the lock), each with the owner
+    /// written in it.
+    pub async fn inspect(&self, name: &str) -> Result<Vec<(String, String)>, LockError> {
+        let client = self.session().await?;
+        let dir = self.lock_dir(name);
+        let children = match client.list_children(&dir).await {
+            Ok(children) => children,
+            Err(zk::Error::NoNode) => return Ok(Vec::new()),
+            Err(error) => return Err(zk_error(error)),
+        };
+        let mut nodes = Vec::new();
+        for child in children {
+            let owner = match client.get_data(&format!("{dir}/{child}")).await {
+                Ok((data, _)) => String::from_utf8_lossy(&data).into_owned(),
+                Err(zk::Error::NoNode) => continue,
+                Err(error) => return Err(zk_error(error)),
+            };
+            nodes.push((child, owner));
+        }
+        nodes.sort_by_key(|(node, _)| sequence_of(node));
+        Ok(nodes)
+    }
+
     /// Forgets `ended` so the next use opens a new session.
     async fn discard(&self, ended: &zk::Client) {
         let mut slot = self.client.write().await;
@@ -165,9 +199,7 @@ impl ZooKeeperGuard {
     /// The node's sequence number: it only grows under the lock's directory, so it
     /// can serve as a fencing token.
     pub fn sequence(&self) -> Option<u64> {
-        let path = self.path();
-        let digits = path.len() - path.bytes().rev().take_while(u8::is_ascii_digit).count();
-        path[digits..].parse().ok()
+        sequence_of(self.path())
     }
 }
 
@@ -198,6 +230,12 @@ impl HeldLock for ZooKeeperGuard {
         drop(self.lock);
         Ok(())
     }
+}
+
+/// The trailing sequence number of a lock node's name or path.
+fn sequence_of(node: &str) -> Option<u64> {
+    let digits = node.len() - node.bytes().rev().take_while(u8::is_ascii_digit).count();
+    node[digits..].parse().ok()
 }
 
 fn zk_error(error: zk::Error) -> LockError {

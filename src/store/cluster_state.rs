@@ -31,6 +31,9 @@ pub struct ReplicaInfo {
     pub pid: u32,
     pub started_at: DateTime<Utc>,
     pub requests: u64,
+    /// Orders of this replica waiting for a lock at the last heartbeat.
+    #[serde(default)]
+    pub lock_waiters: u64,
     pub last_seen: DateTime<Utc>,
 }
 

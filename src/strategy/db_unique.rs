@@ -2,9 +2,9 @@
 
 use async_trait::async_trait;
 
-use super::{Explanation, OrderError, SaleFlow, Strategy};
+use super::{Explanation, LockView, OrderError, SaleFlow, Strategy, token_owner};
 use crate::lock::table::TableLock;
-use crate::model::{NewOrder, Order};
+use crate::model::{NewOrder, Order, Sku};
 
 pub struct DbUniqueStrategy {
     pub lock: TableLock,
@@ -40,5 +40,22 @@ impl Strategy for DbUniqueStrategy {
 
     async fn place_order(&self, flow: &SaleFlow, order: &NewOrder) -> Result<Order, OrderError> {
         flow.sell_locked(&self.lock, order, self.name()).await
+    }
+
+    async fn inspect(&self, _flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
+        Ok(match self.lock.inspect(sku.as_str()).await? {
+            Some((id, owner, left_ms)) => LockView {
+                held: left_ms > 0,
+                holder: Some(token_owner(&owner)),
+                lease_left_ms: Some(left_ms),
+                state: vec![format!(
+                    "distributed_locks row id={id} lock_name='{sku}' owner='{owner}' expires in {left_ms} ms"
+                )],
+            },
+            None => LockView {
+                state: vec![format!("no row for lock_name='{sku}': free")],
+                ..LockView::default()
+            },
+        })
     }
 }

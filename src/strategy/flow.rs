@@ -12,6 +12,7 @@
 //! Without a lock around it, two replicas read the same stock and both write back
 //! `stock - 1`: the lost update that oversells.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::OrderError;
@@ -27,6 +28,8 @@ pub struct SaleFlow {
     pub replica_id: String,
     /// How long a lock strategy waits for its lock before answering 503.
     pub lock_wait: Duration,
+    /// Orders of this replica waiting for a lock right now (for the dashboard).
+    pub lock_waiters: AtomicU64,
 }
 
 impl SaleFlow {
@@ -38,7 +41,10 @@ impl SaleFlow {
         order: &NewOrder,
         strategy: &str,
     ) -> Result<Order, OrderError> {
-        let guard = match lock.acquire(order.sku.as_str(), self.lock_wait).await {
+        self.lock_waiters.fetch_add(1, Ordering::Relaxed);
+        let acquired = lock.acquire(order.sku.as_str(), self.lock_wait).await;
+        self.lock_waiters.fetch_sub(1, Ordering::Relaxed);
+        let guard = match acquired {
             Ok(guard) => guard,
             Err(error) => {
                 self.store.cluster.count(strategy, "lock_timeouts").await;

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 pub use flow::SaleFlow;
 
@@ -24,7 +24,7 @@ use crate::lock::LockError;
 use crate::lock::redis::RedisLock;
 use crate::lock::table::TableLock;
 use crate::lock::zookeeper::ZooKeeperLock;
-use crate::model::{NewOrder, Order};
+use crate::model::{NewOrder, Order, Sku};
 use crate::store::StoreError;
 
 /// The strategy used when nobody has chosen one.
@@ -40,6 +40,31 @@ pub trait Strategy: Send + Sync {
 
     /// Places one order under this strategy's coordination.
     async fn place_order(&self, flow: &SaleFlow, order: &NewOrder) -> Result<Order, OrderError>;
+
+    /// What this strategy's coordination for `sku` looks like right now.
+    async fn inspect(&self, _flow: &SaleFlow, _sku: &Sku) -> Result<LockView, OrderError> {
+        Ok(LockView::default())
+    }
+}
+
+/// A strategy's lock for one SKU as the dashboard shows it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct LockView {
+    pub held: bool,
+    /// The replica holding it, when the mechanism records one.
+    pub holder: Option<String>,
+    pub lease_left_ms: Option<i64>,
+    /// The raw state in the mechanism's own terms: the key and token, the lock row,
+    /// the znodes in order.
+    pub state: Vec<String>,
+}
+
+/// The replica that owns an acquisition token (`<replica>:<random>`).
+pub fn token_owner(token: &str) -> String {
+    token
+        .rsplit_once(':')
+        .map_or(token, |(owner, _)| owner)
+        .to_owned()
 }
 
 /// A strategy described for people: what it does, the exact commands, how it fails.
@@ -127,6 +152,7 @@ pub fn registry(backends: &Backends) -> Vec<Arc<dyn Strategy>> {
                 &backends.zookeeper,
                 backends.zookeeper_session_timeout,
                 &backends.namespace,
+                owner,
             ),
         }),
     ]

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{Explanation, OrderError, SaleFlow, Strategy};
+use super::{Explanation, LockView, OrderError, SaleFlow, Strategy};
 use crate::lock::jittered_backoff;
-use crate::model::{NewOrder, Order};
+use crate::model::{NewOrder, Order, Sku};
 
 const BACKOFF_BASE: Duration = Duration::from_millis(2);
 const BACKOFF_CAP: Duration = Duration::from_millis(100);
@@ -86,5 +86,19 @@ impl Strategy for OptimisticStrategy {
             "{} optimistic attempts all conflicted; try again",
             self.max_attempts
         )))
+    }
+
+    async fn inspect(&self, flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
+        let row = flow.store.records.stock_and_version(sku).await?;
+        let state = match row {
+            Some((stock, version)) => {
+                format!("no lock: products row sku='{sku}' stock={stock} version={version}")
+            }
+            None => format!("no products row for sku='{sku}'"),
+        };
+        Ok(LockView {
+            state: vec![state],
+            ..LockView::default()
+        })
     }
 }

@@ -2,9 +2,9 @@
 
 use async_trait::async_trait;
 
-use super::{Explanation, OrderError, SaleFlow, Strategy};
+use super::{Explanation, LockView, OrderError, SaleFlow, Strategy, token_owner};
 use crate::lock::redis::RedisLock;
-use crate::model::{NewOrder, Order};
+use crate::model::{NewOrder, Order, Sku};
 
 pub struct RedisLockStrategy {
     pub lock: RedisLock,
@@ -43,5 +43,24 @@ impl Strategy for RedisLockStrategy {
 
     async fn place_order(&self, flow: &SaleFlow, order: &NewOrder) -> Result<Order, OrderError> {
         flow.sell_locked(&self.lock, order, self.name()).await
+    }
+
+    async fn inspect(&self, _flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
+        let key = self.lock.key(sku.as_str());
+        Ok(match self.lock.inspect(sku.as_str()).await? {
+            Some((token, ttl)) => LockView {
+                held: true,
+                holder: Some(token_owner(&token)),
+                lease_left_ms: Some(ttl),
+                state: vec![
+                    format!("GET {key} → \"{token}\""),
+                    format!("PTTL {key} → {ttl}"),
+                ],
+            },
+            None => LockView {
+                state: vec![format!("GET {key} → (nil): free")],
+                ..LockView::default()
+            },
+        })
     }
 }

@@ -2,9 +2,9 @@
 
 use async_trait::async_trait;
 
-use super::{Explanation, OrderError, SaleFlow, Strategy};
+use super::{Explanation, LockView, OrderError, SaleFlow, Strategy};
 use crate::lock::zookeeper::ZooKeeperLock;
-use crate::model::{NewOrder, Order};
+use crate::model::{NewOrder, Order, Sku};
 
 pub struct ZooKeeperStrategy {
     pub lock: ZooKeeperLock,
@@ -41,5 +41,24 @@ impl Strategy for ZooKeeperStrategy {
 
     async fn place_order(&self, flow: &SaleFlow, order: &NewOrder) -> Result<Order, OrderError> {
         flow.sell_locked(&self.lock, order, self.name()).await
+    }
+
+    async fn inspect(&self, _flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
+        let nodes = self.lock.inspect(sku.as_str()).await?;
+        let dir = self.lock.lock_dir(sku.as_str());
+        let mut state = vec![format!(
+            "ls {dir} ({} node(s), in sequence order)",
+            nodes.len()
+        )];
+        state.extend(nodes.iter().enumerate().map(|(i, (node, owner))| {
+            let role = if i == 0 { "holds" } else { "waits" };
+            format!("{node}  [{owner}, {role}]")
+        }));
+        Ok(LockView {
+            held: !nodes.is_empty(),
+            holder: nodes.first().map(|(_, owner)| owner.clone()),
+            lease_left_ms: None,
+            state,
+        })
     }
 }

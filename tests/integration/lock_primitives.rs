@@ -52,8 +52,8 @@ struct ZooKeeper {
 
 impl LockFactory for ZooKeeper {
     type Lock = ZooKeeperLock;
-    async fn make(&self, _owner: &str, _lease: Duration) -> ZooKeeperLock {
-        ZooKeeperLock::new(&zookeeper(), Duration::from_secs(4), &self.namespace)
+    async fn make(&self, owner: &str, _lease: Duration) -> ZooKeeperLock {
+        ZooKeeperLock::new(&zookeeper(), Duration::from_secs(4), &self.namespace, owner)
     }
 }
 
@@ -358,8 +358,9 @@ async fn zookeeper_expired_session_is_detected() {
         &proxy.address.to_string(),
         session_timeout,
         &cluster.namespace,
+        "holder",
     );
-    let rival = ZooKeeperLock::new(&zookeeper(), session_timeout, &cluster.namespace);
+    let rival = ZooKeeperLock::new(&zookeeper(), session_timeout, &cluster.namespace, "rival");
     let guard = holder.acquire("item", LONG).await.expect("acquired");
     guard.ensure_held().await.expect("held");
 

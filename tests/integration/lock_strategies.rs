@@ -228,6 +228,11 @@ async fn lock_waits_are_bounded() {
     lock_wait_is_bounded(&cluster, "redis-lock", redis).await;
     let mysql = cluster.mysql().await;
     lock_wait_is_bounded(&cluster, "db-unique", TableLock::new(mysql, "test", lease)).await;
-    let zk = ZooKeeperLock::new(&zookeeper(), Duration::from_secs(4), &cluster.namespace);
+    let zk = ZooKeeperLock::new(
+        &zookeeper(),
+        Duration::from_secs(4),
+        &cluster.namespace,
+        "test",
+    );
     lock_wait_is_bounded(&cluster, "zookeeper", zk).await;
 }
