@@ -14,6 +14,8 @@ use tokio::net::TcpListener;
 
 use crate::config::ServeConfig;
 use crate::error::AppError;
+use crate::http::Snapshots;
+use crate::loadtests::LoadTests;
 use crate::replica::Heartbeat;
 use crate::store::{ClusterState, Records, StockCache, Store};
 use crate::strategy::{self, Backends, DEFAULT_STRATEGY, SaleFlow, Strategy};
@@ -26,6 +28,9 @@ pub struct AppState {
     pub max_quantity: i64,
     /// Requests served by this replica, announced in its heartbeat.
     pub requests: Arc<AtomicU64>,
+    /// The dashboard's live snapshot, rebuilt while anyone listens.
+    pub snapshots: Arc<Snapshots>,
+    pub loadtests: Arc<LoadTests>,
 }
 
 impl AppState {
@@ -64,6 +69,7 @@ pub struct Server {
     listener: TcpListener,
     router: axum::Router,
     heartbeat: Heartbeat,
+    live_feed: tokio::task::JoinHandle<()>,
 }
 
 impl Server {
@@ -114,7 +120,13 @@ impl Server {
             strategies: strategy::registry(&backends).into(),
             max_quantity: config.max_quantity,
             requests: Arc::new(AtomicU64::new(0)),
+            snapshots: Arc::new(Snapshots::new(None)),
+            loadtests: Arc::new(LoadTests::new(
+                config.loadtest_bin.clone(),
+                config.report_dir.clone(),
+            )),
         };
+        let live_feed = crate::http::spawn_snapshots(state.clone());
         let heartbeat = Heartbeat::new(
             store.cluster.clone(),
             address,
@@ -126,6 +138,7 @@ impl Server {
             listener,
             router,
             heartbeat,
+            live_feed,
         })
     }
 
@@ -147,6 +160,7 @@ impl Server {
         let served = axum::serve(self.listener, self.router)
             .with_graceful_shutdown(shutdown)
             .await;
+        self.live_feed.abort();
         heartbeat.stop().await;
         served.context("serving HTTP")
     }

@@ -21,6 +21,8 @@ pub struct Cli {
     pub command: Command,
 }
 
+// Parsed once per process: the size of the larger variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run one replica of the order service.
@@ -108,6 +110,15 @@ pub struct ServeConfig {
     /// How long to keep retrying the first database connection at start.
     #[arg(long, env = "FLASHSALE_CONNECT_TIMEOUT_S", default_value_t = 60)]
     pub connect_timeout_s: u64,
+
+    /// The load-test binary the dashboard starts [default: `loadtest` beside this
+    /// binary].
+    #[arg(long, env = "FLASHSALE_LOADTEST_BIN")]
+    pub loadtest_bin: Option<PathBuf>,
+
+    /// Where load tests started from the dashboard write their reports.
+    #[arg(long, env = "FLASHSALE_REPORT_DIR", default_value = "target/flashsale")]
+    pub report_dir: PathBuf,
 
     /// Folder with the dashboard's static files.
     #[arg(long, env = "FLASHSALE_STATIC_DIR", default_value = "static")]

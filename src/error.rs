@@ -37,6 +37,12 @@ pub enum AppError {
     /// The holder lost its lock before committing; the order was not recorded.
     #[error("the lock was lost before the order was committed; nothing was written ({0})")]
     LockLost(String),
+    /// The request conflicts with what is going on (e.g. a load test already runs).
+    #[error("{0}")]
+    Conflict(String),
+    /// A feature this replica cannot offer right now; the message says why.
+    #[error("{0}")]
+    Unavailable(String),
     /// Redis or MySQL could not be reached in time.
     #[error("{backend} is unavailable; try again shortly")]
     BackendUnavailable { backend: &'static str },
@@ -57,6 +63,8 @@ impl AppError {
             }
             AppError::SoldOut { .. } => (StatusCode::CONFLICT, "sold_out"),
             AppError::Busy(_) => (StatusCode::SERVICE_UNAVAILABLE, "lock_timeout"),
+            AppError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            AppError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             AppError::LockLost(_) => (StatusCode::CONFLICT, "lock_lost"),
             AppError::BackendUnavailable { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, "backend_unavailable")

@@ -14,6 +14,7 @@ pub mod cluster;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod loadtests;
 pub mod lock;
 pub mod model;
 pub mod replica;

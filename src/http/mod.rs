@@ -5,7 +5,9 @@
 //! directly but through `store` and `strategy`.
 
 mod admin;
+mod events;
 mod health;
+mod loadtests;
 mod orders;
 mod runs;
 pub mod stats;
@@ -24,6 +26,8 @@ use tower_http::trace::TraceLayer;
 
 use crate::app::AppState;
 use crate::error::AppError;
+
+pub use events::{Snapshots, spawn_snapshots};
 
 /// Request bodies larger than this are refused with 413 before they are parsed.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
@@ -53,6 +57,11 @@ pub fn router(state: AppState, static_dir: &Path) -> Router {
             get(admin::active_strategy).put(admin::set_strategy),
         )
         .route("/api/admin/reset", post(admin::reset))
+        .route("/api/events", get(events::events))
+        .route(
+            "/api/loadtests",
+            get(loadtests::status).post(loadtests::start),
+        )
         .route("/api/stats", get(stats::stats))
         .route(
             "/api/runs",

@@ -69,14 +69,19 @@ pub async fn stats(
         .map(Sku::parse)
         .transpose()
         .map_err(AppError::Invalid)?;
+    Ok(ApiJson(collect(&state, sku.as_ref()).await?))
+}
+
+/// The stats of every SKU, or of `sku` alone (404 if unknown).
+pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppError> {
     let store = &state.flow.store;
-    let records = store.records.products(sku.as_ref()).await?;
-    if let (Some(sku), true) = (&sku, records.is_empty()) {
+    let records = store.records.products(sku).await?;
+    if let (Some(sku), true) = (sku, records.is_empty()) {
         return Err(AppError::NotFound(format!("unknown SKU '{sku}'")));
     }
     let skus: Vec<Sku> = records.iter().map(|r| r.sku.clone()).collect();
     let redis_stocks = store.cache.stocks(&skus).await?;
-    Ok(ApiJson(Stats {
+    Ok(Stats {
         strategy: state.strategy(None).await?.name().to_owned(),
         replicas: store.cluster.live_replicas().await?,
         counters: store.cluster.counters().await?,
@@ -85,7 +90,7 @@ pub async fn stats(
             .zip(redis_stocks)
             .map(|(record, redis)| SkuStats::new(record, redis))
             .collect(),
-    }))
+    })
 }
 
 #[cfg(test)]
