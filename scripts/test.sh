@@ -17,13 +17,24 @@ for db in $(mariadb "${mysql_args[@]}" -e \
 done
 redis-cli -p 6390 --scan --pattern 'flashsale_t_*' | xargs -r -n 500 redis-cli -p 6390 del >/dev/null
 
-# docker-compose.yml cannot run here (no Docker engine), but it must stay valid.
-if ! command -v docker-compose >/dev/null; then
-  echo "[test] installing docker-compose to validate docker-compose.yml" >&2
+# Test tools from Debian: docker-compose (to validate docker-compose.yml: no Docker
+# engine runs here) and chromium with node/npm (the dashboard's browser test).
+missing=()
+command -v docker-compose >/dev/null || missing+=(docker-compose)
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+command -v node >/dev/null || missing+=(nodejs)
+command -v npm >/dev/null || missing+=(npm)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[test] installing ${missing[*]}" >&2
   if [ "$(id -u)" = 0 ]; then sudo_cmd=(); else sudo_cmd=(sudo); fi
   "${sudo_cmd[@]}" apt-get update -qq
-  "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
+  "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+# playwright-core drives that chromium; its version is pinned in the lockfile.
+if [ ! -d tests/browser/node_modules/playwright-core ]; then
+  (cd tests/browser && npm ci --no-audit --no-fund --loglevel=error)
+fi
+
 docker-compose --profile loadtest config -q
 echo "[test] docker-compose.yml is valid" >&2
 

@@ -4,8 +4,8 @@
 
 use async_trait::async_trait;
 
-use super::{Explanation, OrderError, SaleFlow, Strategy};
-use crate::model::{NewOrder, Order};
+use super::{Explanation, LockView, OrderError, SaleFlow, Strategy};
+use crate::model::{NewOrder, Order, Sku};
 
 pub struct NoCoordination;
 
@@ -35,5 +35,12 @@ impl Strategy for NoCoordination {
 
     async fn place_order(&self, flow: &SaleFlow, order: &NewOrder) -> Result<Order, OrderError> {
         flow.sell(order, self.name(), None).await
+    }
+
+    async fn inspect(&self, _flow: &SaleFlow, _sku: &Sku) -> Result<LockView, OrderError> {
+        Ok(LockView {
+            state: vec!["no lock: every replica runs the critical section at the same time".into()],
+            ..LockView::default()
+        })
     }
 }

@@ -3,6 +3,7 @@
 
 mod admin;
 mod bad_input;
+mod dashboard;
 mod lock_primitives;
 mod lock_strategies;
 mod none_strategy;

@@ -1,0 +1,348 @@
+// The flashsale dashboard. One EventSource brings a snapshot per second (stats, lock
+// state) and the output of a running load test; everything else is plain fetch calls
+// to the JSON API. Text is always set with textContent, never parsed as HTML.
+"use strict";
+
+const state = {
+  strategies: [],        // from /api/strategies
+  latestRun: new Map(),  // strategy -> run of the newest report
+  lastTotal: null,       // { orders, at } of the previous snapshot, for orders/s
+  lastRequests: new Map(), // replica id -> { requests, at }
+  rate: { t: [], v: [] },  // orders/s over the last minute
+  lastSnapshotAt: 0,
+  charts: {},
+};
+
+// ---- small helpers ------------------------------------------------------------
+
+function el(tag, props = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(props)) {
+    if (key === "class") node.className = value;
+    else if (key === "dataset") Object.assign(node.dataset, value);
+    else node.setAttribute(key, value);
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+async function api(method, path, body) {
+  const options = { method, headers: {} };
+  if (body !== undefined) {
+    options.headers["content-type"] = "application/json";
+    options.body = JSON.stringify(body);
+  }
+  const response = await fetch(path, options);
+  const text = await response.text();
+  const data = text ? JSON.parse(text) : null;
+  if (!response.ok) {
+    const message = data && data.message ? data.message : `${response.status}`;
+    throw Object.assign(new Error(message), { status: response.status, data });
+  }
+  return data;
+}
+
+function say(message, isError = false) {
+  const node = document.getElementById("control-message");
+  node.textContent = message;
+  node.classList.toggle("error", isError);
+}
+
+function fmt(n, digits = 0) {
+  return n === null || n === undefined ? "–" : Number(n).toFixed(digits);
+}
+
+// ---- controls -----------------------------------------------------------------
+
+function setUpControls() {
+  document.getElementById("strategy-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const strategy = document.getElementById("strategy-select").value;
+    try {
+      await api("PUT", "/api/admin/strategy", { strategy });
+      document.getElementById("active-strategy").textContent = strategy;
+      say(`All replicas now use ${strategy}.`);
+    } catch (error) {
+      say(`Could not switch: ${error.message}`, true);
+    }
+  });
+
+  document.getElementById("reset-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const sku = document.getElementById("reset-sku").value.trim();
+    const stock = Number(document.getElementById("reset-stock").value);
+    try {
+      await api("POST", "/api/admin/reset", { sku, stock });
+      document.getElementById("buy-sku").value = sku;
+      say(`${sku} restocked with ${stock}; its orders were cleared.`);
+    } catch (error) {
+      say(`Could not reset: ${error.message}`, true);
+    }
+  });
+
+  document.getElementById("buy-count").addEventListener("input", (event) => {
+    const n = Number(event.target.value) || 1;
+    document.getElementById("buy-button").textContent = n === 1 ? "Buy 1 each" : `${n} shoppers buy 1 each, at once`;
+  });
+
+  document.getElementById("buy-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const sku = document.getElementById("buy-sku").value.trim();
+    const count = Math.min(200, Math.max(1, Number(document.getElementById("buy-count").value) || 1));
+    const tally = new Map();
+    await Promise.all(Array.from({ length: count }, async (_, i) => {
+      let outcome;
+      try {
+        await api("POST", "/api/orders", { sku, user_id: `dashboard-${Date.now()}-${i}`, quantity: 1 });
+        outcome = "ordered";
+      } catch (error) {
+        outcome = error.data && error.data.error ? error.data.error : "failed";
+      }
+      tally.set(outcome, (tally.get(outcome) || 0) + 1);
+    }));
+    say(`${count} shopper(s) on ${sku}: ` + [...tally].map(([k, v]) => `${v} ${k}`).join(", "));
+  });
+
+  document.getElementById("loadtest-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const strategies = [...document.querySelectorAll("#lt-strategies input:checked")].map((box) => box.value);
+    const body = {
+      users: Number(document.getElementById("lt-users").value),
+      stock: Number(document.getElementById("lt-stock").value),
+      skus: Number(document.getElementById("lt-skus").value),
+      strategies: strategies.length === state.strategies.length ? [] : strategies,
+    };
+    try {
+      const started = await api("POST", "/api/loadtests", body);
+      document.getElementById("loadtest-log").textContent = "";
+      appendLog(`targets: ${started.targets.join(", ")}`);
+      refreshLoadTestStatus();
+    } catch (error) {
+      appendLog(`not started: ${error.message}`);
+    }
+  });
+}
+
+// ---- strategies and learning cards ----------------------------------------------
+
+async function loadStrategies() {
+  state.strategies = await api("GET", "/api/strategies");
+  const select = document.getElementById("strategy-select");
+  const boxes = document.getElementById("lt-strategies");
+  select.replaceChildren(...state.strategies.map((s) => el("option", { value: s.name }, s.name)));
+  boxes.replaceChildren(el("legend", {}, "strategies"), ...state.strategies.map((s) =>
+    el("label", {}, el("input", { type: "checkbox", value: s.name, checked: "" }), ` ${s.name}`)));
+  renderLearnCards();
+}
+
+function renderLearnCards() {
+  const cards = state.strategies.map((s) => {
+    const run = state.latestRun.get(s.name);
+    const figures = run
+      ? el("p", { class: "muted" },
+          `Latest run: ${fmt(run.orders_per_s)} orders/s, p99 ${fmt(run.latency_ms.p99)} ms, `,
+          run.oversold > 0 ? el("strong", { class: "bad" }, `${run.oversold} oversold`) : "0 oversold",
+          `, ${run.busy} busy.`)
+      : el("p", { class: "muted" }, "No load-test run yet.");
+    return el("article", { class: "card", dataset: { strategy: s.name } },
+      el("h3", {}, `${s.title} `, el("code", {}, s.name)),
+      el("p", {}, s.summary),
+      el("h4", {}, "Exactly what it runs"),
+      el("ul", { class: "commands" }, s.commands.map((c) => el("li", {}, el("code", {}, c)))),
+      el("h4", {}, "How it fails"),
+      el("p", { class: "fails" }, s.failure_mode),
+      figures);
+  });
+  document.getElementById("strategy-cards").replaceChildren(...cards);
+}
+
+// ---- live snapshot --------------------------------------------------------------
+
+function onSnapshot(snapshot) {
+  state.lastSnapshotAt = Date.now();
+  const stats = snapshot.stats;
+  document.getElementById("active-strategy").textContent = stats.strategy;
+  const select = document.getElementById("strategy-select");
+  if (document.activeElement !== select) select.value = stats.strategy;
+  renderSkus(stats.skus);
+  renderRate(stats.skus, snapshot.at);
+  renderReplicas(stats.replicas, snapshot.at);
+  renderLocks(stats.strategy, snapshot.locks, stats.replicas);
+}
+
+function renderSkus(skus) {
+  const cards = skus.map((s) => {
+    const verdict = s.oversold > 0
+      ? el("p", { class: "verdict bad oversold" }, `⚠ OVERSOLD by ${s.oversold}: ${s.orders} orders for ${s.initial_stock} units`)
+      : el("p", { class: "verdict ok oversold" }, "✓ Not oversold");
+    const consistency = s.consistent
+      ? el("p", { class: "verdict ok" }, "✓ Redis, MySQL and orders agree")
+      : el("p", { class: "verdict bad" }, "✗ Inconsistent: Redis, MySQL and orders disagree");
+    return el("article", { class: "card sku", dataset: { sku: s.sku } },
+      el("h3", {}, s.sku),
+      el("dl", { class: "figures" },
+        el("dt", {}, "initial stock"), el("dd", { class: "initial" }, s.initial_stock),
+        el("dt", {}, "stock in Redis"), el("dd", { class: "stock-redis" }, s.stock_redis ?? "missing"),
+        el("dt", {}, "stock in MySQL"), el("dd", { class: "stock-mysql" }, s.stock_mysql),
+        el("dt", {}, "orders"), el("dd", { class: "orders" }, s.orders)),
+      verdict, consistency);
+  });
+  document.getElementById("sku-cards").replaceChildren(
+    ...(cards.length ? cards : [el("p", { class: "muted" }, "No SKU yet: reset one above.")]));
+}
+
+function renderRate(skus, at) {
+  const now = Date.parse(at) / 1000;
+  const total = skus.reduce((sum, s) => sum + s.orders, 0);
+  if (state.lastTotal && now > state.lastTotal.at) {
+    const rate = Math.max(0, (total - state.lastTotal.orders) / (now - state.lastTotal.at));
+    state.rate.t.push(now);
+    state.rate.v.push(rate);
+    while (state.rate.t.length && state.rate.t[0] < now - 60) {
+      state.rate.t.shift();
+      state.rate.v.shift();
+    }
+    drawChart("rate", "rate-chart", [state.rate.t, state.rate.v], [{ label: "orders/s", stroke: "#0550ae" }]);
+  }
+  state.lastTotal = { orders: total, at: now };
+}
+
+function renderReplicas(replicas, at) {
+  const now = Date.parse(at) / 1000;
+  const rows = replicas.map((r) => {
+    const previous = state.lastRequests.get(r.id);
+    const rate = previous && now > previous.at ? (r.requests - previous.requests) / (now - previous.at) : null;
+    state.lastRequests.set(r.id, { requests: r.requests, at: now });
+    return el("tr", { dataset: { replica: r.id } },
+      el("td", {}, r.id), el("td", {}, r.address), el("td", {}, fmt(rate)),
+      el("td", {}, r.lock_waiters), el("td", {}, r.requests));
+  });
+  document.querySelector("#replicas tbody").replaceChildren(...rows);
+}
+
+function renderLocks(strategy, locks, replicas) {
+  document.getElementById("lock-strategy").textContent = `(${strategy})`;
+  const waiting = replicas.reduce((sum, r) => sum + r.lock_waiters, 0);
+  const views = locks.map(({ sku, view }) => el("article", { class: "card lock", dataset: { sku } },
+    el("h3", {}, sku),
+    el("dl", { class: "figures" },
+      el("dt", {}, "held by"), el("dd", {}, view.held ? (view.holder || "someone") : "nobody"),
+      el("dt", {}, "lease left"), el("dd", {}, view.lease_left_ms === null ? "–" : `${view.lease_left_ms} ms`),
+      el("dt", {}, "orders waiting"), el("dd", {}, waiting)),
+    el("pre", { class: "state" }, view.state.join("\n"))));
+  document.getElementById("lock-views").replaceChildren(
+    ...(views.length ? views : [el("p", { class: "muted" }, "No SKU to show.")]));
+}
+
+// ---- load test ------------------------------------------------------------------
+
+function appendLog(line) {
+  const log = document.getElementById("loadtest-log");
+  log.textContent += line + "\n";
+  log.scrollTop = log.scrollHeight;
+  if (line.startsWith("done:")) {
+    refreshLoadTestStatus();
+    loadHistory();
+  }
+}
+
+async function refreshLoadTestStatus() {
+  const status = await api("GET", "/api/loadtests");
+  const button = document.getElementById("loadtest-start");
+  const text = document.getElementById("loadtest-status");
+  if (!status.available) {
+    button.disabled = true;
+    button.textContent = "Load test not built";
+    text.textContent = `The load-test binary is not built. Build it with: ${status.hint}`;
+  } else {
+    button.disabled = status.running;
+    button.textContent = status.running ? "Load test running…" : "Start load test";
+    text.textContent = status.running ? "A load test is running; its progress streams below." : "Runs the built load test against every replica alive.";
+  }
+  const log = document.getElementById("loadtest-log");
+  if (!log.textContent && status.recent.length) log.textContent = status.recent.join("\n") + "\n";
+}
+
+// ---- history --------------------------------------------------------------------
+
+async function loadHistory() {
+  const reports = await api("GET", "/api/runs");
+  state.latestRun = new Map((reports[0] ? reports[0].runs : []).map((run) => [run.strategy, run]));
+  renderLearnCards();
+
+  const rows = [];
+  reports.forEach((report, index) => {
+    const when = new Date(report.generated_at).toLocaleString();
+    for (const run of report.runs) {
+      rows.push(el("tr", {},
+        el("td", {}, `#${reports.length - index} ${when}`), el("td", {}, run.strategy),
+        el("td", {}, run.orders),
+        el("td", { class: run.oversold > 0 ? "bad" : "" }, run.oversold > 0 ? `${run.oversold} OVERSOLD` : "0"),
+        el("td", {}, fmt(run.orders_per_s)), el("td", {}, fmt(run.latency_ms.p50)),
+        el("td", {}, fmt(run.latency_ms.p99)), el("td", {}, run.busy),
+        el("td", {}, run.consistent ? "yes" : "NO")));
+    }
+  });
+  document.querySelector("#history-table tbody").replaceChildren(
+    ...(rows.length ? rows : [el("tr", {}, el("td", { colspan: "9" }, "No load test yet."))]));
+
+  // One series per strategy over the runs, oldest first (x = run number).
+  const chronological = [...reports].reverse();
+  const x = chronological.map((_, i) => i + 1);
+  const names = [...new Set(chronological.flatMap((r) => r.runs.map((run) => run.strategy)))];
+  const palette = ["#a40e26", "#0550ae", "#116329", "#8250df", "#bc4c00", "#1b7c83", "#6e7781", "#cf222e", "#953800"];
+  const series = names.map((name, i) => ({ label: name, stroke: palette[i % palette.length], spanGaps: true }));
+  const column = (pick) => names.map((name) => chronological.map((r) => {
+    const run = r.runs.find((candidate) => candidate.strategy === name);
+    return run ? pick(run) : null;
+  }));
+  drawChart("orders", "history-orders", [x, ...column((r) => r.orders_per_s)], series);
+  drawChart("p99", "history-p99", [x, ...column((r) => r.latency_ms.p99)], series);
+  drawChart("oversold", "history-oversold", [x, ...column((r) => r.oversold)], series);
+}
+
+function drawChart(key, containerId, data, series) {
+  const container = document.getElementById(containerId);
+  const width = Math.max(300, container.clientWidth || 400);
+  const existing = state.charts[key];
+  if (existing && existing.series.length === series.length + 1) {
+    existing.setData(data);
+    return;
+  }
+  if (existing) existing.destroy();
+  const isTime = key === "rate";
+  state.charts[key] = new uPlot({
+    width, height: 200,
+    scales: { x: { time: isTime } },
+    axes: [{ label: isTime ? "" : "run" }, {}],
+    series: [{}, ...series.map((s) => ({ width: 2, points: { show: !isTime }, ...s }))],
+  }, data, container);
+}
+
+// ---- live feed ------------------------------------------------------------------
+
+function connect() {
+  const status = document.getElementById("connection");
+  const events = new EventSource("/api/events");
+  events.addEventListener("snapshot", (event) => onSnapshot(JSON.parse(event.data)));
+  events.addEventListener("loadtest", (event) => appendLog(event.data));
+  events.onerror = () => { status.textContent = "disconnected, retrying…"; status.classList.add("down"); };
+  setInterval(() => {
+    if (!state.lastSnapshotAt) return;
+    const age = (Date.now() - state.lastSnapshotAt) / 1000;
+    status.classList.toggle("down", age > 5);
+    status.textContent = age > 5 ? `no update for ${age.toFixed(0)} s` : `live · updated ${age.toFixed(1)} s ago`;
+  }, 500);
+}
+
+async function main() {
+  setUpControls();
+  connect();
+  await loadStrategies().catch((error) => say(`Cannot load strategies: ${error.message}`, true));
+  await Promise.all([loadHistory(), refreshLoadTestStatus()]).catch((error) => say(error.message, true));
+}
+
+main();

@@ -1,0 +1,85 @@
+// Drives the dashboard in Debian's headless chromium against a running replica:
+// switch the strategy, reset a SKU, place orders, make `none` oversell, and check that
+// the page's numbers follow. Usage: node dashboard.mjs BASE_URL SCREENSHOT.png
+import { chromium } from "playwright-core";
+
+const [base, screenshot] = process.argv.slice(2);
+if (!base || !screenshot) {
+  console.error("usage: node dashboard.mjs BASE_URL SCREENSHOT.png");
+  process.exit(2);
+}
+
+const browser = await chromium.launch({
+  executablePath: "/usr/bin/chromium",
+  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run"],
+});
+const page = await browser.newPage({ viewport: { width: 1400, height: 1000 } });
+const problems = [];
+page.on("pageerror", (error) => problems.push(`page error: ${error.message}`));
+page.on("console", (message) => { if (message.type() === "error") problems.push(`console: ${message.text()}`); });
+
+const step = (what) => console.log(`- ${what}`);
+const card = (sku, field) => page.locator(`#sku-cards [data-sku="${sku}"] .${field}`);
+const expectText = async (locator, text, what) => {
+  await locator.filter({ hasText: text }).first().waitFor({ timeout: 10000 })
+    .catch(async () => { throw new Error(`${what}: expected "${text}", page shows "${await locator.first().textContent().catch(() => "nothing")}"`); });
+};
+
+try {
+  step("open the page and wait for the live feed");
+  await page.goto(base);
+  await page.locator("#strategy-select option").first().waitFor({ state: "attached" });
+  await expectText(page.locator("#connection"), "live", "live feed");
+
+  step("switch to redis-lock");
+  await page.selectOption("#strategy-select", "redis-lock");
+  await page.click("#switch-strategy");
+  await expectText(page.locator("#active-strategy"), "redis-lock", "active strategy");
+  const active = await (await fetch(`${base}/api/admin/strategy`)).json();
+  if (active.strategy !== "redis-lock") throw new Error(`API says ${active.strategy}`);
+
+  step("reset SKU browser to 5 units");
+  await page.fill("#reset-sku", "browser");
+  await page.fill("#reset-stock", "5");
+  await page.click("#reset-button");
+  await expectText(card("browser", "stock-redis"), "5", "Redis stock after reset");
+  await expectText(card("browser", "orders"), "0", "orders after reset");
+
+  step("three shoppers buy at once under redis-lock");
+  await page.fill("#buy-sku", "browser");
+  await page.fill("#buy-count", "3");
+  await page.click("#buy-button");
+  await expectText(card("browser", "orders"), "3", "orders");
+  await expectText(card("browser", "stock-redis"), "2", "Redis stock");
+  await expectText(card("browser", "stock-mysql"), "2", "MySQL stock");
+  await expectText(card("browser", "oversold"), "Not oversold", "verdict");
+  await expectText(page.locator("#lock-views [data-sku=browser]"), "browser", "lock view");
+
+  step("switch to none, restock 5, twenty shoppers at once: oversold");
+  await page.selectOption("#strategy-select", "none");
+  await page.click("#switch-strategy");
+  await expectText(page.locator("#active-strategy"), "none", "active strategy");
+  await page.fill("#reset-stock", "5");
+  await page.click("#reset-button");
+  await expectText(card("browser", "orders"), "0", "orders after reset");
+  await page.fill("#buy-count", "20");
+  await page.click("#buy-button");
+  await expectText(card("browser", "oversold"), "OVERSOLD by", "oversold verdict");
+
+  step("learning cards and history are there");
+  const strategies = await (await fetch(`${base}/api/strategies`)).json();
+  const cards = await page.locator("#strategy-cards .card").count();
+  if (cards !== strategies.length) throw new Error(`${cards} strategy cards for ${strategies.length} strategies`);
+  await page.locator("#history-table tbody tr").first().waitFor();
+
+  if (problems.length) throw new Error(problems.join("\n"));
+  await page.screenshot({ path: screenshot, fullPage: true });
+  console.log(`dashboard test passed; screenshot ${screenshot}`);
+} catch (error) {
+  await page.screenshot({ path: screenshot, fullPage: true }).catch(() => {});
+  console.error(`dashboard test FAILED: ${error.message}\n(screenshot ${screenshot})`);
+  process.exitCode = 1;
+} finally {
+  await browser.close();
+}
