@@ -173,7 +173,11 @@ function onSnapshot(snapshot) {
   renderLocks(stats.strategy, snapshot.locks, stats.replicas);
 }
 
-function renderSkus(skus) {
+// The SKUs most recently active first; a long tail of old SKUs is summarised.
+const SKU_CARDS = 12;
+
+function renderSkus(allSkus) {
+  const skus = [...allSkus].sort((a, b) => Date.parse(b.updated_at) - Date.parse(a.updated_at)).slice(0, SKU_CARDS);
   const cards = skus.map((s) => {
     const verdict = s.oversold > 0
       ? el("p", { class: "verdict bad oversold" }, `⚠ OVERSOLD by ${s.oversold}: ${s.orders} orders for ${s.initial_stock} units`)
@@ -190,6 +194,9 @@ function renderSkus(skus) {
         el("dt", {}, "orders"), el("dd", { class: "orders" }, s.orders)),
       verdict, consistency);
   });
+  if (allSkus.length > skus.length) {
+    cards.push(el("p", { class: "muted" }, `${allSkus.length - skus.length} older SKU(s) not shown.`));
+  }
   document.getElementById("sku-cards").replaceChildren(
     ...(cards.length ? cards : [el("p", { class: "muted" }, "No SKU yet: reset one above.")]));
 }
@@ -231,7 +238,7 @@ function renderLocks(strategy, locks, replicas) {
     el("dl", { class: "figures" },
       el("dt", {}, "held by"), el("dd", {}, view.held ? (view.holder || "someone") : "nobody"),
       el("dt", {}, "lease left"), el("dd", {}, view.lease_left_ms === null ? "–" : `${view.lease_left_ms} ms`),
-      el("dt", {}, "orders waiting"), el("dd", {}, waiting)),
+      el("dt", {}, "orders waiting, all SKUs"), el("dd", {}, waiting)),
     el("pre", { class: "state" }, view.state.join("\n"))));
   document.getElementById("lock-views").replaceChildren(
     ...(views.length ? views : [el("p", { class: "muted" }, "No SKU to show.")]));

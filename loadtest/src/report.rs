@@ -257,6 +257,7 @@ mod tests {
             ordered_quantity: orders,
             oversold: (orders - initial).max(0),
             consistent,
+            updated_at: chrono::Utc::now(),
         }
     }
 

@@ -26,7 +26,7 @@ use crate::strategy::LockView;
 
 const INTERVAL: Duration = Duration::from_secs(1);
 
-/// Lock views are shown for this many SKUs at most.
+/// Lock views are shown for this many SKUs at most: the most recently active.
 const LOCK_VIEWS: usize = 4;
 
 /// The latest snapshot, as JSON, shared by every listener.
@@ -69,7 +69,9 @@ async fn snapshot(state: &AppState) -> anyhow::Result<String> {
     let stats = stats::collect(state, None).await?;
     let strategy = state.strategy(Some(&stats.strategy)).await?;
     let mut locks = Vec::new();
-    for sku in stats.skus.iter().take(LOCK_VIEWS).map(|s| s.sku.clone()) {
+    let mut recent: Vec<_> = stats.skus.iter().collect();
+    recent.sort_by(|a, b| b.updated_at.cmp(&a.updated_at));
+    for sku in recent.into_iter().take(LOCK_VIEWS).map(|s| s.sku.clone()) {
         let view = strategy
             .inspect(&state.flow, &sku)
             .await

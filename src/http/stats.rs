@@ -4,6 +4,8 @@
 
 use std::collections::BTreeMap;
 
+use chrono::{DateTime, Utc};
+
 use axum::extract::{Query, State};
 use serde::{Deserialize, Serialize};
 
@@ -40,6 +42,7 @@ pub struct SkuStats {
     pub ordered_quantity: i64,
     pub oversold: i64,
     pub consistent: bool,
+    pub updated_at: DateTime<Utc>,
 }
 
 impl SkuStats {
@@ -54,6 +57,7 @@ impl SkuStats {
             stock_mysql: record.stock,
             orders: record.orders,
             ordered_quantity: record.ordered_quantity,
+            updated_at: record.updated_at,
         }
     }
 }
@@ -104,6 +108,7 @@ mod tests {
             stock,
             orders: ordered,
             ordered_quantity: ordered,
+            updated_at: Utc::now(),
         }
     }
 

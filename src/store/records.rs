@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use chrono::Utc;
+use chrono::{DateTime, Utc};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::{MySql, Row, Transaction};
 
@@ -26,6 +26,8 @@ pub struct ProductRecord {
     pub stock: i64,
     pub orders: i64,
     pub ordered_quantity: i64,
+    /// When the product row last changed (a reset or a sale).
+    pub updated_at: DateTime<Utc>,
 }
 
 impl Records {
@@ -146,11 +148,11 @@ impl Records {
     /// Products with their order totals; all of them, or only `sku`.
     pub async fn products(&self, sku: Option<&Sku>) -> Result<Vec<ProductRecord>, StoreError> {
         let rows = sqlx::query(
-            "SELECT p.sku, p.initial_stock, p.stock,
+            "SELECT p.sku, p.initial_stock, p.stock, p.updated_at,
                     COUNT(o.id) AS orders, CAST(COALESCE(SUM(o.quantity), 0) AS SIGNED) AS ordered
              FROM products p LEFT JOIN orders o ON o.sku = p.sku
              WHERE (? IS NULL OR p.sku = ?)
-             GROUP BY p.sku, p.initial_stock, p.stock
+             GROUP BY p.sku, p.initial_stock, p.stock, p.updated_at
              ORDER BY p.sku",
         )
         .bind(sku.map(Sku::as_str))
@@ -170,6 +172,7 @@ impl Records {
                     stock: row.try_get("stock")?,
                     orders: row.try_get("orders")?,
                     ordered_quantity: row.try_get("ordered")?,
+                    updated_at: row.try_get("updated_at")?,
                 })
             })
             .collect()
