@@ -1,5 +1,8 @@
 # flashsale: the order service and the load test, for docker-compose.yml.
 FROM rust:1-bookworm AS build
+# protoc: the etcd client crate generates its gRPC code at build time.
+RUN apt-get update && apt-get install -y --no-install-recommends protobuf-compiler \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 RUN cargo build --release --locked --workspace \

@@ -70,6 +70,9 @@ install_missing() {
   command -v etcd >/dev/null || missing+=(etcd-server)
   command -v etcdctl >/dev/null || missing+=(etcd-client)
   command -v java >/dev/null || missing+=(default-jre-headless)
+  # Not a service: the etcd client crate generates its gRPC code with protoc at build
+  # time, and every script that builds runs `stack.sh up` first.
+  command -v protoc >/dev/null || missing+=(protobuf-compiler)
   [ ${#missing[@]} -eq 0 ] && return 0
   log "installing: ${missing[*]}"
   as_root apt-get update -qq

@@ -17,7 +17,7 @@ use crate::error::AppError;
 use crate::http::Snapshots;
 use crate::loadtests::LoadTests;
 use crate::replica::Heartbeat;
-use crate::store::{ClusterState, Records, StockCache, Store};
+use crate::store::{ClusterSettings, ClusterState, Records, StockCache, Store};
 use crate::strategy::{self, Backends, DEFAULT_STRATEGY, SaleFlow, Strategy};
 
 /// Shared by every handler of one replica.
@@ -34,24 +34,34 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// The strategy named by the request, or else the cluster's active one.
-    pub async fn strategy(&self, requested: Option<&str>) -> Result<Arc<dyn Strategy>, AppError> {
-        let name = match requested {
-            Some(name) => name.to_owned(),
-            None => self
-                .flow
-                .store
-                .cluster
-                .active_strategy()
-                .await?
-                .unwrap_or_else(|| DEFAULT_STRATEGY.to_owned()),
-        };
-        match strategy::find(&self.strategies, &name) {
-            Some(strategy) => Ok(strategy.clone()),
-            None if requested.is_some() => Err(AppError::Invalid(format!(
-                "unknown strategy '{name}'; known: {}",
-                self.strategy_names().join(", ")
-            ))),
+    /// The strategy called `name`; 422 when this build has none by that name.
+    pub fn named_strategy(&self, name: &str) -> Result<Arc<dyn Strategy>, AppError> {
+        strategy::find(&self.strategies, name)
+            .cloned()
+            .ok_or_else(|| {
+                AppError::Invalid(format!(
+                    "unknown strategy '{name}'; known: {}",
+                    self.strategy_names().join(", ")
+                ))
+            })
+    }
+
+    /// The cluster's settings (one Redis round trip) and the strategy to use: the
+    /// requested one, or else the cluster's active one.
+    pub async fn settings_and_strategy(
+        &self,
+        requested: Option<&str>,
+    ) -> Result<(ClusterSettings, Arc<dyn Strategy>), AppError> {
+        let settings = self.flow.store.cluster.settings().await?;
+        if let Some(name) = requested {
+            return Ok((settings, self.named_strategy(name)?));
+        }
+        let name = settings.strategy.as_deref().unwrap_or(DEFAULT_STRATEGY);
+        match strategy::find(&self.strategies, name) {
+            Some(active) => {
+                let active = active.clone();
+                Ok((settings, active))
+            }
             None => {
                 tracing::error!(%name, "the cluster's active strategy is unknown to this replica");
                 Err(AppError::Internal)
@@ -83,7 +93,7 @@ impl Server {
             .clone()
             .unwrap_or_else(|| format!("replica-{}", address.port()));
 
-        let redis = redis_pool(&config)?;
+        let redis = redis_pool(&config.redis_url, config.redis_pool)?;
         let redis_client = deadpool_redis::redis::Client::open(config.redis_url.as_str())
             .context("parsing the Redis URL")?;
         let records = Records::connect(
@@ -102,6 +112,12 @@ impl Server {
             lease: config.lock_lease(),
             zookeeper: config.zookeeper.clone(),
             zookeeper_session_timeout: config.zk_session_timeout(),
+            redlock_nodes: config
+                .redlock_urls
+                .iter()
+                .map(|url| redis_pool(url, config.redis_pool))
+                .collect::<anyhow::Result<_>>()?,
+            etcd: config.etcd.clone(),
             optimistic_attempts: config.optimistic_attempts,
         };
         let store = Store {
@@ -115,6 +131,7 @@ impl Server {
                 work: config.work(),
                 replica_id: replica_id.clone(),
                 lock_wait: config.lock_wait(),
+                lock_lease: config.lock_lease(),
                 lock_waiters: AtomicU64::new(0),
             }),
             strategies: strategy::registry(&backends).into(),
@@ -167,11 +184,11 @@ impl Server {
 }
 
 /// A Redis pool whose waits are bounded, so an outage answers 503 instead of hanging.
-fn redis_pool(config: &ServeConfig) -> anyhow::Result<deadpool_redis::Pool> {
-    let mut redis = deadpool_redis::Config::from_url(config.redis_url.clone());
+fn redis_pool(url: &str, size: usize) -> anyhow::Result<deadpool_redis::Pool> {
+    let mut redis = deadpool_redis::Config::from_url(url);
     let bound = Some(std::time::Duration::from_secs(2));
     redis.pool = Some(PoolConfig {
-        max_size: config.redis_pool,
+        max_size: size,
         timeouts: Timeouts {
             wait: bound,
             create: bound,

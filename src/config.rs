@@ -71,6 +71,19 @@ pub struct ServeConfig {
     #[arg(long, env = "FLASHSALE_ZOOKEEPER", default_value = "127.0.0.1:2190")]
     pub zookeeper: String,
 
+    /// The independent Redis nodes of the redlock strategy (comma-separated URLs).
+    #[arg(
+        long,
+        env = "FLASHSALE_REDLOCK_URLS",
+        value_delimiter = ',',
+        default_value = "redis://127.0.0.1:6390,redis://127.0.0.1:6391,redis://127.0.0.1:6392"
+    )]
+    pub redlock_urls: Vec<String>,
+
+    /// etcd endpoints (comma-separated) for the etcd strategy.
+    #[arg(long, env = "FLASHSALE_ETCD", default_value = "http://127.0.0.1:2390")]
+    pub etcd: String,
+
     /// ZooKeeper session timeout in milliseconds: how long after a replica dies its
     /// lock nodes disappear.
     #[arg(long, env = "FLASHSALE_ZK_SESSION_MS", default_value_t = 4000)]

@@ -139,6 +139,9 @@ impl From<OrderError> for AppError {
             },
             OrderError::Busy(message) => AppError::Busy(message),
             OrderError::LockLost(detail) => AppError::LockLost(detail),
+            OrderError::Fenced { token } => AppError::LockLost(format!(
+                "MySQL refused fencing token {token}: a newer lock holder wrote first"
+            )),
             OrderError::LockBackend { backend, detail } => {
                 tracing::warn!(backend, %detail, "lock backend failed");
                 AppError::BackendUnavailable { backend }

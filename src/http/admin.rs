@@ -19,7 +19,7 @@ pub struct StrategyBody {
 pub async fn active_strategy(
     State(state): State<AppState>,
 ) -> Result<ApiJson<StrategyBody>, AppError> {
-    let strategy = state.strategy(None).await?;
+    let (_, strategy) = state.settings_and_strategy(None).await?;
     Ok(ApiJson(StrategyBody {
         strategy: strategy.name().to_owned(),
     }))
@@ -29,7 +29,7 @@ pub async fn set_strategy(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<StrategyBody>,
 ) -> Result<ApiJson<StrategyBody>, AppError> {
-    let strategy = state.strategy(Some(&body.strategy)).await?;
+    let strategy = state.named_strategy(&body.strategy)?;
     state
         .flow
         .store
@@ -65,4 +65,61 @@ pub async fn reset(
     store.cache.reset(&sku, stock).await?;
     tracing::info!(%sku, stock, "stock reset");
     Ok(ApiJson(ResetDone { sku, stock }))
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+pub struct FencingBody {
+    enabled: bool,
+}
+
+pub async fn fencing(State(state): State<AppState>) -> Result<ApiJson<FencingBody>, AppError> {
+    let (settings, _) = state.settings_and_strategy(None).await?;
+    Ok(ApiJson(FencingBody {
+        enabled: settings.fencing,
+    }))
+}
+
+/// Fencing is cluster-wide: every replica reads the switch with each order.
+pub async fn set_fencing(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<FencingBody>,
+) -> Result<ApiJson<FencingBody>, AppError> {
+    state.flow.store.cluster.set_fencing(body.enabled).await?;
+    tracing::info!(enabled = body.enabled, "fencing switched");
+    Ok(ApiJson(body))
+}
+
+/// Longest pause the fault may ask for.
+pub const MAX_PAUSE_MS: i64 = 120_000;
+
+#[derive(Debug, Deserialize)]
+pub struct FaultBody {
+    /// Milliseconds the next lock holder stalls; by default 1.5 leases plus 0.5 s, so
+    /// the lease surely runs out.
+    pause_holder_ms: Option<serde_json::Number>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FaultArmed {
+    pause_holder_ms: u64,
+}
+
+/// Arms the paused-holder fault for the next lock holder in the cluster.
+pub async fn arm_fault(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<FaultBody>,
+) -> Result<ApiJson<FaultArmed>, AppError> {
+    let ms =
+        match &body.pause_holder_ms {
+            Some(ms) => integer_in_range("pause_holder_ms", ms, 1, MAX_PAUSE_MS)
+                .map_err(AppError::Invalid)?,
+            None => i64::try_from(state.flow.lock_lease.as_millis() * 3 / 2 + 500)
+                .unwrap_or(MAX_PAUSE_MS),
+        };
+    let ms = u64::try_from(ms).unwrap_or(0);
+    state.flow.store.cluster.arm_pause(ms).await?;
+    tracing::warn!(ms, "fault armed: the next lock holder will pause");
+    Ok(ApiJson(FaultArmed {
+        pause_holder_ms: ms,
+    }))
 }

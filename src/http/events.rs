@@ -67,10 +67,10 @@ pub fn spawn_snapshots(state: AppState) -> JoinHandle<()> {
 
 async fn snapshot(state: &AppState) -> anyhow::Result<String> {
     let stats = stats::collect(state, None).await?;
-    let strategy = state.strategy(Some(&stats.strategy)).await?;
+    let strategy = state.named_strategy(&stats.strategy)?;
     let mut locks = Vec::new();
     let mut recent: Vec<_> = stats.skus.iter().collect();
-    recent.sort_by(|a, b| b.updated_at.cmp(&a.updated_at));
+    recent.sort_by_key(|s| std::cmp::Reverse(s.updated_at));
     for sku in recent.into_iter().take(LOCK_VIEWS).map(|s| s.sku.clone()) {
         let view = strategy
             .inspect(&state.flow, &sku)

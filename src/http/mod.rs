@@ -57,6 +57,11 @@ pub fn router(state: AppState, static_dir: &Path) -> Router {
             get(admin::active_strategy).put(admin::set_strategy),
         )
         .route("/api/admin/reset", post(admin::reset))
+        .route(
+            "/api/admin/fencing",
+            get(admin::fencing).put(admin::set_fencing),
+        )
+        .route("/api/admin/faults", post(admin::arm_fault))
         .route("/api/events", get(events::events))
         .route(
             "/api/loadtests",

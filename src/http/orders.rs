@@ -8,6 +8,7 @@ use super::ApiJson;
 use crate::app::AppState;
 use crate::error::AppError;
 use crate::model::{NewOrder, Order, Sku, integer_in_range, parse_user_id};
+use crate::strategy::OrderOptions;
 
 #[derive(Debug, Deserialize)]
 pub struct OrderBody {
@@ -39,7 +40,13 @@ pub async fn place_order(
 ) -> Result<(StatusCode, ApiJson<Order>), AppError> {
     let Query(query) = query?;
     let order = body.validate(state.max_quantity)?;
-    let strategy = state.strategy(query.strategy.as_deref()).await?;
-    let placed = strategy.place_order(&state.flow, &order).await?;
+    let (settings, strategy) = state
+        .settings_and_strategy(query.strategy.as_deref())
+        .await?;
+    let options = OrderOptions {
+        fencing: settings.fencing,
+        pause_armed: settings.pause_holder_ms.is_some(),
+    };
+    let placed = strategy.place_order(&state.flow, &order, options).await?;
     Ok((StatusCode::CREATED, ApiJson(placed)))
 }

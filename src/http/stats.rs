@@ -24,6 +24,10 @@ pub struct StatsQuery {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Stats {
     pub strategy: String,
+    /// Whether lock holders' writes are fenced.
+    pub fencing: bool,
+    /// A paused-holder fault waiting for the next lock holder, in ms.
+    pub pause_armed_ms: Option<u64>,
     pub replicas: Vec<ReplicaInfo>,
     pub skus: Vec<SkuStats>,
     /// Cluster-wide event counts by `strategy.counter` (lock timeouts, locks lost,
@@ -85,8 +89,11 @@ pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppEr
     }
     let skus: Vec<Sku> = records.iter().map(|r| r.sku.clone()).collect();
     let redis_stocks = store.cache.stocks(&skus).await?;
+    let (settings, strategy) = state.settings_and_strategy(None).await?;
     Ok(Stats {
-        strategy: state.strategy(None).await?.name().to_owned(),
+        strategy: strategy.name().to_owned(),
+        fencing: settings.fencing,
+        pause_armed_ms: settings.pause_holder_ms,
         replicas: store.cluster.live_replicas().await?,
         counters: store.cluster.counters().await?,
         skus: records

@@ -25,6 +25,8 @@ pub trait LeaseHold: Clone + Send + Sync + 'static {
     async fn delete(&self) -> Result<bool, LockError>;
     /// For logs and errors: the key, path or row.
     fn describe(&self) -> String;
+    /// This acquisition's fencing token.
+    fn fencing_token(&self) -> u64;
 }
 
 struct HoldState {
@@ -61,12 +63,6 @@ impl<H: LeaseHold> LeaseGuard<H> {
 
     pub fn hold(&self) -> &H {
         &self.hold
-    }
-
-    /// Stops renewing the lease while keeping the guard, as a stop-the-world pause
-    /// would: the lease runs out and another contender can take the lock.
-    pub fn suspend_renewal(&self) {
-        self.watchdog.abort();
     }
 
     /// Behaves like a holder that crashed: stops renewing and never releases. The
@@ -111,6 +107,15 @@ impl<H: LeaseHold> HeldLock for LeaseGuard<H> {
             "{} expired or was taken over",
             self.hold.describe()
         )))
+    }
+
+    fn fencing_token(&self) -> Option<u64> {
+        Some(self.hold.fencing_token())
+    }
+
+    /// The lease runs out and another contender can take the lock.
+    fn suspend_renewal(&self) {
+        self.watchdog.abort();
     }
 
     async fn release(self) -> Result<(), LockError> {

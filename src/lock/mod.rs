@@ -9,8 +9,10 @@
 //! its irreversible write and aborts if the lock is gone. That narrows the window but
 //! cannot close it: only a fencing token checked by the storage itself does.
 
+pub mod etcd;
 pub mod lease;
 pub mod redis;
+pub mod redlock;
 pub mod table;
 pub mod zookeeper;
 
@@ -57,6 +59,15 @@ pub trait DistributedLock: Send + Sync {
 pub trait HeldLock: Send + Sync {
     /// `Ok` while this holder can still trust that it holds the lock.
     async fn ensure_held(&self) -> Result<(), LockError>;
+
+    /// A number that only grows with each acquisition of this lock, for the storage to
+    /// reject writes from a holder that has since been overtaken.
+    fn fencing_token(&self) -> Option<u64>;
+
+    /// Stops keeping the lock alive while still holding the guard, as a
+    /// stop-the-world pause would. Locks whose liveness is not this process's to stop
+    /// (a ZooKeeper session is kept by the client library) ignore it.
+    fn suspend_renewal(&self) {}
 
     /// Gives the lock back. Releasing a lock that was lost is not an error for the
     /// caller to act on; it is logged by the primitive and reported as `Lost`.

@@ -34,12 +34,13 @@ use tokio::time::Instant;
 use super::lease::{LeaseGuard, LeaseHold};
 use super::{DistributedLock, LockError, acquisition_token};
 
-/// `SET NX PX`, and the remaining TTL when the lock is taken (to know when to retry).
+/// `SET NX PX`; on success the next fencing token (`INCR`), otherwise the remaining
+/// TTL (to know when to retry).
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return {1, 0}
+  return {1, redis.call('INCR', KEYS[2])}
 end
 return {0, redis.call('PTTL', KEYS[1])}
 ",
@@ -134,17 +135,27 @@ impl RedisLock {
         Ok(token.map(|token| (token, ttl)))
     }
 
-    /// One `SET NX PX` attempt: `None` when acquired, else the lock's remaining TTL.
-    async fn try_acquire(&self, key: &str, token: &str) -> Result<Option<i64>, LockError> {
+    fn fence_key(&self, name: &str) -> String {
+        format!("{}:fence:{name}", self.namespace)
+    }
+
+    /// One `SET NX PX` attempt: `Ok(fencing token)` when acquired, `Err(remaining
+    /// TTL)` when held by someone else.
+    async fn try_acquire(&self, name: &str, token: &str) -> Result<Result<u64, i64>, LockError> {
         let mut conn = self.pool.get().await.map_err(redis_error)?;
-        let (acquired, ttl): (i64, i64) = ACQUIRE
-            .key(key)
+        let (acquired, value): (i64, i64) = ACQUIRE
+            .key(self.key(name))
+            .key(self.fence_key(name))
             .arg(token)
             .arg(millis(self.lease))
             .invoke_async(&mut conn)
             .await
             .map_err(redis_error)?;
-        Ok((acquired != 1).then_some(ttl))
+        Ok(if acquired == 1 {
+            Ok(u64::try_from(value).unwrap_or(0))
+        } else {
+            Err(value)
+        })
     }
 }
 
@@ -164,17 +175,18 @@ impl DistributedLock for RedisLock {
             tokio::pin!(released);
             released.as_mut().enable();
 
-            let ttl = match self.try_acquire(&key, &token).await? {
-                None => {
+            let ttl = match self.try_acquire(name, &token).await? {
+                Ok(fence) => {
                     let hold = RedisHold {
                         pool: self.pool.clone(),
                         key,
                         channel,
                         token,
+                        fence,
                     };
                     return Ok(LeaseGuard::start(hold, self.lease));
                 }
-                Some(ttl) => ttl,
+                Err(ttl) => ttl,
             };
             let now = Instant::now();
             if now >= deadline {
@@ -254,6 +266,7 @@ pub struct RedisHold {
     key: String,
     channel: String,
     token: String,
+    fence: u64,
 }
 
 impl RedisHold {
@@ -263,41 +276,66 @@ impl RedisHold {
     }
 }
 
+/// Compare-and-PEXPIRE on one node: `true` if `key` still held `token`.
+pub(super) async fn renew_on(
+    pool: &Pool,
+    key: &str,
+    token: &str,
+    lease: Duration,
+) -> Result<bool, LockError> {
+    let mut conn = pool.get().await.map_err(redis_error)?;
+    let renewed: i64 = RENEW
+        .key(key)
+        .arg(token)
+        .arg(millis(lease))
+        .invoke_async(&mut conn)
+        .await
+        .map_err(redis_error)?;
+    Ok(renewed == 1)
+}
+
+/// Compare-and-delete on one node, publishing on `channel`: `true` if it was ours.
+pub(super) async fn delete_on(
+    pool: &Pool,
+    key: &str,
+    channel: &str,
+    token: &str,
+) -> Result<bool, LockError> {
+    let mut conn = pool.get().await.map_err(redis_error)?;
+    let deleted: i64 = RELEASE
+        .key(key)
+        .arg(token)
+        .arg(channel)
+        .invoke_async(&mut conn)
+        .await
+        .map_err(redis_error)?;
+    Ok(deleted == 1)
+}
+
 #[async_trait]
 impl LeaseHold for RedisHold {
     async fn renew(&self, lease: Duration) -> Result<bool, LockError> {
-        let mut conn = self.pool.get().await.map_err(redis_error)?;
-        let renewed: i64 = RENEW
-            .key(&self.key)
-            .arg(&self.token)
-            .arg(millis(lease))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(redis_error)?;
-        Ok(renewed == 1)
+        renew_on(&self.pool, &self.key, &self.token, lease).await
     }
 
     async fn delete(&self) -> Result<bool, LockError> {
-        let mut conn = self.pool.get().await.map_err(redis_error)?;
-        let deleted: i64 = RELEASE
-            .key(&self.key)
-            .arg(&self.token)
-            .arg(&self.channel)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(redis_error)?;
-        Ok(deleted == 1)
+        delete_on(&self.pool, &self.key, &self.channel, &self.token).await
     }
 
     fn describe(&self) -> String {
         format!("redis lock {}", self.key)
     }
+
+    /// From `INCR <ns>:fence:<name>` at acquisition.
+    fn fencing_token(&self) -> u64 {
+        self.fence
+    }
 }
 
-fn millis(duration: Duration) -> u64 {
+pub(super) fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
-fn redis_error(error: impl std::fmt::Display) -> LockError {
+pub(super) fn redis_error(error: impl std::fmt::Display) -> LockError {
     LockError::backend("redis", error)
 }

@@ -152,13 +152,6 @@ pub struct TableHold {
     owner: String,
 }
 
-impl TableHold {
-    /// The row's auto-increment id: it only grows, so it can serve as a fencing token.
-    pub fn id(&self) -> u64 {
-        self.id
-    }
-}
-
 #[async_trait]
 impl LeaseHold for TableHold {
     async fn renew(&self, lease: Duration) -> Result<bool, LockError> {
@@ -203,6 +196,11 @@ impl LeaseHold for TableHold {
 
     fn describe(&self) -> String {
         format!("lock row {} ({})", self.id, self.name)
+    }
+
+    /// The row's auto-increment id: it only grows.
+    fn fencing_token(&self) -> u64 {
+        self.id
     }
 }
 

@@ -224,6 +224,10 @@ impl HeldLock for ZooKeeperGuard {
         }
     }
 
+    fn fencing_token(&self) -> Option<u64> {
+        self.sequence()
+    }
+
     /// Dropping the owned lock deletes the node (retrying over connection loss); the
     /// successor's watch fires and it takes over.
     async fn release(self) -> Result<(), LockError> {

@@ -1,9 +1,9 @@
-//! State every replica must agree on, kept in Redis: the active strategy and the
-//! registry of live replicas.
+//! State every replica must agree on, kept in Redis: the active strategy, the fencing
+//! switch, an armed fault, and the registry of live replicas.
 //!
-//! The active strategy is read from Redis on each order (one GET) rather than cached,
-//! so a switch takes effect on every replica for the very next request: a load test
-//! that switches and then fires never runs a stale strategy.
+//! The settings are read from Redis on each order (one MGET) rather than cached, so a
+//! switch takes effect on every replica for the very next request: a load test that
+//! switches and then fires never runs a stale strategy.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -21,6 +21,17 @@ pub const REPLICA_TTL_MS: i64 = 5_000;
 pub struct ClusterState {
     pool: Pool,
     namespace: String,
+}
+
+/// The cluster-wide switches an order needs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClusterSettings {
+    /// The active strategy, `None` when nobody has chosen one yet.
+    pub strategy: Option<String>,
+    /// Whether lock holders' writes are fenced by their tokens.
+    pub fencing: bool,
+    /// An armed paused-holder fault, in milliseconds.
+    pub pause_holder_ms: Option<u64>,
 }
 
 /// What a replica announces about itself with each heartbeat.
@@ -46,6 +57,14 @@ impl ClusterState {
         format!("{}:strategy", self.namespace)
     }
 
+    fn fencing_key(&self) -> String {
+        format!("{}:fencing", self.namespace)
+    }
+
+    fn pause_key(&self) -> String {
+        format!("{}:fault:pause-holder-ms", self.namespace)
+    }
+
     fn counters_key(&self) -> String {
         format!("{}:counters", self.namespace)
     }
@@ -54,10 +73,38 @@ impl ClusterState {
         format!("{}:replicas", self.namespace)
     }
 
-    /// The active strategy's name, `None` when nobody has chosen one yet.
-    pub async fn active_strategy(&self) -> Result<Option<String>, StoreError> {
+    /// The cluster-wide settings, in one round trip.
+    pub async fn settings(&self) -> Result<ClusterSettings, StoreError> {
         let mut conn = self.pool.get().await?;
-        Ok(conn.get(self.strategy_key()).await?)
+        let (strategy, fencing, pause): (Option<String>, Option<String>, Option<u64>) = conn
+            .mget(&[self.strategy_key(), self.fencing_key(), self.pause_key()])
+            .await?;
+        Ok(ClusterSettings {
+            strategy,
+            fencing: fencing.as_deref() == Some("on"),
+            pause_holder_ms: pause,
+        })
+    }
+
+    pub async fn set_fencing(&self, enabled: bool) -> Result<(), StoreError> {
+        let mut conn = self.pool.get().await?;
+        let () = conn
+            .set(self.fencing_key(), if enabled { "on" } else { "off" })
+            .await?;
+        Ok(())
+    }
+
+    /// Arms the paused-holder fault: the next lock holder to claim it stalls `ms`.
+    pub async fn arm_pause(&self, ms: u64) -> Result<(), StoreError> {
+        let mut conn = self.pool.get().await?;
+        let () = conn.set(self.pause_key(), ms).await?;
+        Ok(())
+    }
+
+    /// Claims the armed pause (only one holder gets it).
+    pub async fn take_pause(&self) -> Result<Option<u64>, StoreError> {
+        let mut conn = self.pool.get().await?;
+        Ok(conn.get_del(self.pause_key()).await?)
     }
 
     pub async fn set_active_strategy(&self, name: &str) -> Result<(), StoreError> {

@@ -8,9 +8,9 @@ mod cluster_state;
 mod records;
 mod stock_cache;
 
-pub use cluster_state::{ClusterState, ReplicaInfo};
-pub use records::{ProductRecord, Records};
-pub use stock_cache::StockCache;
+pub use cluster_state::{ClusterSettings, ClusterState, ReplicaInfo};
+pub use records::{LockedProduct, ProductRecord, Records};
+pub use stock_cache::{StockCache, Taken};
 
 use deadpool_redis::redis::RedisError;
 
@@ -30,6 +30,9 @@ pub enum StoreError {
     RedisPool(#[from] deadpool_redis::PoolError),
     #[error("mysql: {0}")]
     Mysql(#[from] sqlx::Error),
+    /// A row lock (`SELECT … FOR UPDATE`) was not granted within the wait.
+    #[error("row lock not granted in time")]
+    RowLockTimeout,
     #[error("unexpected data in {what}: {detail}")]
     Corrupt { what: &'static str, detail: String },
 }

@@ -80,6 +80,10 @@ impl Records {
             .bind(sku.as_str())
             .execute(&mut *tx)
             .await?;
+        sqlx::query("DELETE FROM product_fences WHERE sku = ?")
+            .bind(sku.as_str())
+            .execute(&mut *tx)
+            .await?;
         tx.commit().await?;
         Ok(())
     }
@@ -87,14 +91,41 @@ impl Records {
     /// The lock strategies' write: set the product's stock to `new_stock` (an absolute
     /// value computed from what the caller read, which is exactly what loses updates
     /// without a lock) and insert the order, in one transaction.
+    ///
+    /// With a fencing token, the transaction first moves the SKU's fence for this lock
+    /// service forward, and only if the token is greater than the last one written:
+    /// `None` means a newer holder already wrote, and nothing was written.
     pub async fn commit_order(
         &self,
         order: &NewOrder,
         new_stock: i64,
+        fence: Option<u64>,
         strategy: &str,
         replica: &str,
-    ) -> Result<Order, StoreError> {
+    ) -> Result<Option<Order>, StoreError> {
         let mut tx = self.pool.begin().await?;
+        if let Some(token) = fence {
+            sqlx::query(
+                "INSERT IGNORE INTO product_fences (sku, lock_service, fence) VALUES (?, ?, 0)",
+            )
+            .bind(order.sku.as_str())
+            .bind(strategy)
+            .execute(&mut *tx)
+            .await?;
+            let advanced = sqlx::query(
+                "UPDATE product_fences SET fence = ? WHERE sku = ? AND lock_service = ? AND fence < ?",
+            )
+            .bind(token)
+            .bind(order.sku.as_str())
+            .bind(strategy)
+            .bind(token)
+            .execute(&mut *tx)
+            .await?;
+            if advanced.rows_affected() == 0 {
+                tx.rollback().await?;
+                return Ok(None);
+            }
+        }
         sqlx::query("UPDATE products SET stock = ?, version = version + 1 WHERE sku = ?")
             .bind(new_stock)
             .bind(order.sku.as_str())
@@ -102,7 +133,7 @@ impl Records {
             .await?;
         let recorded = insert_order(&mut tx, order, strategy, replica).await?;
         tx.commit().await?;
-        Ok(recorded)
+        Ok(Some(recorded))
     }
 
     /// The product's stock and row version, as the optimistic strategy reads them.
@@ -115,23 +146,25 @@ impl Records {
         )
     }
 
-    /// The optimistic write: decrement the stock only if the row is still at `version`,
-    /// and insert the order in the same transaction. `None` means another writer got
-    /// there first (nothing was written).
-    pub async fn commit_order_at_version(
+    /// Decrements the stock and inserts the order in one transaction. With `version`
+    /// (the optimistic write) only if the row is still at that version and has the
+    /// stock: `None` means another writer got there first and nothing was written.
+    /// Without it (redis-atomic, whose Lua script already took the units) always.
+    pub async fn commit_decrement(
         &self,
         order: &NewOrder,
-        version: i64,
+        version: Option<i64>,
         strategy: &str,
         replica: &str,
     ) -> Result<Option<Order>, StoreError> {
         let mut tx = self.pool.begin().await?;
         let updated = sqlx::query(
             "UPDATE products SET stock = stock - ?, version = version + 1
-             WHERE sku = ? AND version = ? AND stock >= ?",
+             WHERE sku = ? AND (? IS NULL OR (version = ? AND stock >= ?))",
         )
         .bind(order.quantity)
         .bind(order.sku.as_str())
+        .bind(version)
         .bind(version)
         .bind(order.quantity)
         .execute(&mut *tx)
@@ -143,6 +176,38 @@ impl Records {
         let recorded = insert_order(&mut tx, order, strategy, replica).await?;
         tx.commit().await?;
         Ok(Some(recorded))
+    }
+
+    /// Starts a transaction holding the product's row lock (`SELECT … FOR UPDATE`, by
+    /// the primary key, so one row is locked). Waits at most `wait` (whole seconds:
+    /// InnoDB's granularity) for the row. `None` for an unknown SKU.
+    pub async fn lock_product(
+        &self,
+        sku: &Sku,
+        wait: Duration,
+    ) -> Result<Option<LockedProduct>, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let seconds = wait.as_secs().max(1) + u64::from(wait.subsec_nanos() > 0);
+        sqlx::query("SET SESSION innodb_lock_wait_timeout = ?")
+            .bind(seconds)
+            .execute(&mut *tx)
+            .await?;
+        let row: Option<(i64, i64)> =
+            match sqlx::query_as("SELECT stock, version FROM products WHERE sku = ? FOR UPDATE")
+                .bind(sku.as_str())
+                .fetch_optional(&mut *tx)
+                .await
+            {
+                Err(sqlx::Error::Database(error))
+                    if error
+                        .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                        .is_some_and(|e| e.number() == LOCK_WAIT_TIMEOUT) =>
+                {
+                    return Err(StoreError::RowLockTimeout);
+                }
+                other => other?,
+            };
+        Ok(row.map(|(stock, version)| LockedProduct { tx, stock, version }))
     }
 
     /// Products with their order totals; all of them, or only `sku`.
@@ -212,6 +277,37 @@ impl Records {
                     })
             })
             .collect()
+    }
+}
+
+/// MySQL's "Lock wait timeout exceeded".
+const LOCK_WAIT_TIMEOUT: u16 = 1205;
+
+/// A product row locked `FOR UPDATE` inside an open transaction. Dropping it rolls
+/// the transaction back and frees the row.
+pub struct LockedProduct {
+    tx: Transaction<'static, MySql>,
+    pub stock: i64,
+    pub version: i64,
+}
+
+impl LockedProduct {
+    /// Writes the stock and the order and commits, releasing the row lock. Returns the
+    /// order and the row's new version.
+    pub async fn commit_order(
+        mut self,
+        order: &NewOrder,
+        strategy: &str,
+        replica: &str,
+    ) -> Result<(Order, i64), StoreError> {
+        sqlx::query("UPDATE products SET stock = stock - ?, version = version + 1 WHERE sku = ?")
+            .bind(order.quantity)
+            .bind(order.sku.as_str())
+            .execute(&mut *self.tx)
+            .await?;
+        let recorded = insert_order(&mut self.tx, order, strategy, replica).await?;
+        self.tx.commit().await?;
+        Ok((recorded, self.version + 1))
     }
 }
 

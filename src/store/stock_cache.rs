@@ -28,6 +28,33 @@ return 0
     )
 });
 
+/// Checks and takes units in one step: `-2` unknown SKU, `-1` not enough (with the
+/// stock left), else the stock after taking.
+static TAKE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local stock = tonumber(redis.call('GET', KEYS[1]))
+if stock == nil then return {-2, 0} end
+local quantity = tonumber(ARGV[1])
+if stock < quantity then return {-1, stock} end
+return {0, redis.call('DECRBY', KEYS[1], quantity)}
+",
+    )
+});
+
+/// What an atomic take found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Taken {
+    /// Taken; this much is left.
+    Done {
+        left: i64,
+    },
+    NotEnough {
+        available: i64,
+    },
+    UnknownSku,
+}
+
 #[derive(Clone)]
 pub struct StockCache {
     pool: Pool,
@@ -89,6 +116,28 @@ impl StockCache {
             .invoke_async(&mut conn)
             .await?;
         Ok(written == 1)
+    }
+
+    /// The redis-atomic check-and-decrement, as one Lua script.
+    pub async fn take(&self, sku: &Sku, quantity: i64) -> Result<Taken, StoreError> {
+        let mut conn = self.pool.get().await?;
+        let (outcome, value): (i64, i64) = TAKE
+            .key(self.key(sku))
+            .arg(quantity)
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(match outcome {
+            -2 => Taken::UnknownSku,
+            -1 => Taken::NotEnough { available: value },
+            _ => Taken::Done { left: value },
+        })
+    }
+
+    /// Gives units back after a take whose order could not be recorded.
+    pub async fn give_back(&self, sku: &Sku, quantity: i64) -> Result<(), StoreError> {
+        let mut conn = self.pool.get().await?;
+        let _: i64 = conn.incr(self.key(sku), quantity).await?;
+        Ok(())
     }
 
     /// The stock of several SKUs in one round trip, in the same order.

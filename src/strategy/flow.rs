@@ -15,7 +15,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::OrderError;
+use super::{OrderError, OrderOptions};
 use crate::lock::{DistributedLock, HeldLock};
 use crate::model::{NewOrder, Order};
 use crate::store::Store;
@@ -28,6 +28,8 @@ pub struct SaleFlow {
     pub replica_id: String,
     /// How long a lock strategy waits for its lock before answering 503.
     pub lock_wait: Duration,
+    /// The lease of this replica's lease locks (for the paused-holder fault's default).
+    pub lock_lease: Duration,
     /// Orders of this replica waiting for a lock right now (for the dashboard).
     pub lock_waiters: AtomicU64,
 }
@@ -40,6 +42,7 @@ impl SaleFlow {
         lock: &L,
         order: &NewOrder,
         strategy: &str,
+        options: OrderOptions,
     ) -> Result<Order, OrderError> {
         self.lock_waiters.fetch_add(1, Ordering::Relaxed);
         let acquired = lock.acquire(order.sku.as_str(), self.lock_wait).await;
@@ -51,12 +54,19 @@ impl SaleFlow {
                 return Err(error.into());
             }
         };
-        let sold = self.sell(order, strategy, Some(&guard)).await;
+        let sold = self.sell(order, strategy, Some(&guard), options).await;
         if let Err(error) = guard.release().await {
             tracing::warn!(%error, sku = %order.sku, strategy, "lock release failed");
         }
-        if let Err(OrderError::LockLost(_)) = &sold {
-            self.store.cluster.count(strategy, "locks_lost").await;
+        match &sold {
+            Err(OrderError::LockLost(_)) => self.store.cluster.count(strategy, "locks_lost").await,
+            Err(OrderError::Fenced { .. }) => {
+                self.store
+                    .cluster
+                    .count(strategy, "fencing_rejections")
+                    .await;
+            }
+            _ => {}
         }
         sold
     }
@@ -68,6 +78,7 @@ impl SaleFlow {
         order: &NewOrder,
         strategy: &str,
         hold: Option<&dyn HeldLock>,
+        options: OrderOptions,
     ) -> Result<Order, OrderError> {
         let stock = self
             .store
@@ -89,18 +100,50 @@ impl SaleFlow {
         // by MySQL itself.
         if let Some(hold) = hold {
             hold.ensure_held().await?;
+            if options.pause_armed {
+                self.pause_if_claimed(hold, strategy).await?;
+            }
         }
         let new_stock = stock - order.quantity;
+        let fence = hold
+            .filter(|_| options.fencing)
+            .and_then(|h| h.fencing_token());
         let recorded = self
             .store
             .records
-            .commit_order(order, new_stock, strategy, &self.replica_id)
-            .await?;
+            .commit_order(order, new_stock, fence, strategy, &self.replica_id)
+            .await?
+            .ok_or(OrderError::Fenced {
+                token: fence.unwrap_or(0),
+            })?;
         // The order is committed: if the cache write fails now, the order still stands
         // and /api/stats reports the cache as inconsistent until the next reset.
         if let Err(error) = self.store.cache.set_stock(&order.sku, new_stock).await {
             tracing::error!(%error, sku = %order.sku, "order committed but Redis stock not updated");
         }
         Ok(recorded)
+    }
+
+    /// The paused-holder fault (Kleppmann's scenario): if this holder claims the armed
+    /// pause, it stops renewing its lock and stalls after its last check, as a GC or VM
+    /// pause can, so its lease runs out and another replica takes the lock while this
+    /// one still means to write.
+    async fn pause_if_claimed(
+        &self,
+        hold: &dyn HeldLock,
+        strategy: &str,
+    ) -> Result<(), OrderError> {
+        let Some(ms) = self.store.cluster.take_pause().await? else {
+            return Ok(());
+        };
+        tracing::warn!(
+            strategy,
+            ms,
+            "fault: lock holder pausing with its renewal suspended"
+        );
+        hold.suspend_renewal();
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        self.store.cluster.count(strategy, "paused_holders").await;
+        Ok(())
     }
 }

@@ -5,11 +5,15 @@
 //! one line in `registry()`; the HTTP layer, the stats and the dashboard pick it up
 //! from there.
 
+mod db_for_update;
 mod db_unique;
+mod etcd;
 mod flow;
 mod none;
 mod optimistic;
+mod redis_atomic;
 mod redis_lock;
+mod redlock;
 mod zookeeper;
 
 use std::sync::Arc;
@@ -21,7 +25,9 @@ use serde::{Deserialize, Serialize};
 pub use flow::SaleFlow;
 
 use crate::lock::LockError;
+use crate::lock::etcd::EtcdLock;
 use crate::lock::redis::RedisLock;
+use crate::lock::redlock::Redlock;
 use crate::lock::table::TableLock;
 use crate::lock::zookeeper::ZooKeeperLock;
 use crate::model::{NewOrder, Order, Sku};
@@ -39,12 +45,26 @@ pub trait Strategy: Send + Sync {
     fn explanation(&self) -> Explanation;
 
     /// Places one order under this strategy's coordination.
-    async fn place_order(&self, flow: &SaleFlow, order: &NewOrder) -> Result<Order, OrderError>;
+    async fn place_order(
+        &self,
+        flow: &SaleFlow,
+        order: &NewOrder,
+        options: OrderOptions,
+    ) -> Result<Order, OrderError>;
 
     /// What this strategy's coordination for `sku` looks like right now.
     async fn inspect(&self, _flow: &SaleFlow, _sku: &Sku) -> Result<LockView, OrderError> {
         Ok(LockView::default())
     }
+}
+
+/// Cluster-wide switches that apply to one order, read with the active strategy.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OrderOptions {
+    /// Lock holders' writes must carry a fencing token newer than the last one.
+    pub fencing: bool,
+    /// A paused-holder fault is armed; the next holder to claim it stalls.
+    pub pause_armed: bool,
 }
 
 /// A strategy's lock for one SKU as the dashboard shows it.
@@ -91,13 +111,27 @@ pub enum OrderError {
     /// The lock was lost before the order was committed; nothing was written.
     #[error("{0}")]
     LockLost(String),
+    /// MySQL refused the write: a holder with a newer fencing token wrote first.
+    #[error("fencing token {token} is not newer than the last write")]
+    Fenced { token: u64 },
     #[error("{backend}: {detail}")]
     LockBackend {
         backend: &'static str,
         detail: String,
     },
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Store(StoreError),
+}
+
+impl From<StoreError> for OrderError {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::RowLockTimeout => {
+                OrderError::Busy("the row lock was not granted in time; try again".into())
+            }
+            other => OrderError::Store(other),
+        }
+    }
 }
 
 impl From<LockError> for OrderError {
@@ -124,6 +158,10 @@ pub struct Backends {
     pub lease: Duration,
     pub zookeeper: String,
     pub zookeeper_session_timeout: Duration,
+    /// One pool per independent Redis node of the Redlock strategy.
+    pub redlock_nodes: Vec<deadpool_redis::Pool>,
+    /// etcd endpoints, comma-separated.
+    pub etcd: String,
     pub optimistic_attempts: u32,
 }
 
@@ -155,6 +193,19 @@ pub fn registry(backends: &Backends) -> Vec<Arc<dyn Strategy>> {
                 owner,
             ),
         }),
+        Arc::new(db_for_update::DbForUpdateStrategy),
+        Arc::new(etcd::EtcdStrategy {
+            lock: EtcdLock::new(&backends.etcd, &backends.namespace, backends.lease),
+        }),
+        Arc::new(redlock::RedlockStrategy {
+            lock: Redlock::new(
+                backends.redlock_nodes.clone(),
+                &backends.namespace,
+                owner,
+                backends.lease,
+            ),
+        }),
+        Arc::new(redis_atomic::RedisAtomicStrategy),
     ]
 }
 

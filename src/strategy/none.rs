@@ -4,7 +4,7 @@
 
 use async_trait::async_trait;
 
-use super::{Explanation, LockView, OrderError, SaleFlow, Strategy};
+use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
 use crate::model::{NewOrder, Order, Sku};
 
 pub struct NoCoordination;
@@ -33,8 +33,13 @@ impl Strategy for NoCoordination {
         }
     }
 
-    async fn place_order(&self, flow: &SaleFlow, order: &NewOrder) -> Result<Order, OrderError> {
-        flow.sell(order, self.name(), None).await
+    async fn place_order(
+        &self,
+        flow: &SaleFlow,
+        order: &NewOrder,
+        options: OrderOptions,
+    ) -> Result<Order, OrderError> {
+        flow.sell(order, self.name(), None, options).await
     }
 
     async fn inspect(&self, _flow: &SaleFlow, _sku: &Sku) -> Result<LockView, OrderError> {

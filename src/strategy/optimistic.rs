@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{Explanation, LockView, OrderError, SaleFlow, Strategy};
+use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
 use crate::lock::jittered_backoff;
 use crate::model::{NewOrder, Order, Sku};
 
@@ -46,7 +46,12 @@ impl Strategy for OptimisticStrategy {
         }
     }
 
-    async fn place_order(&self, flow: &SaleFlow, order: &NewOrder) -> Result<Order, OrderError> {
+    async fn place_order(
+        &self,
+        flow: &SaleFlow,
+        order: &NewOrder,
+        _options: OrderOptions,
+    ) -> Result<Order, OrderError> {
         let store = &flow.store;
         for attempt in 0..self.max_attempts {
             let (stock, version) = store
@@ -65,7 +70,7 @@ impl Strategy for OptimisticStrategy {
             }
             let committed = store
                 .records
-                .commit_order_at_version(order, version, self.name(), &flow.replica_id)
+                .commit_decrement(order, Some(version), self.name(), &flow.replica_id)
                 .await?;
             if let Some(recorded) = committed {
                 let new_stock = stock - order.quantity;

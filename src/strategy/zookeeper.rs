@@ -2,7 +2,7 @@
 
 use async_trait::async_trait;
 
-use super::{Explanation, LockView, OrderError, SaleFlow, Strategy};
+use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
 use crate::lock::zookeeper::ZooKeeperLock;
 use crate::model::{NewOrder, Order, Sku};
 
@@ -39,8 +39,14 @@ impl Strategy for ZooKeeperStrategy {
         }
     }
 
-    async fn place_order(&self, flow: &SaleFlow, order: &NewOrder) -> Result<Order, OrderError> {
-        flow.sell_locked(&self.lock, order, self.name()).await
+    async fn place_order(
+        &self,
+        flow: &SaleFlow,
+        order: &NewOrder,
+        options: OrderOptions,
+    ) -> Result<Order, OrderError> {
+        flow.sell_locked(&self.lock, order, self.name(), options)
+            .await
     }
 
     async fn inspect(&self, _flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
