@@ -101,6 +101,26 @@ async fn zookeeper_sells_exactly_the_stock() {
     sells_exactly_the_stock("zookeeper").await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn db_for_update_sells_exactly_the_stock() {
+    sells_exactly_the_stock("db-for-update").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_sells_exactly_the_stock() {
+    sells_exactly_the_stock("etcd").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redlock_sells_exactly_the_stock() {
+    sells_exactly_the_stock("redlock").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_atomic_sells_exactly_the_stock() {
+    sells_exactly_the_stock("redis-atomic").await;
+}
+
 /// A replica process takes the lock, starts a long critical section and is killed
 /// with SIGKILL: it never releases. Another replica's order must go through once the
 /// lease (or ZooKeeper session) runs out, and nothing is oversold.
@@ -170,6 +190,21 @@ async fn db_unique_survives_a_killed_holder() {
 #[tokio::test]
 async fn zookeeper_survives_a_killed_holder() {
     killed_holder_frees_the_lock("zookeeper").await;
+}
+
+#[tokio::test]
+async fn etcd_survives_a_killed_holder() {
+    killed_holder_frees_the_lock("etcd").await;
+}
+
+#[tokio::test]
+async fn redlock_survives_a_killed_holder() {
+    killed_holder_frees_the_lock("redlock").await;
+}
+
+#[tokio::test]
+async fn db_for_update_survives_a_killed_holder() {
+    killed_holder_frees_the_lock("db-for-update").await;
 }
 
 /// While another holder keeps the SKU's lock, an order waits no longer than the

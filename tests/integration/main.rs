@@ -4,6 +4,7 @@
 mod admin;
 mod bad_input;
 mod dashboard;
+mod fencing;
 mod lock_primitives;
 mod lock_strategies;
 mod none_strategy;

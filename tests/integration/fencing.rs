@@ -1,0 +1,115 @@
+//! Kleppmann's scenario with the paused-holder fault: a lock holder stalls after its
+//! last check, with its lease renewal suspended, so its lease runs out and another
+//! replica takes the lock and sells the last unit. When the stalled holder wakes, it
+//! writes too: without fencing the unit is sold twice; with fencing, MySQL refuses
+//! the stale token and the order is aborted with 409 lock_lost.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::support::TestCluster;
+
+/// Runs the scenario and returns the stalled holder's and the rival's statuses.
+async fn paused_holder(strategy: &str, fencing: bool) -> (TestCluster, StatusCode, StatusCode) {
+    // etcd's lease has a 2 s floor; the pause outlasts every lease here.
+    let cluster =
+        TestCluster::start(2, &["--lock-lease-ms", "600", "--lock-wait-ms", "15000"]).await;
+    cluster.set_strategy(strategy).await;
+    let switched = cluster
+        .http
+        .put(cluster.url(0, "/api/admin/fencing"))
+        .json(&json!({ "enabled": fencing }))
+        .send()
+        .await
+        .expect("fencing switch");
+    assert_eq!(switched.status(), StatusCode::OK);
+    let sku = "last-unit";
+    cluster.reset(sku, 1).await;
+    let armed = cluster
+        .http
+        .post(cluster.url(1, "/api/admin/faults"))
+        .json(&json!({ "pause_holder_ms": 4000 }))
+        .send()
+        .await
+        .expect("arm the fault");
+    assert_eq!(armed.status(), StatusCode::OK);
+
+    let (stalled, rival) = tokio::join!(cluster.order(0, sku, "stalled", 1), async {
+        // Let the first buyer take the lock and stall before the rival arrives.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        cluster.order(1, sku, "rival", 1).await
+    });
+    let (stalled, rival) = (stalled.status(), rival.status());
+    (cluster, stalled, rival)
+}
+
+async fn oversells_without_fencing(strategy: &str) {
+    let (cluster, stalled, rival) = paused_holder(strategy, false).await;
+    assert_eq!(
+        (stalled, rival),
+        (StatusCode::CREATED, StatusCode::CREATED),
+        "{strategy}"
+    );
+    let stats = cluster.sku_stats("last-unit").await;
+    assert_eq!(stats["orders"], 2, "{strategy}: the unit was sold twice");
+    assert_eq!(stats["oversold"], 1, "{strategy}");
+}
+
+async fn fencing_stops_the_stale_write(strategy: &str) {
+    let (cluster, stalled, rival) = paused_holder(strategy, true).await;
+    assert_eq!(
+        rival,
+        StatusCode::CREATED,
+        "{strategy}: the rival sells the unit"
+    );
+    assert_eq!(
+        stalled,
+        StatusCode::CONFLICT,
+        "{strategy}: the stale holder is refused"
+    );
+    let stats = cluster.sku_stats("last-unit").await;
+    assert_eq!(
+        stats["orders"], 1,
+        "{strategy}: no order row for the stale write"
+    );
+    assert_eq!(stats["oversold"], 0, "{strategy}");
+    assert_eq!(stats["consistent"], true, "{strategy}");
+    let counters = cluster.get_json(0, "/api/stats").await["counters"].clone();
+    assert_eq!(
+        counters[format!("{strategy}.fencing_rejections")],
+        1,
+        "{strategy}: counted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_lock_paused_holder_oversells_without_fencing() {
+    oversells_without_fencing("redis-lock").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_lock_paused_holder_is_fenced() {
+    fencing_stops_the_stale_write("redis-lock").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn db_unique_paused_holder_oversells_without_fencing() {
+    oversells_without_fencing("db-unique").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn db_unique_paused_holder_is_fenced() {
+    fencing_stops_the_stale_write("db-unique").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_paused_holder_oversells_without_fencing() {
+    oversells_without_fencing("etcd").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_paused_holder_is_fenced() {
+    fencing_stops_the_stale_write("etcd").await;
+}
