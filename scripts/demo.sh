@@ -9,7 +9,8 @@
 #   scripts/demo.sh stop              stop the replicas (scripts/stack.sh down stops
 #                                     the services)
 #
-# FLASHSALE_WORK_MS (default 2 here) is the simulated work inside the critical section.
+# FLASHSALE_WORK_MS (default 2 here) is the simulated work inside the critical section;
+# FLASHSALE_LOCK_LEASE_MS (default 3000 here) keeps the paused-holder demo short.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -57,6 +58,7 @@ cmd_up() {
     cmd_stop
   fi
   FLASHSALE_STATIC_DIR="$ROOT/static" FLASHSALE_WORK_MS="${FLASHSALE_WORK_MS:-2}" \
+    FLASHSALE_LOCK_LEASE_MS="${FLASHSALE_LOCK_LEASE_MS:-3000}" \
     nohup ./target/release/flashsale cluster \
     --replicas "$REPLICAS" --base-port "$BASE_PORT" >"$RUN/cluster.log" 2>&1 &
   echo $! >"$PIDFILE"

@@ -29,6 +29,9 @@ pub struct LoadTestRequest {
     pub stock: i64,
     #[serde(default = "one")]
     pub skus: u64,
+    /// `pause-holder` to inject the paused-holder fault into each run.
+    #[serde(default)]
+    pub fault: Option<String>,
 }
 
 fn one() -> u64 {
@@ -156,6 +159,9 @@ impl LoadTests {
             .args(["--skus", &request.skus.to_string()])
             .arg("--out")
             .arg(&self.report_dir);
+        if let Some(fault) = &request.fault {
+            command.args(["--fault", fault]);
+        }
         let spawned = command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -227,6 +233,7 @@ mod tests {
             users,
             stock,
             skus: 1,
+            fault: None,
         }
     }
 
@@ -239,5 +246,10 @@ mod tests {
         assert!(request(5000, 200, &[]).validate(&known).is_err());
         assert!(request(60, 0, &[]).validate(&known).is_err());
         assert!(request(60, 200, &["magic"]).validate(&known).is_err());
+        let mut faulty = request(60, 200, &[]);
+        faulty.fault = Some("pause-holder".into());
+        assert!(faulty.validate(&known).is_ok());
+        faulty.fault = Some("rm -rf".into());
+        assert!(faulty.validate(&known).is_err());
     }
 }

@@ -28,6 +28,9 @@ pub struct LoadConfig {
     /// A fault injected during the runs, if any.
     #[serde(default)]
     pub fault: Option<String>,
+    /// Whether fencing tokens were checked during the runs.
+    #[serde(default)]
+    pub fencing: bool,
 }
 
 /// One strategy's run: client-side counts and latency, then the stock figures from

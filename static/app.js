@@ -106,6 +106,27 @@ function setUpControls() {
     say(`${count} shopper(s) on ${sku}: ` + [...tally].map(([k, v]) => `${v} ${k}`).join(", "));
   });
 
+  document.getElementById("fencing-toggle").addEventListener("change", async (event) => {
+    const enabled = event.target.checked;
+    try {
+      await api("PUT", "/api/admin/fencing", { enabled });
+      say(enabled ? "Fencing on: stale lock holders' writes will be refused." : "Fencing off.");
+    } catch (error) {
+      event.target.checked = !enabled;
+      say(`Could not switch fencing: ${error.message}`, true);
+    }
+  });
+
+  document.getElementById("fault-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    try {
+      const armed = await api("POST", "/api/admin/faults", {});
+      say(`The next lock holder will pause ${armed.pause_holder_ms} ms after its last check.`);
+    } catch (error) {
+      say(`Could not arm the fault: ${error.message}`, true);
+    }
+  });
+
   document.getElementById("loadtest-form").addEventListener("submit", async (event) => {
     event.preventDefault();
     const strategies = [...document.querySelectorAll("#lt-strategies input:checked")].map((box) => box.value);
@@ -114,6 +135,7 @@ function setUpControls() {
       stock: Number(document.getElementById("lt-stock").value),
       skus: Number(document.getElementById("lt-skus").value),
       strategies: strategies.length === state.strategies.length ? [] : strategies,
+      fault: document.getElementById("lt-fault").checked ? "pause-holder" : null,
     };
     try {
       const started = await api("POST", "/api/loadtests", body);
@@ -167,6 +189,11 @@ function onSnapshot(snapshot) {
   document.getElementById("active-strategy").textContent = stats.strategy;
   const select = document.getElementById("strategy-select");
   if (document.activeElement !== select) select.value = stats.strategy;
+  const fencing = document.getElementById("fencing-toggle");
+  if (document.activeElement !== fencing) fencing.checked = stats.fencing;
+  document.getElementById("fencing-state").textContent = stats.fencing ? "on: MySQL refuses stale holders" : "off";
+  document.getElementById("fault-state").textContent = stats.pause_armed_ms
+    ? `armed: the next holder stalls ${stats.pause_armed_ms} ms` : "";
   renderSkus(stats.skus);
   renderRate(stats.skus, snapshot.at);
   renderReplicas(stats.replicas, snapshot.at);

@@ -15,7 +15,7 @@ use chrono::Utc;
 use flashsale::report::{LoadConfig, LoadReport, RunResult};
 
 use crate::crowd::{CrowdPlan, Sale};
-use crate::options::Options;
+use crate::options::{Fault, Options, Switch};
 use crate::report::ServiceFigures;
 use crate::service::Service;
 
@@ -55,6 +55,10 @@ pub async fn run(
     strategies: &[String],
 ) -> anyhow::Result<LoadReport> {
     let skus: Vec<String> = (1..=options.skus).map(|i| format!("sale-{i}")).collect();
+    if let Some(switch) = options.fencing {
+        service.set_fencing(switch == Switch::On).await?;
+    }
+    let fencing = service.stats(None).await?.fencing;
     let mut runs = Vec::new();
     for (index, strategy) in strategies.iter().enumerate() {
         eprintln!(
@@ -86,7 +90,8 @@ pub async fn run(
             max_seconds: options.max_seconds,
             grace_ms: options.grace_ms,
             strategies: strategies.to_vec(),
-            fault: None,
+            fault: options.fault.map(|_| "pause-holder".to_owned()),
+            fencing,
         },
         runs,
     })
@@ -102,6 +107,10 @@ async fn run_strategy(
     for sku in skus {
         service.reset(sku, options.stock).await?;
     }
+    let pause = match options.fault {
+        Some(Fault::PauseHolder) => Some(service.arm_pause().await?),
+        None => None,
+    };
     let sale = Sale::new(CrowdPlan {
         targets: options.targets.clone(),
         skus: skus.to_vec(),
@@ -120,6 +129,9 @@ async fn run_strategy(
     progress.abort();
     attack?;
     let duration = sale.elapsed();
+    if let Some(pause_ms) = pause {
+        await_paused_holder(service, strategy, pause_ms).await?;
+    }
     let figures = ServiceFigures::sum(&settled_stats(service, skus).await?);
     Ok(report::run_result(
         strategy,
@@ -129,6 +141,33 @@ async fn run_strategy(
         sale.sell_out_time(),
         figures,
     ))
+}
+
+/// With the paused-holder fault: if no holder claimed the pause (the strategy holds no
+/// lease to suspend), withdraw it; otherwise wait until the paused holder has woken
+/// and written, so its late order is in the figures.
+async fn await_paused_holder(
+    service: &Service,
+    strategy: &str,
+    pause_ms: u64,
+) -> anyhow::Result<()> {
+    let counter = format!("{strategy}.paused_holders");
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_millis(pause_ms) + Duration::from_secs(15);
+    loop {
+        let stats = service.stats(None).await?;
+        if stats.pause_armed_ms.is_some() {
+            eprintln!("      {strategy}: no lock holder claimed the pause (nothing to pause)");
+            return service.disarm_pause().await;
+        }
+        if stats.counters.get(&counter).copied().unwrap_or(0) > 0 {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!("the paused holder did not wake within {pause_ms} ms + 15 s");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// The service's figures once no more orders land (requests cut off by the end of the

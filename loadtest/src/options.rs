@@ -49,4 +49,24 @@ pub struct Options {
     /// Do not POST the report to the service's run history.
     #[arg(long)]
     pub no_history: bool,
+
+    /// Inject a fault into each run: `pause-holder` makes one lock holder per run stall
+    /// past its lease after its last check (Kleppmann's scenario).
+    #[arg(long, value_enum)]
+    pub fault: Option<Fault>,
+
+    /// Switch fencing tokens on or off for the runs (default: leave as it is).
+    #[arg(long, value_enum)]
+    pub fencing: Option<Switch>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Fault {
+    PauseHolder,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
 }

@@ -114,21 +114,60 @@ impl Service {
         Ok(())
     }
 
+    pub async fn stats(&self, sku: Option<&str>) -> anyhow::Result<Stats> {
+        let mut request = self.http.get(self.admin_url("/api/stats"));
+        if let Some(sku) = sku {
+            request = request.query(&[("sku", sku)]);
+        }
+        Ok(request.send().await?.error_for_status()?.json().await?)
+    }
+
     pub async fn sku_stats(&self, sku: &str) -> anyhow::Result<SkuStats> {
-        let stats: Stats = self
-            .http
-            .get(self.admin_url("/api/stats"))
-            .query(&[("sku", sku)])
-            .send()
+        self.stats(Some(sku))
             .await?
-            .error_for_status()?
-            .json()
-            .await?;
-        stats
             .skus
             .into_iter()
             .next()
             .with_context(|| format!("no stats for {sku}"))
+    }
+
+    pub async fn set_fencing(&self, enabled: bool) -> anyhow::Result<()> {
+        self.http
+            .put(self.admin_url("/api/admin/fencing"))
+            .json(&json!({ "enabled": enabled }))
+            .send()
+            .await?
+            .error_for_status()
+            .context("switching fencing")?;
+        Ok(())
+    }
+
+    /// Arms the paused-holder fault with the service's default pause; returns it in ms.
+    pub async fn arm_pause(&self) -> anyhow::Result<u64> {
+        #[derive(Deserialize)]
+        struct Armed {
+            pause_holder_ms: u64,
+        }
+        let armed: Armed = self
+            .http
+            .post(self.admin_url("/api/admin/faults"))
+            .json(&json!({}))
+            .send()
+            .await?
+            .error_for_status()
+            .context("arming the paused-holder fault")?
+            .json()
+            .await?;
+        Ok(armed.pause_holder_ms)
+    }
+
+    pub async fn disarm_pause(&self) -> anyhow::Result<()> {
+        self.http
+            .delete(self.admin_url("/api/admin/faults"))
+            .send()
+            .await?
+            .error_for_status()?;
+        Ok(())
     }
 
     pub async fn save_report(&self, report: &LoadReport) -> anyhow::Result<()> {

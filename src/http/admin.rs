@@ -1,6 +1,7 @@
 //! Admin calls shared by all replicas: the active strategy and stock resets.
 
 use axum::extract::State;
+use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 
 use super::ApiJson;
@@ -122,4 +123,10 @@ pub async fn arm_fault(
     Ok(ApiJson(FaultArmed {
         pause_holder_ms: ms,
     }))
+}
+
+/// Withdraws an armed fault that no lock holder claimed.
+pub async fn disarm_fault(State(state): State<AppState>) -> Result<StatusCode, AppError> {
+    state.flow.store.cluster.disarm_pause().await?;
+    Ok(StatusCode::NO_CONTENT)
 }

@@ -61,7 +61,10 @@ pub fn router(state: AppState, static_dir: &Path) -> Router {
             "/api/admin/fencing",
             get(admin::fencing).put(admin::set_fencing),
         )
-        .route("/api/admin/faults", post(admin::arm_fault))
+        .route(
+            "/api/admin/faults",
+            post(admin::arm_fault).delete(admin::disarm_fault),
+        )
         .route("/api/events", get(events::events))
         .route(
             "/api/loadtests",

@@ -101,6 +101,13 @@ impl ClusterState {
         Ok(())
     }
 
+    /// Withdraws an armed pause nobody claimed.
+    pub async fn disarm_pause(&self) -> Result<(), StoreError> {
+        let mut conn = self.pool.get().await?;
+        let () = conn.del(self.pause_key()).await?;
+        Ok(())
+    }
+
     /// Claims the armed pause (only one holder gets it).
     pub async fn take_pause(&self) -> Result<Option<u64>, StoreError> {
         let mut conn = self.pool.get().await?;
