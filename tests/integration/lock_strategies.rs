@@ -8,12 +8,16 @@ use futures::future::join_all;
 use reqwest::StatusCode;
 use serde_json::json;
 
+use flashsale::lock::etcd::EtcdLock;
 use flashsale::lock::redis::RedisLock;
+use flashsale::lock::redlock::Redlock;
 use flashsale::lock::table::TableLock;
 use flashsale::lock::zookeeper::ZooKeeperLock;
 use flashsale::lock::{DistributedLock, HeldLock};
 
-use crate::support::{TestCluster, redis_client, redis_pool, zookeeper};
+use crate::support::{
+    TestCluster, etcd_endpoints, pool_for, redis_client, redis_pool, redlock_urls, zookeeper,
+};
 
 /// 300 concurrent orders for 50 units over three replicas (separate pools and
 /// clients), each holding the lock for 5 ms of work.
@@ -270,4 +274,79 @@ async fn lock_waits_are_bounded() {
         "test",
     );
     lock_wait_is_bounded(&cluster, "zookeeper", zk).await;
+    let etcd = EtcdLock::new(
+        &etcd_endpoints(),
+        &cluster.namespace,
+        Duration::from_secs(5),
+    );
+    lock_wait_is_bounded(&cluster, "etcd", etcd).await;
+    let nodes = redlock_urls().iter().map(|url| pool_for(url)).collect();
+    let redlock = Redlock::new(nodes, &cluster.namespace, "test", lease);
+    lock_wait_is_bounded(&cluster, "redlock", redlock).await;
+}
+
+/// `db-for-update` waits on the row lock itself; the wait is bounded per session
+/// (`innodb_lock_wait_timeout`, whole seconds) and answers 503 lock_timeout.
+#[tokio::test]
+async fn row_lock_wait_is_bounded() {
+    let cluster = TestCluster::start(1, &["--lock-wait-ms", "1000"]).await;
+    let sku = "row-held";
+    cluster.reset(sku, 5).await;
+    let mysql = cluster.mysql().await;
+    let mut holder = mysql.begin().await.expect("transaction");
+    let _: (i64,) = sqlx::query_as("SELECT stock FROM products WHERE sku = ? FOR UPDATE")
+        .bind(sku)
+        .fetch_one(&mut *holder)
+        .await
+        .expect("row locked by the test");
+    let response = cluster
+        .http
+        .post(cluster.url(0, "/api/orders?strategy=db-for-update"))
+        .json(&json!({ "sku": sku, "user_id": "patient", "quantity": 1 }))
+        .send()
+        .await
+        .expect("order");
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: serde_json::Value = response.json().await.expect("JSON error");
+    assert_eq!(body["error"], "lock_timeout");
+    holder.rollback().await.expect("rollback");
+    assert_eq!(cluster.sku_stats(sku).await["orders"], 0);
+}
+
+/// redis-atomic takes the units in Redis first; when MySQL cannot record the order
+/// (here the product row vanished behind the service's back), they are given back.
+#[tokio::test]
+async fn redis_atomic_gives_units_back_when_mysql_fails() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let sku = "vanishing";
+    cluster.reset(sku, 3).await;
+    let mysql = cluster.mysql().await;
+    sqlx::query("DELETE FROM products WHERE sku = ?")
+        .bind(sku)
+        .execute(&mysql)
+        .await
+        .expect("row deleted");
+    let response = cluster
+        .http
+        .post(cluster.url(0, "/api/orders?strategy=redis-atomic"))
+        .json(&json!({ "sku": sku, "user_id": "unlucky", "quantity": 2 }))
+        .send()
+        .await
+        .expect("order");
+    assert_eq!(response.status(), StatusCode::NOT_FOUND);
+    let mut redis = redis_pool().get().await.expect("redis");
+    let key = format!("{}:stock:{sku}", cluster.namespace);
+    let stock: i64 = deadpool_redis::redis::AsyncCommands::get(&mut redis, key)
+        .await
+        .expect("stock");
+    assert_eq!(
+        stock, 3,
+        "the two units taken by the Lua script were given back"
+    );
+    let orders: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM orders WHERE sku = ?")
+        .bind(sku)
+        .fetch_one(&mysql)
+        .await
+        .expect("count");
+    assert_eq!(orders, 0);
 }

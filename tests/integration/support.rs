@@ -23,9 +23,27 @@ pub fn zookeeper() -> String {
     std::env::var("FLASHSALE_ZOOKEEPER").unwrap_or_else(|_| "127.0.0.1:2190".to_owned())
 }
 
+pub fn etcd_endpoints() -> String {
+    std::env::var("FLASHSALE_ETCD").unwrap_or_else(|_| "http://127.0.0.1:2390".to_owned())
+}
+
+pub fn redlock_urls() -> Vec<String> {
+    std::env::var("FLASHSALE_REDLOCK_URLS")
+        .unwrap_or_else(|_| {
+            "redis://127.0.0.1:6390,redis://127.0.0.1:6391,redis://127.0.0.1:6392".to_owned()
+        })
+        .split(',')
+        .map(str::to_owned)
+        .collect()
+}
+
 /// A fresh Redis pool: a separate client, as a separate replica would have.
 pub fn redis_pool() -> deadpool_redis::Pool {
-    deadpool_redis::Config::from_url(redis_url())
+    pool_for(&redis_url())
+}
+
+pub fn pool_for(url: &str) -> deadpool_redis::Pool {
+    deadpool_redis::Config::from_url(url)
         .create_pool(Some(deadpool_redis::Runtime::Tokio1))
         .expect("Redis pool")
 }
