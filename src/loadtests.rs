@@ -56,6 +56,13 @@ impl LoadTestRequest {
         {
             return Err(format!("unknown strategy '{unknown}'"));
         }
+        if self
+            .fault
+            .as_deref()
+            .is_some_and(|fault| fault != "pause-holder")
+        {
+            return Err("fault must be \"pause-holder\" or absent".into());
+        }
         Ok(())
     }
 }

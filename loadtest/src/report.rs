@@ -196,6 +196,12 @@ pub fn markdown(report: &LoadReport) -> String {
             .as_ref()
             .map_or(String::new(), |f| format!(" Fault injected: {f}."))
     );
+    let fencing = if c.fencing {
+        "on (stale lock holders' writes are refused by MySQL)"
+    } else {
+        "off"
+    };
+    let _ = writeln!(md, "Fencing tokens: {fencing}.\n");
     let _ = writeln!(md, "| {} |", HEADER.join(" | "));
     let _ = writeln!(md, "|{}", "---|".repeat(HEADER.len()));
     for run in &report.runs {

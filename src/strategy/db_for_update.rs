@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use async_trait::async_trait;
 
-use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
+use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock};
 use crate::model::{NewOrder, Order, Sku};
 
 pub struct DbForUpdateStrategy;
@@ -60,15 +60,8 @@ impl Strategy for DbForUpdateStrategy {
                 return Err(error);
             }
         };
-        if locked.stock < order.quantity {
-            return Err(OrderError::SoldOut {
-                available: locked.stock.max(0),
-                requested: order.quantity,
-            });
-        }
-        if !flow.work.is_zero() {
-            tokio::time::sleep(flow.work).await;
-        }
+        ensure_in_stock(locked.stock, order)?;
+        flow.simulate_work().await;
         let new_stock = locked.stock - order.quantity;
         let (recorded, version) = locked
             .commit_order(order, self.name(), &flow.replica_id)

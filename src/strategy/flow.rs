@@ -86,15 +86,8 @@ impl SaleFlow {
             .stock(&order.sku)
             .await?
             .ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
-        if stock < order.quantity {
-            return Err(OrderError::SoldOut {
-                available: stock.max(0),
-                requested: order.quantity,
-            });
-        }
-        if !self.work.is_zero() {
-            tokio::time::sleep(self.work).await;
-        }
+        ensure_in_stock(stock, order)?;
+        self.simulate_work().await;
         // The last moment to notice a lost lock. A lease can still run out between
         // this check and the commit; closing that gap takes a fencing token checked
         // by MySQL itself.
@@ -124,6 +117,13 @@ impl SaleFlow {
         Ok(recorded)
     }
 
+    /// The simulated validation inside the critical section (FLASHSALE_WORK_MS).
+    pub async fn simulate_work(&self) {
+        if !self.work.is_zero() {
+            tokio::time::sleep(self.work).await;
+        }
+    }
+
     /// The paused-holder fault (Kleppmann's scenario): if this holder claims the armed
     /// pause, it stops renewing its lock and stalls after its last check, as a GC or VM
     /// pause can, so its lease runs out and another replica takes the lock while this
@@ -146,4 +146,15 @@ impl SaleFlow {
         self.store.cluster.count(strategy, "paused_holders").await;
         Ok(())
     }
+}
+
+/// `SoldOut` when `stock` cannot cover the order.
+pub fn ensure_in_stock(stock: i64, order: &NewOrder) -> Result<(), OrderError> {
+    if stock < order.quantity {
+        return Err(OrderError::SoldOut {
+            available: stock.max(0),
+            requested: order.quantity,
+        });
+    }
+    Ok(())
 }

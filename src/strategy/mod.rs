@@ -22,7 +22,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-pub use flow::SaleFlow;
+pub use flow::{SaleFlow, ensure_in_stock};
 
 use crate::lock::LockError;
 use crate::lock::etcd::EtcdLock;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
+use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock};
 use crate::lock::jittered_backoff;
 use crate::model::{NewOrder, Order, Sku};
 
@@ -59,15 +59,8 @@ impl Strategy for OptimisticStrategy {
                 .stock_and_version(&order.sku)
                 .await?
                 .ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
-            if stock < order.quantity {
-                return Err(OrderError::SoldOut {
-                    available: stock.max(0),
-                    requested: order.quantity,
-                });
-            }
-            if !flow.work.is_zero() {
-                tokio::time::sleep(flow.work).await;
-            }
+            ensure_in_stock(stock, order)?;
+            flow.simulate_work().await;
             let committed = store
                 .records
                 .commit_decrement(order, Some(version), self.name(), &flow.replica_id)

@@ -57,9 +57,7 @@ impl Strategy for RedisAtomicStrategy {
             }
             Taken::Done { .. } => {}
         }
-        if !flow.work.is_zero() {
-            tokio::time::sleep(flow.work).await;
-        }
+        flow.simulate_work().await;
         let recorded = store
             .records
             .commit_decrement(order, None, self.name(), &flow.replica_id)

@@ -4,7 +4,6 @@
 
 use std::time::{Duration, Instant};
 
-use futures::future::join_all;
 use reqwest::StatusCode;
 use serde_json::json;
 
@@ -38,16 +37,7 @@ async fn sells_exactly_the_stock(strategy: &str) {
     let sku = "hot-item";
     cluster.reset(sku, 50).await;
 
-    let orders = (0..300).map(|i| {
-        let cluster = &cluster;
-        async move {
-            cluster
-                .order(i % 3, sku, &format!("user-{i}"), 1)
-                .await
-                .status()
-        }
-    });
-    let statuses = join_all(orders).await;
+    let statuses = cluster.crowd(sku, 300).await;
     let created = statuses
         .iter()
         .filter(|s| **s == StatusCode::CREATED)

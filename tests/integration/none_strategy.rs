@@ -1,7 +1,6 @@
 //! The `none` strategy: concurrent buyers on several replicas oversell every time,
 //! while buyers one at a time never do.
 
-use futures::future::join_all;
 use reqwest::StatusCode;
 
 use crate::support::TestCluster;
@@ -16,16 +15,7 @@ async fn concurrent_orders_oversell_without_coordination() {
     let sku = "none-race";
     cluster.reset(sku, 20).await;
 
-    let orders = (0..200).map(|i| {
-        let cluster = &cluster;
-        async move {
-            cluster
-                .order(i % 3, sku, &format!("user-{i}"), 1)
-                .await
-                .status()
-        }
-    });
-    let statuses = join_all(orders).await;
+    let statuses = cluster.crowd(sku, 200).await;
     let created = statuses
         .iter()
         .filter(|s| **s == StatusCode::CREATED)

@@ -195,6 +195,18 @@ impl TestCluster {
             .expect("order request")
     }
 
+    /// `count` orders of one unit at once, spread round-robin over the replicas; the
+    /// statuses in order.
+    pub async fn crowd(&self, sku: &str, count: usize) -> Vec<StatusCode> {
+        let orders = (0..count).map(|i| async move {
+            let replica = i % self.replicas.len();
+            self.order(replica, sku, &format!("user-{i}"), 1)
+                .await
+                .status()
+        });
+        futures::future::join_all(orders).await
+    }
+
     pub async fn get_json(&self, replica: usize, path: &str) -> Value {
         let response = self
             .http
