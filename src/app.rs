@@ -12,7 +12,7 @@ use anyhow::Context;
 use deadpool_redis::{PoolConfig, Runtime, Timeouts};
 use tokio::net::TcpListener;
 
-use crate::config::ServeConfig;
+use crate::config::{AdminToken, ServeConfig};
 use crate::error::AppError;
 use crate::http::Snapshots;
 use crate::loadtests::LoadTests;
@@ -31,6 +31,8 @@ pub struct AppState {
     /// The dashboard's live snapshot, rebuilt while anyone listens.
     pub snapshots: Arc<Snapshots>,
     pub loadtests: Arc<LoadTests>,
+    /// Admin calls need this token when set.
+    pub admin_token: Option<AdminToken>,
 }
 
 impl AppState {
@@ -84,6 +86,7 @@ pub struct Server {
 
 impl Server {
     pub async fn bind(config: ServeConfig) -> anyhow::Result<Server> {
+        config.check()?;
         let listener = TcpListener::bind((config.bind, config.port))
             .await
             .with_context(|| format!("binding {}:{}", config.bind, config.port))?;
@@ -141,7 +144,9 @@ impl Server {
             loadtests: Arc::new(LoadTests::new(
                 config.loadtest_bin.clone(),
                 config.report_dir.clone(),
+                config.admin_token.clone(),
             )),
+            admin_token: config.admin_token.clone(),
         };
         let live_feed = crate::http::spawn_snapshots(state.clone());
         let heartbeat = Heartbeat::new(

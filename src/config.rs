@@ -133,12 +133,29 @@ pub struct ServeConfig {
     #[arg(long, env = "FLASHSALE_REPORT_DIR", default_value = "target/flashsale")]
     pub report_dir: PathBuf,
 
+    /// Token admin calls must present as `Authorization: Bearer <token>`. Without one,
+    /// admin calls are open, and the service refuses to listen beyond loopback.
+    #[arg(long, env = "FLASHSALE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<AdminToken>,
+
     /// Folder with the dashboard's static files.
     #[arg(long, env = "FLASHSALE_STATIC_DIR", default_value = "static")]
     pub static_dir: PathBuf,
 }
 
 impl ServeConfig {
+    /// Refuses a configuration that would expose open admin calls beyond loopback.
+    pub fn check(&self) -> anyhow::Result<()> {
+        if self.admin_token.is_none() && !self.bind.is_loopback() {
+            anyhow::bail!(
+                "listening on {} without FLASHSALE_ADMIN_TOKEN would leave the admin calls open \
+                 to the network; set a token or bind to loopback",
+                self.bind
+            );
+        }
+        Ok(())
+    }
+
     pub fn work(&self) -> Duration {
         Duration::from_millis(self.work_ms)
     }
@@ -173,4 +190,79 @@ pub struct ClusterConfig {
     /// Extra arguments passed to every `serve` (after `--`).
     #[arg(last = true)]
     pub serve_args: Vec<String>,
+}
+
+/// The admin token: compared in constant time, never printed.
+#[derive(Clone)]
+pub struct AdminToken(String);
+
+impl AdminToken {
+    /// Constant-time comparison, so response timing does not reveal the token.
+    pub fn matches(&self, presented: &str) -> bool {
+        let (expected, presented) = (self.0.as_bytes(), presented.as_bytes());
+        expected.len() == presented.len()
+            && expected
+                .iter()
+                .zip(presented)
+                .fold(0u8, |diff, (a, b)| diff | (a ^ b))
+                == 0
+    }
+
+    pub fn reveal(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::str::FromStr for AdminToken {
+    type Err = String;
+    fn from_str(raw: &str) -> Result<Self, String> {
+        if raw.len() < 16 {
+            return Err("the admin token must be at least 16 characters".into());
+        }
+        Ok(AdminToken(raw.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(***)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admin_token_rules() {
+        let token: AdminToken = "0123456789abcdef".parse().expect("long enough");
+        assert!(token.matches("0123456789abcdef"));
+        assert!(!token.matches("0123456789abcdeF"));
+        assert!(!token.matches("0123456789abcde"));
+        assert!("short".parse::<AdminToken>().is_err());
+        assert_eq!(format!("{token:?}"), "AdminToken(***)");
+    }
+
+    #[test]
+    fn open_admin_only_on_loopback() {
+        let parse = |args: &[&str]| match Cli::try_parse_from(args).expect("parses").command {
+            Command::Serve(config) => config,
+            Command::Cluster(_) => unreachable!(),
+        };
+        assert!(parse(&["flashsale", "serve"]).check().is_ok());
+        assert!(
+            parse(&["flashsale", "serve", "--bind", "0.0.0.0"])
+                .check()
+                .is_err()
+        );
+        let token = [
+            "flashsale",
+            "serve",
+            "--bind",
+            "0.0.0.0",
+            "--admin-token",
+            "0123456789abcdef",
+        ];
+        assert!(parse(&token).check().is_ok());
+    }
 }

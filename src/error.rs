@@ -37,6 +37,10 @@ pub enum AppError {
     /// The holder lost its lock before committing; the order was not recorded.
     #[error("the lock was lost before the order was committed; nothing was written ({0})")]
     LockLost(String),
+    #[error("this admin call needs Authorization: Bearer <admin token>")]
+    Unauthorized,
+    #[error("the admin token is not valid")]
+    Forbidden,
     /// The request conflicts with what is going on (e.g. a load test already runs).
     #[error("{0}")]
     Conflict(String),
@@ -63,6 +67,8 @@ impl AppError {
             }
             AppError::SoldOut { .. } => (StatusCode::CONFLICT, "sold_out"),
             AppError::Busy(_) => (StatusCode::SERVICE_UNAVAILABLE, "lock_timeout"),
+            AppError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            AppError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
             AppError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             AppError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             AppError::LockLost(_) => (StatusCode::CONFLICT, "lock_lost"),
@@ -83,6 +89,11 @@ impl IntoResponse for AppError {
             AppError::Busy(_) | AppError::BackendUnavailable { .. } => Some("1"),
             _ => None,
         };
+        if matches!(self, AppError::Unauthorized) {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
         if let Some(seconds) = retry_after {
             response
                 .headers_mut()

@@ -14,6 +14,8 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::broadcast;
 
+use crate::config::AdminToken;
+
 /// Output lines kept for a page that connects mid-run.
 const RECENT_LINES: usize = 200;
 
@@ -90,13 +92,20 @@ pub enum StartError {
 pub struct LoadTests {
     binary: PathBuf,
     report_dir: PathBuf,
+    /// Passed to the load test in its environment (never on its command line, which
+    /// any local user can read).
+    admin_token: Option<AdminToken>,
     running: Mutex<bool>,
     recent: Mutex<VecDeque<String>>,
     lines: broadcast::Sender<String>,
 }
 
 impl LoadTests {
-    pub fn new(binary: Option<PathBuf>, report_dir: PathBuf) -> LoadTests {
+    pub fn new(
+        binary: Option<PathBuf>,
+        report_dir: PathBuf,
+        admin_token: Option<AdminToken>,
+    ) -> LoadTests {
         let binary = binary.unwrap_or_else(|| {
             std::env::current_exe()
                 .ok()
@@ -106,6 +115,7 @@ impl LoadTests {
         LoadTests {
             binary,
             report_dir,
+            admin_token,
             running: Mutex::new(false),
             recent: Mutex::new(VecDeque::new()),
             lines: broadcast::channel(1024).0,
@@ -168,6 +178,9 @@ impl LoadTests {
             .arg(&self.report_dir);
         if let Some(fault) = &request.fault {
             command.args(["--fault", fault]);
+        }
+        if let Some(token) = &self.admin_token {
+            command.env("FLASHSALE_ADMIN_TOKEN", token.reveal());
         }
         let spawned = command
             .stdin(Stdio::null())

@@ -29,8 +29,16 @@ function el(tag, props = {}, ...children) {
   return node;
 }
 
-async function api(method, path, body) {
+// Admin calls carry the admin token when the service has one; the page asks for it
+// on the first 401/403 and keeps it for this browser tab only.
+function isAdminCall(method, path) {
+  return path.startsWith("/api/admin/") || (method === "POST" && (path === "/api/loadtests" || path === "/api/runs"));
+}
+
+async function api(method, path, body, retried = false) {
   const options = { method, headers: {} };
+  const token = sessionStorage.getItem("flashsale-admin-token");
+  if (token && isAdminCall(method, path)) options.headers.authorization = `Bearer ${token}`;
   if (body !== undefined) {
     options.headers["content-type"] = "application/json";
     options.body = JSON.stringify(body);
@@ -38,6 +46,13 @@ async function api(method, path, body) {
   const response = await fetch(path, options);
   const text = await response.text();
   const data = text ? JSON.parse(text) : null;
+  if ((response.status === 401 || response.status === 403) && !retried) {
+    const entered = window.prompt("This service needs its admin token for that (FLASHSALE_ADMIN_TOKEN):");
+    if (entered) {
+      sessionStorage.setItem("flashsale-admin-token", entered.trim());
+      return api(method, path, body, true);
+    }
+  }
   if (!response.ok) {
     const message = data && data.message ? data.message : `${response.status}`;
     throw Object.assign(new Error(message), { status: response.status, data });

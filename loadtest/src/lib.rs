@@ -22,7 +22,7 @@ use crate::service::Service;
 /// Checks everything that can be checked before any load is sent: targets answer,
 /// strategies exist. Returns the service client and the strategies to run.
 pub async fn prepare(options: &Options) -> anyhow::Result<(Service, Vec<String>)> {
-    let service = Service::new(&options.targets)?;
+    let service = Service::new(&options.targets, options.admin_token.as_deref())?;
     service.check_targets().await?;
     let known = service.strategy_names().await?;
     let strategies = if options.strategies.trim() == "all" {

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-#[derive(Debug, Clone, Parser)]
+#[derive(Clone, Parser)]
 #[command(
     name = "loadtest",
     about = "A crowd of shoppers against every flashsale replica, one strategy after another"
@@ -45,6 +45,10 @@ pub struct Options {
     /// Where report.json, report.md and Goose's HTML reports go.
     #[arg(long, default_value = "target/flashsale")]
     pub out: PathBuf,
+
+    /// Token for the service's admin calls (switching, restocking, saving the report).
+    #[arg(long, env = "FLASHSALE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
 
     /// Do not POST the report to the service's run history.
     #[arg(long)]

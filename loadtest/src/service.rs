@@ -25,12 +25,20 @@ struct ActiveStrategy {
 }
 
 impl Service {
-    pub fn new(targets: &[String]) -> anyhow::Result<Service> {
+    pub fn new(targets: &[String], admin_token: Option<&str>) -> anyhow::Result<Service> {
         if targets.is_empty() {
             bail!("no targets given");
         }
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(token) = admin_token {
+            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
+                .context("the admin token is not a valid header value")?;
+            value.set_sensitive(true);
+            headers.insert(reqwest::header::AUTHORIZATION, value);
+        }
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(10))
+            .default_headers(headers)
             .build()?;
         let targets = targets
             .iter()

@@ -5,6 +5,7 @@
 //! directly but through `store` and `strategy`.
 
 mod admin;
+mod auth;
 mod events;
 mod health;
 mod loadtests;
@@ -48,10 +49,8 @@ impl<T: serde::Serialize> IntoResponse for ApiJson<T> {
 }
 
 pub fn router(state: AppState, static_dir: &Path) -> Router {
-    let api = Router::new()
-        .route("/healthz", get(health::healthz))
-        .route("/api/orders", post(orders::place_order))
-        .route("/api/strategies", get(strategies::list))
+    // Calls that change the sale or start load: behind the admin token when one is set.
+    let admin = Router::new()
         .route(
             "/api/admin/strategy",
             get(admin::active_strategy).put(admin::set_strategy),
@@ -65,21 +64,29 @@ pub fn router(state: AppState, static_dir: &Path) -> Router {
             "/api/admin/faults",
             post(admin::arm_fault).delete(admin::disarm_fault),
         )
-        .route("/api/events", get(events::events))
-        .route(
-            "/api/loadtests",
-            get(loadtests::status).post(loadtests::start),
-        )
-        .route("/api/stats", get(stats::stats))
+        .route("/api/loadtests", post(loadtests::start))
         .route(
             "/api/runs",
-            get(runs::list)
-                .post(runs::save)
-                .layer(DefaultBodyLimit::max(MAX_REPORT_BYTES)),
+            post(runs::save).layer(DefaultBodyLimit::max(MAX_REPORT_BYTES)),
         )
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_admin,
+        ));
+
+    let public = Router::new()
+        .route("/healthz", get(health::healthz))
+        .route("/api/orders", post(orders::place_order))
+        .route("/api/strategies", get(strategies::list))
+        .route("/api/stats", get(stats::stats))
+        .route("/api/events", get(events::events))
+        .route("/api/loadtests", get(loadtests::status))
+        .route("/api/runs", get(runs::list))
         .route("/api/{*rest}", axum::routing::any(unknown_api_route));
 
-    api.fallback_service(ServeDir::new(static_dir))
+    admin
+        .merge(public)
+        .fallback_service(ServeDir::new(static_dir))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(
             state.clone(),

@@ -2,6 +2,7 @@
 //! Run them with `./scripts/test.sh`.
 
 mod admin;
+mod admin_auth;
 mod bad_input;
 mod dashboard;
 mod fencing;

@@ -93,6 +93,7 @@ pub struct TestCluster {
     pub replicas: Vec<Replica>,
     pub database_url: String,
     pub namespace: String,
+    /// An HTTP client that sends the admin token, if the replicas have one.
     pub http: reqwest::Client,
 }
 
@@ -152,11 +153,24 @@ impl TestCluster {
                 task: Some(task),
             });
         }
+        let token = extra
+            .iter()
+            .position(|arg| *arg == "--admin-token")
+            .and_then(|i| extra.get(i + 1));
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(token) = token {
+            let value = format!("Bearer {token}").parse().expect("header value");
+            headers.insert(reqwest::header::AUTHORIZATION, value);
+        }
+        let http = reqwest::Client::builder()
+            .default_headers(headers)
+            .build()
+            .expect("HTTP client");
         TestCluster {
             replicas,
             database_url,
             namespace: name,
-            http: reqwest::Client::new(),
+            http,
         }
     }
 

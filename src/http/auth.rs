@@ -1,0 +1,33 @@
+//! Admin protection. With `FLASHSALE_ADMIN_TOKEN` set, admin calls (strategy, reset,
+//! fencing, faults, starting load tests, saving reports) need
+//! `Authorization: Bearer <token>`: none gives 401, a wrong one 403. Without a token
+//! they are open, which the service only allows when it listens on loopback (checked
+//! at start, see `config`).
+
+use axum::extract::{Request, State};
+use axum::http::header::AUTHORIZATION;
+use axum::middleware::Next;
+use axum::response::Response;
+
+use crate::app::AppState;
+use crate::error::AppError;
+
+pub async fn require_admin(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Result<Response, AppError> {
+    let Some(expected) = &state.admin_token else {
+        return Ok(next.run(request).await);
+    };
+    let presented = request
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "));
+    match presented {
+        None => Err(AppError::Unauthorized),
+        Some(token) if expected.matches(token) => Ok(next.run(request).await),
+        Some(_) => Err(AppError::Forbidden),
+    }
+}

@@ -1,0 +1,95 @@
+//! With an admin token configured, admin calls need it: none is 401 (with
+//! WWW-Authenticate), a wrong one 403, and nothing changes; shopping and reading stay
+//! public.
+
+use reqwest::{Method, StatusCode};
+use serde_json::json;
+
+use crate::support::TestCluster;
+
+const TOKEN: &str = "test-admin-token-0123456789";
+
+#[tokio::test]
+async fn admin_calls_need_the_token() {
+    let cluster = TestCluster::start(1, &["--admin-token", TOKEN]).await;
+    cluster.reset("guarded", 5).await; // the support client sends the token
+    let anonymous = reqwest::Client::new();
+    let calls = [
+        (
+            Method::PUT,
+            "/api/admin/strategy",
+            json!({ "strategy": "none" }),
+        ),
+        (Method::GET, "/api/admin/strategy", json!(null)),
+        (
+            Method::POST,
+            "/api/admin/reset",
+            json!({ "sku": "guarded", "stock": 99 }),
+        ),
+        (
+            Method::PUT,
+            "/api/admin/fencing",
+            json!({ "enabled": true }),
+        ),
+        (Method::POST, "/api/admin/faults", json!({})),
+        (
+            Method::POST,
+            "/api/loadtests",
+            json!({ "users": 1, "stock": 1 }),
+        ),
+        (Method::POST, "/api/runs", json!({})),
+    ];
+    for (method, path, body) in calls {
+        let request = |auth: Option<&str>| {
+            let mut request = anonymous
+                .request(method.clone(), cluster.url(0, path))
+                .json(&body);
+            if let Some(auth) = auth {
+                request = request.header("authorization", auth);
+            }
+            request.send()
+        };
+        let none = request(None).await.expect("sent");
+        assert_eq!(none.status(), StatusCode::UNAUTHORIZED, "{method} {path}");
+        assert_eq!(none.headers()["www-authenticate"], "Bearer");
+        let body: serde_json::Value = none.json().await.expect("JSON error");
+        assert_eq!(body["error"], "unauthorized");
+        let wrong = request(Some("Bearer not-the-token-at-all"))
+            .await
+            .expect("sent");
+        assert_eq!(wrong.status(), StatusCode::FORBIDDEN, "{method} {path}");
+    }
+    let stats = cluster.sku_stats("guarded").await;
+    assert_eq!(stats["stock_redis"], 5, "nothing changed");
+    assert_eq!(
+        cluster.get_json(0, "/api/admin/fencing").await["enabled"],
+        false,
+        "fencing untouched"
+    );
+
+    let order = anonymous
+        .post(cluster.url(0, "/api/orders"))
+        .json(&json!({ "sku": "guarded", "user_id": "public", "quantity": 1 }))
+        .send()
+        .await
+        .expect("order");
+    assert_eq!(
+        order.status(),
+        StatusCode::CREATED,
+        "shopping needs no token"
+    );
+    for path in [
+        "/api/stats",
+        "/api/strategies",
+        "/healthz",
+        "/api/runs",
+        "/",
+    ] {
+        let response = anonymous
+            .get(cluster.url(0, path))
+            .send()
+            .await
+            .expect("GET");
+        assert_eq!(response.status(), StatusCode::OK, "GET {path} is public");
+    }
+}
