@@ -155,7 +155,13 @@ impl Server {
             state.requests.clone(),
             state.flow.clone(),
         );
-        let router = crate::http::router(state, &config.static_dir);
+        let limits = crate::http::limits::Limits {
+            timeout: std::time::Duration::from_millis(config.request_timeout_ms),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(
+                usize::try_from(config.max_in_flight).unwrap_or(usize::MAX),
+            )),
+        };
+        let router = crate::http::router(state, &config.static_dir, limits);
         Ok(Server {
             listener,
             router,

@@ -108,6 +108,16 @@ pub struct ServeConfig {
     #[arg(long, env = "FLASHSALE_WORK_MS", default_value_t = 0)]
     pub work_ms: u64,
 
+    /// Longest a request may take before it is abandoned with 503.
+    #[arg(long, env = "FLASHSALE_REQUEST_TIMEOUT_MS", default_value_t = 30_000,
+          value_parser = clap::value_parser!(u64).range(100..))]
+    pub request_timeout_ms: u64,
+
+    /// Requests one replica runs at once; more are refused with 503 at once.
+    #[arg(long, env = "FLASHSALE_MAX_IN_FLIGHT", default_value_t = 1024,
+          value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub max_in_flight: u64,
+
     /// Largest quantity one order may ask for.
     #[arg(long, env = "FLASHSALE_MAX_QUANTITY", default_value_t = 10)]
     pub max_quantity: i64,

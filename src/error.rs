@@ -47,6 +47,12 @@ pub enum AppError {
     /// A feature this replica cannot offer right now; the message says why.
     #[error("{0}")]
     Unavailable(String),
+    /// Too many requests in flight on this replica.
+    #[error("this replica is at its limit of requests in flight; try again")]
+    Overloaded,
+    /// The request took longer than the replica allows; nothing was committed by it.
+    #[error("the request took longer than {0:?} and was abandoned")]
+    TimedOut(std::time::Duration),
     /// Redis or MySQL could not be reached in time.
     #[error("{backend} is unavailable; try again shortly")]
     BackendUnavailable { backend: &'static str },
@@ -70,6 +76,8 @@ impl AppError {
             AppError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             AppError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
             AppError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            AppError::Overloaded => (StatusCode::SERVICE_UNAVAILABLE, "overloaded"),
+            AppError::TimedOut(_) => (StatusCode::SERVICE_UNAVAILABLE, "timeout"),
             AppError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             AppError::LockLost(_) => (StatusCode::CONFLICT, "lock_lost"),
             AppError::BackendUnavailable { .. } => {
@@ -86,7 +94,10 @@ impl IntoResponse for AppError {
         let body = Json(json!({ "error": code, "message": self.to_string() }));
         let mut response = (status, body).into_response();
         let retry_after = match &self {
-            AppError::Busy(_) | AppError::BackendUnavailable { .. } => Some("1"),
+            AppError::Busy(_)
+            | AppError::BackendUnavailable { .. }
+            | AppError::Overloaded
+            | AppError::TimedOut(_) => Some("1"),
             _ => None,
         };
         if matches!(self, AppError::Unauthorized) {

@@ -8,6 +8,7 @@ mod admin;
 mod auth;
 mod events;
 mod health;
+pub mod limits;
 mod loadtests;
 mod orders;
 mod runs;
@@ -48,7 +49,7 @@ impl<T: serde::Serialize> IntoResponse for ApiJson<T> {
     }
 }
 
-pub fn router(state: AppState, static_dir: &Path) -> Router {
+pub fn router(state: AppState, static_dir: &Path, limits: limits::Limits) -> Router {
     // Calls that change the sale or start load: behind the admin token when one is set.
     let admin = Router::new()
         .route(
@@ -75,17 +76,22 @@ pub fn router(state: AppState, static_dir: &Path) -> Router {
         ));
 
     let public = Router::new()
-        .route("/healthz", get(health::healthz))
         .route("/api/orders", post(orders::place_order))
         .route("/api/strategies", get(strategies::list))
         .route("/api/stats", get(stats::stats))
-        .route("/api/events", get(events::events))
         .route("/api/loadtests", get(loadtests::status))
         .route("/api/runs", get(runs::list))
         .route("/api/{*rest}", axum::routing::any(unknown_api_route));
 
+    // Long-lived or must answer even when the replica is saturated: outside the limits.
+    let unlimited = Router::new()
+        .route("/healthz", get(health::healthz))
+        .route("/api/events", get(events::events));
+
     admin
         .merge(public)
+        .route_layer(middleware::from_fn_with_state(limits, limits::enforce))
+        .merge(unlimited)
         .fallback_service(ServeDir::new(static_dir))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(

@@ -6,6 +6,7 @@ mod admin_auth;
 mod bad_input;
 mod dashboard;
 mod fencing;
+mod limits;
 mod lock_primitives;
 mod lock_strategies;
 mod none_strategy;

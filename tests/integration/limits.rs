@@ -1,0 +1,63 @@
+//! Overload and slowness answer 503 with a JSON error instead of queueing without
+//! bound, and a request cut off mid-way leaves nothing behind: no order, no lock.
+
+use std::time::Duration;
+
+use deadpool_redis::redis::AsyncCommands;
+use reqwest::StatusCode;
+use serde_json::Value;
+
+use crate::support::{TestCluster, redis_pool};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_beyond_the_in_flight_cap_are_refused_at_once() {
+    let cluster = TestCluster::start(1, &["--max-in-flight", "2", "--work-ms", "1000"]).await;
+    cluster.reset("capped", 100).await;
+    let statuses = cluster.crowd("capped", 6).await;
+    let refused = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::SERVICE_UNAVAILABLE)
+        .count();
+    let created = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::CREATED)
+        .count();
+    assert_eq!((created, refused), (2, 4), "{statuses:?}");
+    let health = cluster.get_json(0, "/healthz").await;
+    assert_eq!(health["status"], "ok", "health answers outside the cap");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_cut_off_by_the_timeout_leaves_nothing_behind() {
+    let cluster =
+        TestCluster::start(1, &["--request-timeout-ms", "300", "--work-ms", "1000"]).await;
+    let sku = "slow";
+    cluster.reset(sku, 5).await;
+    let response = cluster
+        .http
+        .post(cluster.url(0, "/api/orders?strategy=redis-lock"))
+        .json(&serde_json::json!({ "sku": sku, "user_id": "slow", "quantity": 1 }))
+        .send()
+        .await
+        .expect("order");
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = response.json().await.expect("JSON error");
+    assert_eq!(body["error"], "timeout");
+
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        (stats["orders"].as_i64(), stats["stock_redis"].as_i64()),
+        (Some(0), Some(5))
+    );
+    let mut redis = redis_pool().get().await.expect("redis");
+    let key = format!("{}:lock:{sku}", cluster.namespace);
+    let mut held: Option<String> = Some(String::new());
+    for _ in 0..50 {
+        held = redis.get(&key).await.expect("GET");
+        if held.is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(held, None, "the abandoned holder's lock was released");
+}
