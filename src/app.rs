@@ -33,6 +33,7 @@ pub struct AppState {
     pub loadtests: Arc<LoadTests>,
     /// Admin calls need this token when set.
     pub admin_token: Option<AdminToken>,
+    pub metrics: metrics_exporter_prometheus::PrometheusHandle,
 }
 
 impl AppState {
@@ -147,6 +148,7 @@ impl Server {
                 config.admin_token.clone(),
             )),
             admin_token: config.admin_token.clone(),
+            metrics: crate::telemetry::prometheus(),
         };
         let live_feed = crate::http::spawn_snapshots(state.clone());
         let heartbeat = Heartbeat::new(

@@ -21,3 +21,4 @@ pub mod replica;
 pub mod report;
 pub mod store;
 pub mod strategy;
+pub mod telemetry;

@@ -10,6 +10,7 @@ mod events;
 mod health;
 pub mod limits;
 mod loadtests;
+mod metrics;
 mod orders;
 mod runs;
 pub mod stats;
@@ -86,12 +87,15 @@ pub fn router(state: AppState, static_dir: &Path, limits: limits::Limits) -> Rou
     // Long-lived or must answer even when the replica is saturated: outside the limits.
     let unlimited = Router::new()
         .route("/healthz", get(health::healthz))
+        .route("/metrics", get(metrics::render))
         .route("/api/events", get(events::events));
 
     admin
         .merge(public)
         .route_layer(middleware::from_fn_with_state(limits, limits::enforce))
         .merge(unlimited)
+        // A route layer, so it runs after routing and sees the route template.
+        .route_layer(middleware::from_fn(metrics::observe))
         .fallback_service(ServeDir::new(static_dir))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(

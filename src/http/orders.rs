@@ -8,7 +8,7 @@ use super::ApiJson;
 use crate::app::AppState;
 use crate::error::AppError;
 use crate::model::{NewOrder, Order, Sku, integer_in_range, parse_user_id};
-use crate::strategy::OrderOptions;
+use crate::strategy::{OrderError, OrderOptions};
 
 #[derive(Debug, Deserialize)]
 pub struct OrderBody {
@@ -47,6 +47,17 @@ pub async fn place_order(
         fencing: settings.fencing,
         pause_armed: settings.pause_holder_ms.is_some(),
     };
-    let placed = strategy.place_order(&state.flow, &order, options).await?;
+    let placed = strategy.place_order(&state.flow, &order, options).await;
+    let outcome = match &placed {
+        Ok(_) => "created",
+        Err(OrderError::SoldOut { .. }) => "sold_out",
+        Err(OrderError::Busy(_)) => "busy",
+        Err(OrderError::LockLost(_) | OrderError::Fenced { .. }) => "lock_lost",
+        Err(OrderError::UnknownSku(_)) => "unknown_sku",
+        Err(OrderError::LockBackend { .. } | OrderError::Store(_)) => "error",
+    };
+    metrics::counter!("flashsale_orders_total", "strategy" => strategy.name(), "outcome" => outcome)
+        .increment(1);
+    let placed = placed?;
     Ok((StatusCode::CREATED, ApiJson(placed)))
 }

@@ -156,7 +156,14 @@ async fn watchdog<H: LeaseHold>(hold: H, lease: Duration, state: Arc<HoldState>)
     let period = lease / 3;
     loop {
         tokio::time::sleep(period).await;
-        match hold.renew(lease).await {
+        let renewed = hold.renew(lease).await;
+        let outcome = match &renewed {
+            Ok(true) => "renewed",
+            Ok(false) => "lost",
+            Err(_) => "error",
+        };
+        metrics::counter!("flashsale_lease_renewals_total", "outcome" => outcome).increment(1);
+        match renewed {
             Ok(true) => {}
             Ok(false) => {
                 state.lost.store(true, Ordering::SeqCst);

@@ -123,6 +123,9 @@ impl ClusterState {
     /// Adds one to a cluster-wide counter such as `optimistic.conflicts`. Counting is
     /// best effort: a failure is logged and never fails the order being counted.
     pub async fn count(&self, strategy: &str, counter: &str) {
+        metrics::counter!("flashsale_events_total",
+            "strategy" => strategy.to_owned(), "event" => counter.to_owned())
+        .increment(1);
         let counted = async {
             let mut conn = self.pool.get().await?;
             let () = conn

@@ -13,7 +13,7 @@
 //! `stock - 1`: the lost update that oversells.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{OrderError, OrderOptions};
 use crate::lock::{DistributedLock, HeldLock};
@@ -45,8 +45,11 @@ impl SaleFlow {
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
         self.lock_waiters.fetch_add(1, Ordering::Relaxed);
+        let waiting = Instant::now();
         let acquired = lock.acquire(order.sku.as_str(), self.lock_wait).await;
         self.lock_waiters.fetch_sub(1, Ordering::Relaxed);
+        metrics::histogram!("flashsale_lock_acquire_seconds", "strategy" => strategy.to_owned())
+            .record(waiting.elapsed().as_secs_f64());
         let guard = match acquired {
             Ok(guard) => guard,
             Err(error) => {
@@ -54,10 +57,13 @@ impl SaleFlow {
                 return Err(error.into());
             }
         };
+        let holding = Instant::now();
         let sold = self.sell(order, strategy, Some(&guard), options).await;
         if let Err(error) = guard.release().await {
             tracing::warn!(%error, sku = %order.sku, strategy, "lock release failed");
         }
+        metrics::histogram!("flashsale_lock_hold_seconds", "strategy" => strategy.to_owned())
+            .record(holding.elapsed().as_secs_f64());
         match &sold {
             Err(OrderError::LockLost(_)) => self.store.cluster.count(strategy, "locks_lost").await,
             Err(OrderError::Fenced { .. }) => {

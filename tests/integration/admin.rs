@@ -89,3 +89,38 @@ async fn healthz_reports_each_backend() {
         .collect();
     assert_eq!(names, ["redis", "mysql"]);
 }
+
+#[tokio::test]
+async fn metrics_are_exposed_in_prometheus_format() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let sku = "measured";
+    cluster.reset(sku, 1).await;
+    assert_eq!(
+        cluster.order(0, sku, "a", 1).await.status(),
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        cluster.order(0, sku, "b", 1).await.status(),
+        StatusCode::CONFLICT
+    );
+    let response = cluster
+        .http
+        .get(cluster.url(0, "/metrics"))
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(response.status(), StatusCode::OK);
+    let text = response.text().await.expect("body");
+    for expected in [
+        "flashsale_http_requests_total{route=\"/api/orders\",method=\"POST\",status=\"201\"}",
+        "flashsale_http_request_duration_seconds_bucket{route=\"/api/orders\"",
+        "flashsale_orders_total{strategy=\"none\",outcome=\"sold_out\"}",
+        "flashsale_oversold{sku=\"measured\"} 0",
+        "flashsale_stock{sku=\"measured\",store=\"mysql\"} 0",
+    ] {
+        assert!(
+            text.contains(expected),
+            "/metrics lacks {expected}:\n{text}"
+        );
+    }
+}
