@@ -152,6 +152,10 @@ impl From<OrderError> for AppError {
     fn from(error: OrderError) -> Self {
         match error {
             OrderError::UnknownSku(sku) => AppError::NotFound(format!("unknown SKU '{sku}'")),
+            OrderError::StockUnavailable(sku) => AppError::Unavailable(format!(
+                "Redis holds no stock for '{sku}' (restarted?); an admin must rebuild it from \
+                 MySQL with POST /api/admin/reconcile"
+            )),
             OrderError::SoldOut {
                 available,
                 requested,

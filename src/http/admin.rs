@@ -130,3 +130,25 @@ pub async fn disarm_fault(State(state): State<AppState>) -> Result<StatusCode, A
     state.flow.store.cluster.disarm_pause().await?;
     Ok(StatusCode::NO_CONTENT)
 }
+
+#[derive(Debug, Serialize)]
+pub struct Reconciled {
+    skus: Vec<ResetDone>,
+}
+
+/// Rebuilds the Redis stock of every SKU from MySQL's products rows, the system of
+/// record (after a Redis restart, or to repair a cache the stats flag as
+/// inconsistent). Orders are not touched.
+pub async fn reconcile(State(state): State<AppState>) -> Result<ApiJson<Reconciled>, AppError> {
+    let store = &state.flow.store;
+    let mut skus = Vec::new();
+    for product in store.records.products(None).await? {
+        store.cache.reset(&product.sku, product.stock).await?;
+        skus.push(ResetDone {
+            sku: product.sku,
+            stock: product.stock,
+        });
+    }
+    tracing::warn!(skus = skus.len(), "Redis stock rebuilt from MySQL");
+    Ok(ApiJson(Reconciled { skus }))
+}

@@ -58,6 +58,7 @@ pub fn router(state: AppState, static_dir: &Path, limits: limits::Limits) -> Rou
             get(admin::active_strategy).put(admin::set_strategy),
         )
         .route("/api/admin/reset", post(admin::reset))
+        .route("/api/admin/reconcile", post(admin::reconcile))
         .route(
             "/api/admin/fencing",
             get(admin::fencing).put(admin::set_fencing),

@@ -54,6 +54,7 @@ pub async fn place_order(
         Err(OrderError::Busy(_)) => "busy",
         Err(OrderError::LockLost(_) | OrderError::Fenced { .. }) => "lock_lost",
         Err(OrderError::UnknownSku(_)) => "unknown_sku",
+        Err(OrderError::StockUnavailable(_)) => "stock_unavailable",
         Err(OrderError::LockBackend { .. } | OrderError::Store(_)) => "error",
     };
     metrics::counter!("flashsale_orders_total", "strategy" => strategy.name(), "outcome" => outcome)

@@ -86,12 +86,9 @@ impl SaleFlow {
         hold: Option<&dyn HeldLock>,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
-        let stock = self
-            .store
-            .cache
-            .stock(&order.sku)
-            .await?
-            .ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
+        let Some(stock) = self.store.cache.stock(&order.sku).await? else {
+            return Err(self.missing_stock(order).await);
+        };
         ensure_in_stock(stock, order)?;
         self.simulate_work().await;
         // The last moment to notice a lost lock. A lease can still run out between
@@ -121,6 +118,17 @@ impl SaleFlow {
             tracing::error!(%error, sku = %order.sku, "order committed but Redis stock not updated");
         }
         Ok(recorded)
+    }
+
+    /// Why Redis has no stock for the order's SKU: never stocked (404), or the cache
+    /// lost it (a Redis restart without persistence) and it must be reconciled from
+    /// MySQL before selling goes on (503).
+    pub async fn missing_stock(&self, order: &NewOrder) -> OrderError {
+        match self.store.records.stock_and_version(&order.sku).await {
+            Ok(Some(_)) => OrderError::StockUnavailable(order.sku.to_string()),
+            Ok(None) => OrderError::UnknownSku(order.sku.to_string()),
+            Err(error) => error.into(),
+        }
     }
 
     /// The simulated validation inside the critical section (FLASHSALE_WORK_MS).

@@ -102,6 +102,9 @@ pub struct Explanation {
 pub enum OrderError {
     #[error("unknown SKU {0}")]
     UnknownSku(String),
+    /// MySQL knows the SKU but Redis lost its stock: reconcile before selling on.
+    #[error("no stock in Redis for {0}")]
+    StockUnavailable(String),
     #[error("sold out")]
     SoldOut { available: i64, requested: i64 },
     /// The strategy could not get exclusive access in time (lock wait, or optimistic

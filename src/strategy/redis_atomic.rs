@@ -48,7 +48,7 @@ impl Strategy for RedisAtomicStrategy {
     ) -> Result<Order, OrderError> {
         let store = &flow.store;
         match store.cache.take(&order.sku, order.quantity).await? {
-            Taken::UnknownSku => return Err(OrderError::UnknownSku(order.sku.to_string())),
+            Taken::UnknownSku => return Err(flow.missing_stock(order).await),
             Taken::NotEnough { available } => {
                 return Err(OrderError::SoldOut {
                     available: available.max(0),

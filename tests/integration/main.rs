@@ -5,6 +5,7 @@ mod admin;
 mod admin_auth;
 mod bad_input;
 mod dashboard;
+mod faults;
 mod fencing;
 mod limits;
 mod lock_primitives;

@@ -1,0 +1,227 @@
+//! Backends and replicas failing under load: a Redis restart (the test's own Redis, so
+//! parallel tests are not disturbed) and a replica asked to stop mid-sale.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::support::TestCluster;
+
+/// A redis-server of the test's own, without persistence (a restart loses the data,
+/// the worst case).
+struct PrivateRedis {
+    port: u16,
+    child: Option<tokio::process::Child>,
+}
+
+impl PrivateRedis {
+    async fn start() -> PrivateRedis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let mut redis = PrivateRedis { port, child: None };
+        redis.restart().await;
+        redis
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    async fn restart(&mut self) {
+        let child = tokio::process::Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("redis-server from scripts/stack.sh");
+        self.child = Some(child);
+        let client = deadpool_redis::redis::Client::open(self.url()).expect("URL");
+        for _ in 0..100 {
+            if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
+                let pong: Result<String, _> = deadpool_redis::redis::cmd("PING")
+                    .query_async(&mut conn)
+                    .await;
+                if pong.is_ok() {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("private redis did not start");
+    }
+
+    async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.start_kill().expect("SIGKILL");
+            child.wait().await.expect("reaped");
+        }
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    answers: std::sync::Mutex<Vec<(StatusCode, String, Duration)>>,
+}
+
+/// Redis dies and comes back empty while a crowd buys under redis-lock. The service
+/// answers 503 during the outage instead of hanging, refuses to sell from the empty
+/// cache (503 stock_unavailable) until an admin reconciles it from MySQL, recovers
+/// without a restart, and nothing is oversold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_restart_mid_sale() {
+    let mut redis = PrivateRedis::start().await;
+    let url = redis.url();
+    let cluster = TestCluster::start(2, &["--redis-url", &url, "--redlock-urls", &url]).await;
+    cluster.set_strategy("redis-lock").await;
+    let sku = "outage";
+    cluster.reset(sku, 60).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Tally::default());
+    let crowd: Vec<_> = (0..6)
+        .map(|shopper| {
+            let (url, http) = (cluster.url(shopper % 2, "/api/orders"), cluster.http.clone());
+            let (stop, tally) = (stop.clone(), tally.clone());
+            tokio::spawn(async move {
+                for n in 0..400 {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let body = json!({ "sku": "outage", "user_id": format!("{shopper}-{n}"), "quantity": 1 });
+                    let started = Instant::now();
+                    let Ok(response) = http.post(&url).json(&body).timeout(Duration::from_secs(15)).send().await else {
+                        continue;
+                    };
+                    let status = response.status();
+                    let code = response.json::<serde_json::Value>().await.ok()
+                        .and_then(|b| b["error"].as_str().map(str::to_owned)).unwrap_or_default();
+                    tally.answers.lock().expect("tally").push((status, code, started.elapsed()));
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                }
+            })
+        })
+        .collect();
+
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    redis.kill().await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    redis.restart().await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let reconciled = cluster
+        .http
+        .post(cluster.url(0, "/api/admin/reconcile"))
+        .send()
+        .await
+        .expect("reconcile");
+    assert_eq!(reconciled.status(), StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    stop.store(true, Ordering::SeqCst);
+    for shopper in crowd {
+        shopper.await.expect("shopper finished");
+    }
+
+    let answers = tally.answers.lock().expect("tally").clone();
+    let codes = |code: &str| answers.iter().filter(|(_, c, _)| c == code).count();
+    let slowest = answers.iter().map(|(_, _, d)| *d).max().unwrap_or_default();
+    println!(
+        "redis restart: {} answers, {} orders, {} backend_unavailable, {} stock_unavailable, slowest {slowest:?}",
+        answers.len(),
+        answers
+            .iter()
+            .filter(|(s, _, _)| *s == StatusCode::CREATED)
+            .count(),
+        codes("backend_unavailable"),
+        codes("unavailable"),
+    );
+    assert!(
+        answers
+            .iter()
+            .all(|(s, _, _)| [201, 409, 503].contains(&s.as_u16())),
+        "only 201/409/503: {answers:?}"
+    );
+    assert!(codes("backend_unavailable") > 0, "503 while Redis was down");
+    assert!(
+        codes("unavailable") > 0,
+        "503 stock_unavailable until reconciled"
+    );
+    assert!(
+        slowest < Duration::from_secs(6),
+        "answers, not hangs: slowest {slowest:?}"
+    );
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(stats["oversold"], 0);
+    assert_eq!(stats["consistent"], true, "{stats}");
+    assert!(stats["orders"].as_i64() > Some(0));
+}
+
+/// SIGTERM while a replica process has orders in flight: they finish (each one under
+/// the lock, one after another), the lock is released, the replica deregisters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_in_flight_orders_finish() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let sku = "draining";
+    cluster.reset(sku, 10).await;
+    let mut replica = cluster
+        .spawn_process_replica(env!("CARGO_BIN_EXE_flashsale"), &["--work-ms", "300"])
+        .await;
+    let url = format!("{}/api/orders?strategy=redis-lock", replica.base_url);
+    let orders: Vec<_> = (0..4)
+        .map(|i| {
+            let (http, url) = (cluster.http.clone(), url.clone());
+            tokio::spawn(async move {
+                let body =
+                    json!({ "sku": "draining", "user_id": format!("late-{i}"), "quantity": 1 });
+                http.post(url).json(&body).send().await.map(|r| r.status())
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let pid = replica
+        .child
+        .id()
+        .and_then(|id| i32::try_from(id).ok())
+        .expect("pid");
+    kill(Pid::from_raw(pid), Signal::SIGTERM).expect("SIGTERM");
+
+    for order in orders {
+        let status = order.await.expect("joined").expect("answered, not cut off");
+        assert_eq!(status, StatusCode::CREATED);
+    }
+    let exit = tokio::time::timeout(Duration::from_secs(10), replica.child.wait())
+        .await
+        .expect("stopped in time")
+        .expect("exit status");
+    assert!(exit.success(), "clean exit: {exit}");
+    let stats = cluster.get_json(0, "/api/stats").await;
+    let ids: Vec<&str> = stats["replicas"]
+        .as_array()
+        .expect("replicas")
+        .iter()
+        .filter_map(|r| r["id"].as_str())
+        .collect();
+    assert!(!ids.contains(&"replica-doomed"), "deregistered: {ids:?}");
+    let sku_stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        (
+            sku_stats["orders"].as_i64(),
+            sku_stats["consistent"].as_bool()
+        ),
+        (Some(4), Some(true))
+    );
+    let mut redis = crate::support::redis_pool().get().await.expect("redis");
+    let lock: Option<String> = deadpool_redis::redis::AsyncCommands::get(
+        &mut redis,
+        format!("{}:lock:{sku}", cluster.namespace),
+    )
+    .await
+    .expect("GET");
+    assert_eq!(lock, None, "no lock left behind");
+}
