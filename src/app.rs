@@ -55,7 +55,7 @@ impl AppState {
         &self,
         requested: Option<&str>,
     ) -> Result<(ClusterSettings, Arc<dyn Strategy>), AppError> {
-        let settings = self.flow.store.cluster.settings().await?;
+        let settings = self.flow.store.settings().await?;
         if let Some(name) = requested {
             return Ok((settings, self.named_strategy(name)?));
         }

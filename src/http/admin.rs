@@ -34,7 +34,6 @@ pub async fn set_strategy(
     state
         .flow
         .store
-        .cluster
         .set_active_strategy(strategy.name())
         .await?;
     tracing::info!(strategy = strategy.name(), "active strategy switched");
@@ -85,7 +84,7 @@ pub async fn set_fencing(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<FencingBody>,
 ) -> Result<ApiJson<FencingBody>, AppError> {
-    state.flow.store.cluster.set_fencing(body.enabled).await?;
+    state.flow.store.set_fencing(body.enabled).await?;
     tracing::info!(enabled = body.enabled, "fencing switched");
     Ok(ApiJson(body))
 }
@@ -133,21 +132,25 @@ pub async fn disarm_fault(State(state): State<AppState>) -> Result<StatusCode, A
 
 #[derive(Debug, Serialize)]
 pub struct Reconciled {
+    /// SKUs whose Redis stock was missing and was rebuilt from MySQL.
     skus: Vec<ResetDone>,
 }
 
-/// Rebuilds the Redis stock of every SKU from MySQL's products rows, the system of
-/// record (after a Redis restart, or to repair a cache the stats flag as
-/// inconsistent). Orders are not touched.
+/// Rebuilds the Redis stock of every SKU Redis has lost (after a restart without
+/// persistence) from MySQL's products rows, the system of record. A stock Redis
+/// still has is left alone: sales may be writing it right now, and overwriting it
+/// with a value read from MySQL a moment earlier would undo one of them. To repair a
+/// stale cache, reset the SKU. Orders are not touched.
 pub async fn reconcile(State(state): State<AppState>) -> Result<ApiJson<Reconciled>, AppError> {
     let store = &state.flow.store;
     let mut skus = Vec::new();
     for product in store.records.products(None).await? {
-        store.cache.reset(&product.sku, product.stock).await?;
-        skus.push(ResetDone {
-            sku: product.sku,
-            stock: product.stock,
-        });
+        if store.cache.restore(&product.sku, product.stock).await? {
+            skus.push(ResetDone {
+                sku: product.sku,
+                stock: product.stock,
+            });
+        }
     }
     tracing::warn!(skus = skus.len(), "Redis stock rebuilt from MySQL");
     Ok(ApiJson(Reconciled { skus }))

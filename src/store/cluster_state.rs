@@ -23,6 +23,18 @@ pub struct ClusterState {
     namespace: String,
 }
 
+fn fencing_value(enabled: bool) -> &'static str {
+    if enabled { "on" } else { "off" }
+}
+
+/// The settings as found in Redis: `None` where Redis has no value.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CachedSettings {
+    pub strategy: Option<String>,
+    pub fencing: Option<bool>,
+    pub pause_holder_ms: Option<u64>,
+}
+
 /// The cluster-wide switches an order needs.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ClusterSettings {
@@ -73,23 +85,35 @@ impl ClusterState {
         format!("{}:replicas", self.namespace)
     }
 
-    /// The cluster-wide settings, in one round trip.
-    pub async fn settings(&self) -> Result<ClusterSettings, StoreError> {
+    /// The cluster-wide settings as Redis holds them, in one round trip. `None` for a
+    /// setting Redis does not have (never set, or lost in a restart).
+    pub async fn cached_settings(&self) -> Result<CachedSettings, StoreError> {
         let mut conn = self.pool.get().await?;
         let (strategy, fencing, pause): (Option<String>, Option<String>, Option<u64>) = conn
             .mget(&[self.strategy_key(), self.fencing_key(), self.pause_key()])
             .await?;
-        Ok(ClusterSettings {
+        Ok(CachedSettings {
             strategy,
-            fencing: fencing.as_deref() == Some("on"),
+            fencing: fencing.map(|f| f == "on"),
             pause_holder_ms: pause,
         })
     }
 
     pub async fn set_fencing(&self, enabled: bool) -> Result<(), StoreError> {
         let mut conn = self.pool.get().await?;
-        let () = conn
-            .set(self.fencing_key(), if enabled { "on" } else { "off" })
+        let () = conn.set(self.fencing_key(), fencing_value(enabled)).await?;
+        Ok(())
+    }
+
+    /// Puts settings rebuilt from MySQL back, unless they were set meanwhile.
+    pub async fn restore_settings(&self, strategy: &str, fencing: bool) -> Result<(), StoreError> {
+        let mut conn = self.pool.get().await?;
+        let () = deadpool_redis::redis::pipe()
+            .set_nx(self.strategy_key(), strategy)
+            .ignore()
+            .set_nx(self.fencing_key(), fencing_value(fencing))
+            .ignore()
+            .query_async(&mut conn)
             .await?;
         Ok(())
     }

@@ -22,6 +22,47 @@ pub struct Store {
     pub cluster: ClusterState,
 }
 
+const STRATEGY_SETTING: &str = "strategy";
+const FENCING_SETTING: &str = "fencing";
+
+impl Store {
+    /// The cluster-wide settings: one Redis round trip on the order path. If Redis
+    /// lost them (a restart), they are read from MySQL's durable copy and put back,
+    /// rather than silently falling back to the default strategy.
+    pub async fn settings(&self) -> Result<ClusterSettings, StoreError> {
+        let cached = self.cluster.cached_settings().await?;
+        if let (Some(strategy), Some(fencing)) = (&cached.strategy, cached.fencing) {
+            return Ok(ClusterSettings {
+                strategy: Some(strategy.clone()),
+                fencing,
+                pause_holder_ms: cached.pause_holder_ms,
+            });
+        }
+        let strategy = self.records.setting(STRATEGY_SETTING).await?;
+        let fencing = self.records.setting(FENCING_SETTING).await?.as_deref() == Some("on");
+        if let Some(strategy) = &strategy {
+            self.cluster.restore_settings(strategy, fencing).await?;
+        }
+        Ok(ClusterSettings {
+            strategy,
+            fencing,
+            pause_holder_ms: cached.pause_holder_ms,
+        })
+    }
+
+    /// Switches the strategy: the durable copy first, then the one orders read.
+    pub async fn set_active_strategy(&self, name: &str) -> Result<(), StoreError> {
+        self.records.save_setting(STRATEGY_SETTING, name).await?;
+        self.cluster.set_active_strategy(name).await
+    }
+
+    pub async fn set_fencing(&self, enabled: bool) -> Result<(), StoreError> {
+        let value = if enabled { "on" } else { "off" };
+        self.records.save_setting(FENCING_SETTING, value).await?;
+        self.cluster.set_fencing(enabled).await
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("redis: {0}")]

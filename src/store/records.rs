@@ -210,6 +210,28 @@ impl Records {
         Ok(row.map(|(stock, version)| LockedProduct { tx, stock, version }))
     }
 
+    /// The durable copy of a cluster setting.
+    pub async fn setting(&self, name: &str) -> Result<Option<String>, StoreError> {
+        Ok(
+            sqlx::query_scalar("SELECT value FROM cluster_settings WHERE name = ?")
+                .bind(name)
+                .fetch_optional(&self.pool)
+                .await?,
+        )
+    }
+
+    pub async fn save_setting(&self, name: &str, value: &str) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO cluster_settings (name, value) VALUES (?, ?)
+             ON DUPLICATE KEY UPDATE value = VALUES(value)",
+        )
+        .bind(name)
+        .bind(value)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     /// Products with their order totals; all of them, or only `sku`.
     pub async fn products(&self, sku: Option<&Sku>) -> Result<Vec<ProductRecord>, StoreError> {
         let rows = sqlx::query(

@@ -100,6 +100,14 @@ impl StockCache {
         Ok(())
     }
 
+    /// Rebuilds a lost stock: sets it only if Redis has none. A key that exists was
+    /// written by a sale after the loss and is newer than any value read from MySQL
+    /// before it, so it must not be overwritten. Returns whether it was set.
+    pub async fn restore(&self, sku: &Sku, stock: i64) -> Result<bool, StoreError> {
+        let mut conn = self.pool.get().await?;
+        Ok(conn.set_nx(self.key(sku), stock).await?)
+    }
+
     /// Sets the stock as of MySQL row version `version`, unless a newer one is cached.
     pub async fn set_stock_if_newer(
         &self,

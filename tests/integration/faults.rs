@@ -156,6 +156,11 @@ async fn redis_restart_mid_sale() {
         slowest < Duration::from_secs(6),
         "answers, not hangs: slowest {slowest:?}"
     );
+    let active = cluster.get_json(1, "/api/admin/strategy").await;
+    assert_eq!(
+        active["strategy"], "redis-lock",
+        "the strategy survived Redis's restart"
+    );
     let stats = cluster.sku_stats(sku).await;
     assert_eq!(stats["oversold"], 0);
     assert_eq!(stats["consistent"], true, "{stats}");
