@@ -71,6 +71,9 @@ pub enum StoreError {
     RedisPool(#[from] deadpool_redis::PoolError),
     #[error("mysql: {0}")]
     Mysql(#[from] sqlx::Error),
+    /// COMMIT failed: MySQL may or may not have committed (the connection dropped).
+    #[error("mysql: commit outcome unknown: {0}")]
+    CommitOutcomeUnknown(sqlx::Error),
     /// A row lock (`SELECT … FOR UPDATE`) was not granted within the wait.
     #[error("row lock not granted in time")]
     RowLockTimeout,
@@ -89,6 +92,7 @@ impl StoreError {
                 Some("redis")
             }
             StoreError::RedisPool(_) => Some("redis"),
+            StoreError::CommitOutcomeUnknown(_) => Some("mysql"),
             StoreError::Mysql(
                 sqlx::Error::Io(_)
                 | sqlx::Error::PoolTimedOut

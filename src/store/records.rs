@@ -132,7 +132,9 @@ impl Records {
             .execute(&mut *tx)
             .await?;
         let recorded = insert_order(&mut tx, order, strategy, replica).await?;
-        tx.commit().await?;
+        tx.commit()
+            .await
+            .map_err(StoreError::CommitOutcomeUnknown)?;
         Ok(Some(recorded))
     }
 

@@ -100,6 +100,13 @@ impl StockCache {
         Ok(())
     }
 
+    /// Drops a stock that can no longer be trusted (see `restore`).
+    pub async fn forget(&self, sku: &Sku) -> Result<(), StoreError> {
+        let mut conn = self.pool.get().await?;
+        let () = conn.del(self.key(sku)).await?;
+        Ok(())
+    }
+
     /// Rebuilds a lost stock: sets it only if Redis has none. A key that exists was
     /// written by a sale after the loss and is newer than any value read from MySQL
     /// before it, so it must not be overwritten. Returns whether it was set.

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use super::{OrderError, OrderOptions};
 use crate::lock::{DistributedLock, HeldLock};
 use crate::model::{NewOrder, Order};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 /// What one replica needs to run the order flow.
 pub struct SaleFlow {
@@ -104,18 +104,30 @@ impl SaleFlow {
         let fence = hold
             .filter(|_| options.fencing)
             .and_then(|h| h.fencing_token());
-        let recorded = self
+        let committed = self
             .store
             .records
             .commit_order(order, new_stock, fence, strategy, &self.replica_id)
-            .await?
-            .ok_or(OrderError::Fenced {
-                token: fence.unwrap_or(0),
-            })?;
-        // The order is committed: if the cache write fails now, the order still stands
-        // and /api/stats reports the cache as inconsistent until the next reset.
+            .await;
+        let recorded = match committed {
+            Ok(Some(recorded)) => recorded,
+            Ok(None) => {
+                return Err(OrderError::Fenced {
+                    token: fence.unwrap_or(0),
+                });
+            }
+            Err(error) => {
+                if matches!(error, StoreError::CommitOutcomeUnknown(_)) {
+                    self.forget_stock(order).await;
+                }
+                return Err(error.into());
+            }
+        };
+        // The order is committed: if the cache write fails now, the cache is stale;
+        // forget it rather than let the next holder sell from it.
         if let Err(error) = self.store.cache.set_stock(&order.sku, new_stock).await {
             tracing::error!(%error, sku = %order.sku, "order committed but Redis stock not updated");
+            self.forget_stock(order).await;
         }
         Ok(recorded)
     }
@@ -128,6 +140,19 @@ impl SaleFlow {
             Ok(Some(_)) => OrderError::StockUnavailable(order.sku.to_string()),
             Ok(None) => OrderError::UnknownSku(order.sku.to_string()),
             Err(error) => error.into(),
+        }
+    }
+
+    /// After a MySQL write whose outcome is unknown (the connection dropped during
+    /// COMMIT: MySQL may have committed) the Redis stock can no longer be trusted:
+    /// selling on from it could sell a unit twice. Deleting it makes the SKU answer
+    /// `stock_unavailable` until it is rebuilt from MySQL (reconcile), the truth.
+    async fn forget_stock(&self, order: &NewOrder) {
+        match self.store.cache.forget(&order.sku).await {
+            Ok(()) => tracing::warn!(sku = %order.sku,
+                "MySQL write failed: Redis stock dropped until reconciled from MySQL"),
+            Err(error) => tracing::error!(%error, sku = %order.sku,
+                "MySQL write failed and the Redis stock could not be dropped; reconcile it"),
         }
     }
 

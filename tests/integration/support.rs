@@ -102,8 +102,13 @@ impl TestCluster {
     pub async fn start(count: usize, extra: &[&str]) -> TestCluster {
         let base = std::env::var("FLASHSALE_DATABASE_URL")
             .unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
+        TestCluster::start_on(&base, count, extra).await
+    }
+
+    /// The same on another MySQL server (`base` is a URL of any database on it).
+    pub async fn start_on(base: &str, count: usize, extra: &[&str]) -> TestCluster {
         let name = unique_name();
-        let admin = MySqlPool::connect(&base)
+        let admin = MySqlPool::connect(base)
             .await
             .expect("MySQL from scripts/stack.sh");
         // The name is generated above from digits and underscores, never from input.
