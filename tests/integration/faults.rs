@@ -412,3 +412,109 @@ async fn mariadb_restart_mid_sale() {
     assert_eq!(stats["consistent"], true, "{stats}");
     assert!(stats["orders"].as_i64() > Some(0));
 }
+
+/// Places one order in the background and returns its status once answered.
+fn order_in_background(
+    cluster: &TestCluster,
+    strategy: &str,
+    sku: &str,
+) -> tokio::task::JoinHandle<StatusCode> {
+    let url = cluster.url(0, &format!("/api/orders?strategy={strategy}"));
+    let http = cluster.http.clone();
+    let body = json!({ "sku": sku, "user_id": "holder", "quantity": 1 });
+    tokio::spawn(async move {
+        http.post(url)
+            .json(&body)
+            .send()
+            .await
+            .map(|r| r.status())
+            .expect("answered")
+    })
+}
+
+/// The etcd lease of a holder disappears (revoked from outside, as an expiry would)
+/// while it works: its check before committing fails, the order is aborted with 409
+/// lock_lost, and nothing is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_lease_lost_while_holding_aborts_the_order() {
+    let cluster = TestCluster::start(1, &["--work-ms", "1500"]).await;
+    let sku = "lease-lost";
+    cluster.reset(sku, 5).await;
+    let order = order_in_background(&cluster, "etcd", sku);
+
+    let mut etcd = etcd_client::Client::connect([crate::support::etcd_endpoints()], None)
+        .await
+        .expect("etcd");
+    let prefix = format!("/flashsale/{}/locks/{sku}/", cluster.namespace);
+    let mut lease = None;
+    for _ in 0..50 {
+        let found = etcd
+            .get(
+                prefix.clone(),
+                Some(etcd_client::GetOptions::new().with_prefix()),
+            )
+            .await
+            .expect("get");
+        lease = found.kvs().first().map(|kv| kv.lease());
+        if lease.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    etcd.lease_revoke(lease.expect("the holder's lock key"))
+        .await
+        .expect("revoked");
+
+    assert_eq!(
+        order.await.expect("joined"),
+        StatusCode::CONFLICT,
+        "lock_lost"
+    );
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        (stats["orders"].as_i64(), stats["stock_mysql"].as_i64()),
+        (Some(0), Some(5))
+    );
+    assert_eq!(
+        cluster.get_json(0, "/api/stats").await["counters"]["etcd.locks_lost"],
+        1
+    );
+}
+
+/// A holder's ZooKeeper session expires while it works (its connection is cut for
+/// longer than the session timeout): its check before committing fails, the order is
+/// aborted with 409 lock_lost, and nothing is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_session_expiry_while_holding_aborts_the_order() {
+    let proxy = crate::support::PartitionProxy::start(&crate::support::zookeeper()).await;
+    let zookeeper = proxy.address.to_string();
+    let cluster = TestCluster::start(
+        1,
+        &[
+            "--work-ms",
+            "4000",
+            "--zookeeper",
+            &zookeeper,
+            "--zk-session-ms",
+            "1500",
+        ],
+    )
+    .await;
+    let sku = "session-lost";
+    cluster.reset(sku, 5).await;
+    let order = order_in_background(&cluster, "zookeeper", sku);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    proxy.cut();
+
+    assert_eq!(
+        order.await.expect("joined"),
+        StatusCode::CONFLICT,
+        "lock_lost"
+    );
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        (stats["orders"].as_i64(), stats["stock_mysql"].as_i64()),
+        (Some(0), Some(5))
+    );
+    proxy.heal();
+}
