@@ -66,9 +66,62 @@ impl PrivateRedis {
     }
 }
 
-#[derive(Default)]
-struct Tally {
-    answers: std::sync::Mutex<Vec<(StatusCode, String, Duration)>>,
+/// Every answer the crowd got: status, error code, time to answer.
+type Answers = Vec<(StatusCode, String, Duration)>;
+
+/// Six shoppers buy one unit at a time on both replicas while `disruption` runs, then
+/// stop; returns every answer they got.
+async fn crowd_during(
+    cluster: &TestCluster,
+    sku: &str,
+    disruption: impl Future<Output = ()>,
+) -> Answers {
+    let stop = Arc::new(AtomicBool::new(false));
+    let answers = Arc::new(std::sync::Mutex::new(Answers::new()));
+    let shoppers: Vec<_> = (0..6)
+        .map(|shopper| {
+            let (url, http) = (
+                cluster.url(shopper % 2, "/api/orders"),
+                cluster.http.clone(),
+            );
+            let (stop, answers, sku) = (stop.clone(), answers.clone(), sku.to_owned());
+            tokio::spawn(async move {
+                for n in 0..2000 {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let body =
+                        json!({ "sku": sku, "user_id": format!("{shopper}-{n}"), "quantity": 1 });
+                    let started = Instant::now();
+                    let sent = http
+                        .post(&url)
+                        .json(&body)
+                        .timeout(Duration::from_secs(30))
+                        .send()
+                        .await;
+                    let Ok(response) = sent else { continue };
+                    let status = response.status();
+                    let code = response
+                        .json::<serde_json::Value>()
+                        .await
+                        .ok()
+                        .and_then(|b| b["error"].as_str().map(str::to_owned))
+                        .unwrap_or_default();
+                    answers
+                        .lock()
+                        .expect("answers")
+                        .push((status, code, started.elapsed()));
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                }
+            })
+        })
+        .collect();
+    disruption.await;
+    stop.store(true, Ordering::SeqCst);
+    for shopper in shoppers {
+        shopper.await.expect("shopper finished");
+    }
+    answers.lock().expect("answers").clone()
 }
 
 /// Redis dies and comes back empty while a crowd buys under redis-lock. The service
@@ -84,51 +137,22 @@ async fn redis_restart_mid_sale() {
     let sku = "outage";
     cluster.reset(sku, 60).await;
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let tally = Arc::new(Tally::default());
-    let crowd: Vec<_> = (0..6)
-        .map(|shopper| {
-            let (url, http) = (cluster.url(shopper % 2, "/api/orders"), cluster.http.clone());
-            let (stop, tally) = (stop.clone(), tally.clone());
-            tokio::spawn(async move {
-                for n in 0..400 {
-                    if stop.load(Ordering::SeqCst) {
-                        break;
-                    }
-                    let body = json!({ "sku": "outage", "user_id": format!("{shopper}-{n}"), "quantity": 1 });
-                    let started = Instant::now();
-                    let Ok(response) = http.post(&url).json(&body).timeout(Duration::from_secs(15)).send().await else {
-                        continue;
-                    };
-                    let status = response.status();
-                    let code = response.json::<serde_json::Value>().await.ok()
-                        .and_then(|b| b["error"].as_str().map(str::to_owned)).unwrap_or_default();
-                    tally.answers.lock().expect("tally").push((status, code, started.elapsed()));
-                    tokio::time::sleep(Duration::from_millis(30)).await;
-                }
-            })
-        })
-        .collect();
-
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    redis.kill().await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    redis.restart().await;
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    let reconciled = cluster
-        .http
-        .post(cluster.url(0, "/api/admin/reconcile"))
-        .send()
-        .await
-        .expect("reconcile");
-    assert_eq!(reconciled.status(), StatusCode::OK);
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    stop.store(true, Ordering::SeqCst);
-    for shopper in crowd {
-        shopper.await.expect("shopper finished");
-    }
-
-    let answers = tally.answers.lock().expect("tally").clone();
+    let answers = crowd_during(&cluster, sku, async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        redis.kill().await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        redis.restart().await;
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let reconciled = cluster
+            .http
+            .post(cluster.url(0, "/api/admin/reconcile"))
+            .send()
+            .await
+            .expect("reconcile");
+        assert_eq!(reconciled.status(), StatusCode::OK);
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+    })
+    .await;
     let codes = |code: &str| answers.iter().filter(|(_, c, _)| c == code).count();
     let slowest = answers.iter().map(|(_, _, d)| *d).max().unwrap_or_default();
     println!(
@@ -340,52 +364,23 @@ async fn mariadb_restart_mid_sale() {
     // Enough that the sale is still on when MariaDB goes down.
     cluster.reset(sku, 2000).await;
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let tally = Arc::new(Tally::default());
-    let crowd: Vec<_> = (0..6)
-        .map(|shopper| {
-            let (url, http) = (cluster.url(shopper % 2, "/api/orders"), cluster.http.clone());
-            let (stop, tally) = (stop.clone(), tally.clone());
-            tokio::spawn(async move {
-                for n in 0..400 {
-                    if stop.load(Ordering::SeqCst) {
-                        break;
-                    }
-                    let body = json!({ "sku": "db-outage", "user_id": format!("{shopper}-{n}"), "quantity": 1 });
-                    let started = Instant::now();
-                    let Ok(response) = http.post(&url).json(&body).timeout(Duration::from_secs(30)).send().await else {
-                        continue;
-                    };
-                    let status = response.status();
-                    let code = response.json::<serde_json::Value>().await.ok()
-                        .and_then(|b| b["error"].as_str().map(str::to_owned)).unwrap_or_default();
-                    tally.answers.lock().expect("tally").push((status, code, started.elapsed()));
-                    tokio::time::sleep(Duration::from_millis(30)).await;
-                }
-            })
-        })
-        .collect();
-
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    db.kill().await;
-    // Longer than the pools' bounded waits (3 s): shorter outages are ridden through.
-    tokio::time::sleep(Duration::from_millis(4000)).await;
-    db.restart().await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let reconciled = cluster
-        .http
-        .post(cluster.url(0, "/api/admin/reconcile"))
-        .send()
-        .await
-        .expect("reconcile");
-    assert_eq!(reconciled.status(), StatusCode::OK);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    stop.store(true, Ordering::SeqCst);
-    for shopper in crowd {
-        shopper.await.expect("shopper finished");
-    }
-
-    let answers = tally.answers.lock().expect("tally").clone();
+    let answers = crowd_during(&cluster, sku, async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        db.kill().await;
+        // Longer than the pools' bounded waits (3 s): shorter outages are ridden through.
+        tokio::time::sleep(Duration::from_millis(4000)).await;
+        db.restart().await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let reconciled = cluster
+            .http
+            .post(cluster.url(0, "/api/admin/reconcile"))
+            .send()
+            .await
+            .expect("reconcile");
+        assert_eq!(reconciled.status(), StatusCode::OK);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    })
+    .await;
     let slowest = answers.iter().map(|(_, _, d)| *d).max().unwrap_or_default();
     let unavailable = answers.iter().filter(|(s, _, _)| s.as_u16() == 503).count();
     println!(
