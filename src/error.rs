@@ -25,6 +25,8 @@ pub enum AppError {
     Invalid(String),
     #[error("{0}")]
     NotFound(String),
+    #[error("this route does not take that HTTP method")]
+    MethodNotAllowed,
     #[error("{0}")]
     PayloadTooLarge(String),
     #[error("{0}")]
@@ -67,6 +69,7 @@ impl AppError {
             AppError::Malformed(_) => (StatusCode::BAD_REQUEST, "malformed_request"),
             AppError::Invalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_value"),
             AppError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            AppError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             AppError::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
             AppError::UnsupportedMediaType(_) => {
                 (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")

@@ -83,6 +83,8 @@ pub fn router(state: AppState, static_dir: &Path, limits: limits::Limits) -> Rou
         .route("/api/stats", get(stats::stats))
         .route("/api/loadtests", get(loadtests::status))
         .route("/api/runs", get(runs::list))
+        .route("/api", axum::routing::any(unknown_api_route))
+        .route("/api/", axum::routing::any(unknown_api_route))
         .route("/api/{*rest}", axum::routing::any(unknown_api_route));
 
     // Long-lived or must answer even when the replica is saturated: outside the limits.
@@ -97,6 +99,7 @@ pub fn router(state: AppState, static_dir: &Path, limits: limits::Limits) -> Rou
         .merge(unlimited)
         // A route layer, so it runs after routing and sees the route template.
         .route_layer(middleware::from_fn(metrics::observe))
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback_service(ServeDir::new(static_dir))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(
@@ -105,6 +108,10 @@ pub fn router(state: AppState, static_dir: &Path, limits: limits::Limits) -> Rou
         ))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
+}
+
+async fn method_not_allowed() -> AppError {
+    AppError::MethodNotAllowed
 }
 
 async fn unknown_api_route() -> AppError {

@@ -7,6 +7,7 @@ mod bad_input;
 mod dashboard;
 mod faults;
 mod fencing;
+mod fuzz;
 mod limits;
 mod lock_primitives;
 mod lock_strategies;
