@@ -197,12 +197,6 @@ pub struct EtcdGuard {
     released: AtomicBool,
 }
 
-impl EtcdGuard {
-    pub fn key(&self) -> String {
-        String::from_utf8_lossy(&self.key).into_owned()
-    }
-}
-
 #[async_trait]
 impl HeldLock for EtcdGuard {
     async fn ensure_held(&self) -> Result<(), LockError> {

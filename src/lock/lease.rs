@@ -61,10 +61,6 @@ impl<H: LeaseHold> LeaseGuard<H> {
         }
     }
 
-    pub fn hold(&self) -> &H {
-        &self.hold
-    }
-
     /// Behaves like a holder that crashed: stops renewing and never releases. The
     /// lock frees itself when its lease runs out.
     pub fn abandon(self) {

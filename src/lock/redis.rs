@@ -269,13 +269,6 @@ pub struct RedisHold {
     fence: u64,
 }
 
-impl RedisHold {
-    /// The unique value stored under the lock key while this hold lasts.
-    pub fn token(&self) -> &str {
-        &self.token
-    }
-}
-
 /// Compare-and-PEXPIRE on one node: `true` if `key` still held `token`.
 pub(super) async fn renew_on(
     pool: &Pool,

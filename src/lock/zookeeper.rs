@@ -186,16 +186,6 @@ impl ZooKeeperGuard {
         self.lock.lock_path()
     }
 
-    /// The session the lock node belongs to.
-    pub fn session(&self) -> &zk::SessionInfo {
-        self.lock.client().session()
-    }
-
-    /// The session's state as this holder's client sees it.
-    pub fn session_state(&self) -> zk::SessionState {
-        self.lock.client().state()
-    }
-
     /// The node's sequence number: it only grows under the lock's directory, so it
     /// can serve as a fencing token.
     pub fn sequence(&self) -> Option<u64> {

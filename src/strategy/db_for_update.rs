@@ -2,8 +2,6 @@
 //! that starts by locking the product's row with `SELECT … FOR UPDATE`; every other
 //! buyer of that SKU queues on the row until the transaction commits.
 
-use std::sync::atomic::Ordering;
-
 use async_trait::async_trait;
 
 use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock};
@@ -47,19 +45,14 @@ impl Strategy for DbForUpdateStrategy {
         _options: OrderOptions,
     ) -> Result<Order, OrderError> {
         let store = &flow.store;
-        flow.lock_waiters.fetch_add(1, Ordering::Relaxed);
-        let locked = store.records.lock_product(&order.sku, flow.lock_wait).await;
-        flow.lock_waiters.fetch_sub(1, Ordering::Relaxed);
-        let locked = match locked {
-            Ok(locked) => locked.ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?,
-            Err(error) => {
-                let error = OrderError::from(error);
-                if matches!(error, OrderError::Busy(_)) {
-                    store.cluster.count(self.name(), "lock_timeouts").await;
-                }
-                return Err(error);
-            }
+        let acquire = async {
+            let locked = store.records.lock_product(&order.sku, flow.lock_wait).await;
+            locked.map_err(OrderError::from)
         };
+        let locked = flow
+            .wait_for_lock(self.name(), acquire)
+            .await?
+            .ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
         ensure_in_stock(locked.stock, order)?;
         flow.simulate_work().await;
         let new_stock = locked.stock - order.quantity;

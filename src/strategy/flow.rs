@@ -44,19 +44,11 @@ impl SaleFlow {
         strategy: &str,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
-        self.lock_waiters.fetch_add(1, Ordering::Relaxed);
-        let waiting = Instant::now();
-        let acquired = lock.acquire(order.sku.as_str(), self.lock_wait).await;
-        self.lock_waiters.fetch_sub(1, Ordering::Relaxed);
-        metrics::histogram!("flashsale_lock_acquire_seconds", "strategy" => strategy.to_owned())
-            .record(waiting.elapsed().as_secs_f64());
-        let guard = match acquired {
-            Ok(guard) => guard,
-            Err(error) => {
-                self.store.cluster.count(strategy, "lock_timeouts").await;
-                return Err(error.into());
-            }
+        let acquire = async {
+            let acquired = lock.acquire(order.sku.as_str(), self.lock_wait).await;
+            acquired.map_err(OrderError::from)
         };
+        let guard = self.wait_for_lock(strategy, acquire).await?;
         let holding = Instant::now();
         let sold = self.sell(order, strategy, Some(&guard), options).await;
         if let Err(error) = guard.release().await {
@@ -75,6 +67,34 @@ impl SaleFlow {
             _ => {}
         }
         sold
+    }
+
+    /// Waits for a lock (`acquire`, whatever the mechanism): counts the order among
+    /// this replica's waiters while it waits, even if the request is dropped mid-wait,
+    /// times the wait, and counts a wait that timed out.
+    pub async fn wait_for_lock<T>(
+        &self,
+        strategy: &str,
+        acquire: impl Future<Output = Result<T, OrderError>>,
+    ) -> Result<T, OrderError> {
+        /// Takes the order off the waiters when dropped, however the wait ends.
+        struct Waiting<'a>(&'a AtomicU64);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        self.lock_waiters.fetch_add(1, Ordering::Relaxed);
+        let waiting = Waiting(&self.lock_waiters);
+        let started = Instant::now();
+        let acquired = acquire.await;
+        drop(waiting);
+        metrics::histogram!("flashsale_lock_acquire_seconds", "strategy" => strategy.to_owned())
+            .record(started.elapsed().as_secs_f64());
+        if let Err(OrderError::Busy(_)) = &acquired {
+            self.store.cluster.count(strategy, "lock_timeouts").await;
+        }
+        acquired
     }
 
     /// Runs the read-check-write critical section. The caller holds `hold`, its

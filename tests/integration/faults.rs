@@ -143,13 +143,7 @@ async fn redis_restart_mid_sale() {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         redis.restart().await;
         tokio::time::sleep(Duration::from_millis(800)).await;
-        let reconciled = cluster
-            .http
-            .post(cluster.url(0, "/api/admin/reconcile"))
-            .send()
-            .await
-            .expect("reconcile");
-        assert_eq!(reconciled.status(), StatusCode::OK);
+        cluster.reconcile().await;
         tokio::time::sleep(Duration::from_millis(1000)).await;
     })
     .await;
@@ -371,13 +365,7 @@ async fn mariadb_restart_mid_sale() {
         tokio::time::sleep(Duration::from_millis(4000)).await;
         db.restart().await;
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        let reconciled = cluster
-            .http
-            .post(cluster.url(0, "/api/admin/reconcile"))
-            .send()
-            .await
-            .expect("reconcile");
-        assert_eq!(reconciled.status(), StatusCode::OK);
+        cluster.reconcile().await;
         tokio::time::sleep(Duration::from_millis(1500)).await;
     })
     .await;

@@ -61,3 +61,41 @@ async fn a_request_cut_off_by_the_timeout_leaves_nothing_behind() {
     }
     assert_eq!(held, None, "the abandoned holder's lock was released");
 }
+
+/// An order abandoned by the timeout while still waiting for a lock is no longer
+/// counted among the replica's waiters (the dashboard's "orders waiting").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_wait_is_not_counted_as_waiting() {
+    use flashsale::lock::redis::RedisLock;
+    use flashsale::lock::{DistributedLock, HeldLock};
+
+    let cluster = TestCluster::start(1, &["--request-timeout-ms", "300"]).await;
+    let sku = "waited";
+    cluster.reset(sku, 5).await;
+    let lease = Duration::from_secs(30);
+    let holder = RedisLock::new(
+        crate::support::redis_client(),
+        redis_pool(),
+        &cluster.namespace,
+        "test",
+        lease,
+    );
+    let guard = holder.acquire(sku, lease).await.expect("held by the test");
+    let response = cluster
+        .http
+        .post(cluster.url(0, "/api/orders?strategy=redis-lock"))
+        .json(&serde_json::json!({ "sku": sku, "user_id": "patient", "quantity": 1 }))
+        .send()
+        .await
+        .expect("order");
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // The heartbeat (every second) carries the count into the stats.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let stats = cluster.get_json(0, "/api/stats").await;
+    assert_eq!(
+        stats["replicas"][0]["lock_waiters"], 0,
+        "{}",
+        stats["replicas"]
+    );
+    guard.release().await.expect("released");
+}

@@ -194,6 +194,17 @@ impl TestCluster {
         assert_eq!(response.status(), StatusCode::OK, "switching to {strategy}");
     }
 
+    /// Rebuilds lost Redis stock from MySQL, as an admin would after a restart.
+    pub async fn reconcile(&self) {
+        let response = self
+            .http
+            .post(self.url(0, "/api/admin/reconcile"))
+            .send()
+            .await
+            .expect("reconcile request");
+        assert_eq!(response.status(), StatusCode::OK, "reconcile failed");
+    }
+
     pub async fn reset(&self, sku: &str, stock: i64) {
         let response = self
             .http
