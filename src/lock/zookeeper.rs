@@ -214,8 +214,10 @@ impl HeldLock for ZooKeeperGuard {
         }
     }
 
+    /// The sequence plus one: the first node under a lock's directory has sequence 0,
+    /// and a fence only moves to a strictly greater token, so 0 would be refused.
     fn fencing_token(&self) -> Option<u64> {
-        self.sequence()
+        self.sequence().map(|sequence| sequence + 1)
     }
 
     /// Dropping the owned lock deletes the node (retrying over connection loss); the

@@ -113,3 +113,37 @@ async fn etcd_paused_holder_oversells_without_fencing() {
 async fn etcd_paused_holder_is_fenced() {
     fencing_stops_the_stale_write("etcd").await;
 }
+
+/// With fencing on, every lock strategy sells a fresh SKU from its very first order:
+/// each lock service's first token must already pass the fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_admits_the_first_holder_of_every_lock() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let switched = cluster
+        .http
+        .put(cluster.url(0, "/api/admin/fencing"))
+        .json(&json!({ "enabled": true }))
+        .send()
+        .await
+        .expect("fencing switch");
+    assert_eq!(switched.status(), StatusCode::OK);
+    for strategy in ["redis-lock", "db-unique", "zookeeper", "etcd", "redlock"] {
+        let sku = format!("first-{strategy}");
+        cluster.reset(&sku, 5).await;
+        for buyer in 0..3 {
+            let placed = cluster
+                .http
+                .post(cluster.url(0, &format!("/api/orders?strategy={strategy}")))
+                .json(&json!({ "sku": sku, "user_id": format!("b{buyer}"), "quantity": 1 }))
+                .send()
+                .await
+                .expect("order");
+            assert_eq!(
+                placed.status(),
+                StatusCode::CREATED,
+                "{strategy}, order {buyer}: {}",
+                placed.text().await.unwrap_or_default()
+            );
+        }
+    }
+}
