@@ -18,12 +18,14 @@ done
 redis-cli -p 6390 --scan --pattern 'flashsale_t_*' | xargs -r -n 500 redis-cli -p 6390 del >/dev/null
 
 # Test tools from Debian: docker-compose (to validate docker-compose.yml: no Docker
-# engine runs here) and chromium with node/npm (the dashboard's browser test).
+# engine runs here), chromium with node/npm (the dashboard's browser test) and
+# Python's venv (schemathesis, the OpenAPI fuzz).
 missing=()
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 command -v node >/dev/null || missing+=(nodejs)
 command -v npm >/dev/null || missing+=(npm)
+python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "[test] installing ${missing[*]}" >&2
   if [ "$(id -u)" = 0 ]; then sudo_cmd=(); else sudo_cmd=(sudo); fi
@@ -33,6 +35,15 @@ fi
 # playwright-core drives that chromium; its version is pinned in the lockfile.
 if [ ! -d tests/browser/node_modules/playwright-core ]; then
   (cd tests/browser && npm ci --no-audit --no-fund --loglevel=error)
+fi
+
+# schemathesis from PyPI, every version pinned, in a venv of its own.
+venv=tests/schemathesis/.venv
+requirements=tests/schemathesis/requirements.txt
+if [ ! -x "$venv/bin/schemathesis" ] || [ "$requirements" -nt "$venv/installed" ]; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$requirements"
+  touch "$venv/installed"
 fi
 
 docker-compose --profile loadtest config -q

@@ -83,6 +83,7 @@ pub struct Server {
     router: axum::Router,
     heartbeat: Heartbeat,
     live_feed: tokio::task::JoinHandle<()>,
+    loadtests: Arc<LoadTests>,
 }
 
 impl Server {
@@ -163,12 +164,14 @@ impl Server {
                 usize::try_from(config.max_in_flight).unwrap_or(usize::MAX),
             )),
         };
+        let loadtests = state.loadtests.clone();
         let router = crate::http::router(state, &config.static_dir, limits);
         Ok(Server {
             listener,
             router,
             heartbeat,
             live_feed,
+            loadtests,
         })
     }
 
@@ -187,8 +190,14 @@ impl Server {
     ) -> anyhow::Result<()> {
         tracing::info!(address = %self.local_addr(), "serving");
         let heartbeat = self.heartbeat.start().await;
+        let loadtests = self.loadtests;
         let served = axum::serve(self.listener, self.router)
-            .with_graceful_shutdown(shutdown)
+            .with_graceful_shutdown(async move {
+                shutdown.await;
+                // A load test started here also targets this replica and would keep
+                // connections open until it ends.
+                loadtests.stop();
+            })
             .await;
         self.live_feed.abort();
         heartbeat.stop().await;

@@ -9,10 +9,21 @@ use axum::Json;
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::store::StoreError;
 use crate::strategy::OrderError;
+
+/// The body of every error answer.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct ErrorBody {
+    /// A stable code a program can branch on, such as `sold_out` or `lock_timeout`.
+    #[schema(example = "sold_out")]
+    pub error: String,
+    /// What went wrong, as a sentence for people.
+    pub message: String,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -94,7 +105,10 @@ impl AppError {
 impl IntoResponse for AppError {
     fn into_response(self) -> Response {
         let (status, code) = self.status_and_code();
-        let body = Json(json!({ "error": code, "message": self.to_string() }));
+        let body = Json(ErrorBody {
+            error: code.to_owned(),
+            message: self.to_string(),
+        });
         let mut response = (status, body).into_response();
         let retry_after = match &self {
             AppError::Busy(_)

@@ -12,7 +12,8 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, watch};
+use utoipa::ToSchema;
 
 use crate::config::AdminToken;
 
@@ -22,17 +23,22 @@ const RECENT_LINES: usize = 200;
 pub const BUILD_HINT: &str = "cargo build --release -p loadtest";
 
 /// What the page asks for. Bounds keep a click from becoming an unbounded load.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct LoadTestRequest {
     /// Strategy names; empty means all.
     #[serde(default)]
+    #[schema(value_type = Vec<crate::http::StrategyName>)]
     pub strategies: Vec<String>,
+    #[schema(minimum = 1, maximum = 1000)]
     pub users: u64,
+    #[schema(minimum = 1, maximum = 100_000)]
     pub stock: i64,
     #[serde(default = "one")]
+    #[schema(minimum = 1, maximum = 64, default = 1)]
     pub skus: u64,
     /// `pause-holder` to inject the paused-holder fault into each run.
     #[serde(default)]
+    #[schema(pattern = "^pause-holder$")]
     pub fault: Option<String>,
 }
 
@@ -69,7 +75,7 @@ impl LoadTestRequest {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct LoadTestStatus {
     pub available: bool,
     pub binary: String,
@@ -96,6 +102,9 @@ pub struct LoadTests {
     /// any local user can read).
     admin_token: Option<AdminToken>,
     running: Mutex<bool>,
+    /// Set when the replica shuts down: a running load test is stopped, since it
+    /// targets this replica too and would hold its shutdown up.
+    stopping: watch::Sender<bool>,
     recent: Mutex<VecDeque<String>>,
     lines: broadcast::Sender<String>,
 }
@@ -119,6 +128,7 @@ impl LoadTests {
             running: Mutex::new(false),
             recent: Mutex::new(VecDeque::new()),
             lines: broadcast::channel(1024).0,
+            stopping: watch::Sender::new(false),
         }
     }
 
@@ -208,16 +218,35 @@ impl LoadTests {
         tokio::spawn(async move {
             let forward_out = this.forward(stdout);
             let forward_err = this.forward(stderr);
-            let (_, _, status) = tokio::join!(forward_out, forward_err, child.wait());
+            let mut stopping = this.stopping.subscribe();
+            let ended = async {
+                tokio::select! {
+                    status = child.wait() => Some(status),
+                    // The guard `wait_for` returns is not Send; keep only that it fired.
+                    _ = async { stopping.wait_for(|stop| *stop).await.is_ok() } => {
+                        if let Err(error) = child.kill().await {
+                            tracing::warn!(%error, "could not stop the load test");
+                        }
+                        None
+                    }
+                }
+            };
+            let (_, _, status) = tokio::join!(forward_out, forward_err, ended);
             let outcome = match status {
-                Ok(status) if status.success() => "finished".to_owned(),
-                Ok(status) => format!("failed ({status})"),
-                Err(error) => format!("failed ({error})"),
+                None => "stopped: this replica is shutting down".to_owned(),
+                Some(Ok(status)) if status.success() => "finished".to_owned(),
+                Some(Ok(status)) => format!("failed ({status})"),
+                Some(Err(error)) => format!("failed ({error})"),
             };
             this.publish(format!("done: load test {outcome}"));
             *this.running.lock().unwrap_or_else(|e| e.into_inner()) = false;
         });
         Ok(())
+    }
+
+    /// Stops the running load test, if any (on shutdown).
+    pub fn stop(&self) {
+        self.stopping.send_replace(true);
     }
 
     async fn forward(&self, pipe: Option<impl tokio::io::AsyncRead + Unpin>) {

@@ -6,6 +6,9 @@
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use utoipa::openapi::RefOr;
+use utoipa::openapi::schema::{ObjectBuilder, Schema, Type};
 
 /// A stock-keeping unit: 1-64 characters of letters, digits, `-`, `_` and `.`, so it
 /// is safe inside Redis keys, ZooKeeper paths and log lines.
@@ -21,6 +24,23 @@ impl TryFrom<String> for Sku {
 }
 
 pub const MAX_ID_LEN: usize = 64;
+
+/// `Sku::parse`'s rule as a regular expression, for the OpenAPI document.
+pub const SKU_PATTERN: &str = "^[A-Za-z0-9._-]{1,64}$";
+
+impl utoipa::PartialSchema for Sku {
+    fn schema() -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .pattern(Some(SKU_PATTERN))
+            .min_length(Some(1))
+            .max_length(Some(MAX_ID_LEN))
+            .examples(["phone-1"])
+            .into()
+    }
+}
+
+impl ToSchema for Sku {}
 
 impl Sku {
     pub fn parse(raw: &str) -> Result<Sku, String> {
@@ -83,7 +103,7 @@ pub struct NewOrder {
 }
 
 /// An order recorded in MySQL.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Order {
     pub id: u64,
     pub sku: Sku,

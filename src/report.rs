@@ -4,16 +4,19 @@
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct LoadReport {
     pub generated_at: DateTime<Utc>,
     pub config: LoadConfig,
+    /// One per strategy run; `POST /api/runs` takes 1 to 64.
+    #[schema(min_items = 1, max_items = 64)]
     pub runs: Vec<RunResult>,
 }
 
 /// How the load test was run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct LoadConfig {
     pub targets: Vec<String>,
     pub users: u64,
@@ -35,7 +38,7 @@ pub struct LoadConfig {
 
 /// One strategy's run: client-side counts and latency, then the stock figures from
 /// the service's own records.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct RunResult {
     pub strategy: String,
     pub requests: u64,
@@ -63,7 +66,7 @@ pub struct RunResult {
     pub consistent: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Latency {
     pub p50: f64,
     pub p90: f64,

@@ -18,6 +18,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::{BroadcastStream, WatchStream};
+use utoipa::openapi::RefOr;
+use utoipa::openapi::schema::{ObjectBuilder, Schema, Type};
 
 use super::stats::{self, Stats};
 use crate::app::AppState;
@@ -90,6 +92,39 @@ async fn snapshot(state: &AppState) -> anyhow::Result<String> {
     Ok(serde_json::to_string(&snapshot)?)
 }
 
+/// One event of the live feed, for the OpenAPI document: `snapshot` events carry the
+/// JSON of `Snapshot`, `loadtest` events one output line.
+pub enum LiveEvent {}
+
+impl utoipa::PartialSchema for LiveEvent {
+    fn schema() -> RefOr<Schema> {
+        let string = || ObjectBuilder::new().schema_type(Type::String);
+        ObjectBuilder::new()
+            .schema_type(Type::Object)
+            .property(
+                "event",
+                string().enum_values(Some(["snapshot", "loadtest"])),
+            )
+            .property(
+                "data",
+                string().description(Some(
+                    "snapshot: {at, replica, stats (as GET /api/stats), locks}; \
+                     loadtest: a line of output",
+                )),
+            )
+            .required("event")
+            .required("data")
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for LiveEvent {}
+
+/// The dashboard's live feed: a `snapshot` event (the stats and lock views) once a
+/// second, and a `loadtest` event per output line of a running load test.
+#[utoipa::path(get, path = "/api/events", tag = "service",
+    responses((status = 200, description = "Server-sent events",
+        content_type = "text/event-stream", body = LiveEvent)))]
 pub async fn events(
     State(state): State<AppState>,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {

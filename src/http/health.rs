@@ -8,6 +8,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use serde::Serialize;
 use tokio::time::{Instant, timeout};
+use utoipa::ToSchema;
 
 use super::ApiJson;
 use crate::app::AppState;
@@ -15,14 +16,14 @@ use crate::store::StoreError;
 
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct Health {
     status: &'static str,
     replica: String,
     backends: Vec<BackendHealth>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct BackendHealth {
     name: &'static str,
     ok: bool,
@@ -48,6 +49,11 @@ async fn probe(
     }
 }
 
+#[utoipa::path(get, path = "/healthz", tag = "monitoring",
+    responses(
+        (status = 200, description = "Serving, and every backend answers", body = Health),
+        (status = 503, description = "A backend does not answer within a second", body = Health),
+    ))]
 pub async fn healthz(State(state): State<AppState>) -> (StatusCode, ApiJson<Health>) {
     let store = &state.flow.store;
     let (redis, mysql) = tokio::join!(

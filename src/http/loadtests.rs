@@ -4,21 +4,37 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use serde::Serialize;
+use utoipa::ToSchema;
 
 use super::ApiJson;
 use crate::app::AppState;
-use crate::error::AppError;
+use crate::error::{AppError, ErrorBody};
 use crate::loadtests::{LoadTestRequest, LoadTestStatus, StartError};
 
+#[utoipa::path(get, path = "/api/loadtests", tag = "reports",
+    responses((status = 200, description = "Whether a load test runs here, and its latest \
+        output", body = LoadTestStatus)))]
 pub async fn status(State(state): State<AppState>) -> ApiJson<LoadTestStatus> {
     ApiJson(state.loadtests.status())
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct Started {
     targets: Vec<String>,
 }
 
+/// Starts the built load test against every live replica; its output streams on
+/// `/api/events` and its report lands in `/api/runs`.
+#[utoipa::path(post, path = "/api/loadtests", tag = "admin",
+    request_body = LoadTestRequest,
+    responses(
+        (status = 202, description = "Started", body = Started),
+        (status = 409, description = "`conflict`: a load test already runs here", body = ErrorBody),
+        (status = 422, description = "`invalid_value`: a value out of range or an unknown \
+            strategy", body = ErrorBody),
+        (status = 503, description = "`unavailable`: the load-test binary is not built; \
+            `backend_unavailable`, `overloaded`, `timeout`: try again", body = ErrorBody),
+    ))]
 pub async fn start(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<LoadTestRequest>,

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::stats;
 use crate::app::AppState;
-use crate::error::AppError;
+use crate::error::{AppError, ErrorBody};
 
 pub async fn observe(request: Request, next: Next) -> Response {
     let route = request
@@ -31,6 +31,13 @@ pub async fn observe(request: Request, next: Next) -> Response {
 }
 
 /// Refreshes the stock gauges from the records, then renders everything.
+#[utoipa::path(get, path = "/metrics", tag = "service",
+    responses(
+        (status = 200, description = "Prometheus text format", content_type = "text/plain",
+            body = String),
+        (status = 503, description = "`backend_unavailable`: the records cannot be read",
+            body = ErrorBody),
+    ))]
 pub async fn render(State(state): State<AppState>) -> Result<Response, AppError> {
     let stats = stats::collect(&state, None).await?;
     for sku in &stats.skus {

@@ -8,9 +8,11 @@ mod admin;
 mod auth;
 mod events;
 mod health;
+mod json;
 pub mod limits;
 mod loadtests;
 mod metrics;
+mod openapi;
 mod orders;
 mod runs;
 pub mod stats;
@@ -20,9 +22,9 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 
 use axum::Router;
-use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::{get, post};
 use tower_http::services::ServeDir;
 use tower_http::trace::TraceLayer;
@@ -31,24 +33,14 @@ use crate::app::AppState;
 use crate::error::AppError;
 
 pub use events::{Snapshots, spawn_snapshots};
+pub use json::ApiJson;
+pub use openapi::StrategyName;
 
 /// Request bodies larger than this are refused with 413 before they are parsed.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
 
 /// Load-test reports are larger than orders; they get a limit of their own.
 pub const MAX_REPORT_BYTES: usize = 256 * 1024;
-
-/// `Json<T>` whose rejections (bad syntax, wrong type, wrong content type, too large)
-/// become `AppError`s, so every error has the same JSON shape.
-#[derive(FromRequest)]
-#[from_request(via(axum::Json), rejection(AppError))]
-pub struct ApiJson<T>(pub T);
-
-impl<T: serde::Serialize> IntoResponse for ApiJson<T> {
-    fn into_response(self) -> Response {
-        axum::Json(self.0).into_response()
-    }
-}
 
 pub fn router(state: AppState, static_dir: &Path, limits: limits::Limits) -> Router {
     // Calls that change the sale or start load: behind the admin token when one is set.
@@ -91,7 +83,8 @@ pub fn router(state: AppState, static_dir: &Path, limits: limits::Limits) -> Rou
     let unlimited = Router::new()
         .route("/healthz", get(health::healthz))
         .route("/metrics", get(metrics::render))
-        .route("/api/events", get(events::events));
+        .route("/api/events", get(events::events))
+        .route("/api/openapi.json", get(openapi::openapi_json));
 
     admin
         .merge(public)

@@ -3,22 +3,35 @@
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use serde::Deserialize;
+use utoipa::{IntoParams, ToSchema};
 
-use super::ApiJson;
+use super::{ApiJson, StrategyName};
 use crate::app::AppState;
-use crate::error::AppError;
+use crate::error::{AppError, ErrorBody};
 use crate::model::{NewOrder, Order, Sku, integer_in_range, parse_user_id};
 use crate::strategy::{OrderError, OrderOptions};
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct OrderBody {
+    #[schema(value_type = Sku)]
     sku: String,
+    /// Who buys: 1-64 characters, none of them a control character.
+    #[schema(
+        pattern = "^[^\\u0000-\\u001f\\u007f-\\u009f]{1,64}$",
+        min_length = 1,
+        max_length = 64
+    )]
     user_id: String,
+    /// Units to buy; the document states this replica's `--max-quantity`.
+    #[schema(value_type = i64, minimum = 1, maximum = 10)]
     quantity: serde_json::Number,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct OrderQuery {
+    /// Place this order under this strategy instead of the cluster's active one.
+    #[param(value_type = Option<StrategyName>)]
     strategy: Option<String>,
 }
 
@@ -33,6 +46,23 @@ impl OrderBody {
     }
 }
 
+/// Places one order. Under a lock strategy the replica takes the SKU's lock, checks
+/// the stock, writes the order and the new stock to MySQL and Redis, and releases.
+#[utoipa::path(post, path = "/api/orders", tag = "orders",
+    params(OrderQuery),
+    request_body = OrderBody,
+    responses(
+        (status = 201, description = "The order, recorded", body = Order),
+        (status = 404, description = "`not_found`: unknown SKU", body = ErrorBody),
+        (status = 409, description = "`sold_out`: not enough stock left; `lock_lost`: the \
+            lock was lost or fenced before the commit, nothing was written", body = ErrorBody),
+        (status = 422, description = "`invalid_value`: a value is out of range, or the \
+            strategy is unknown", body = ErrorBody),
+        (status = 503, description = "`lock_timeout`: the lock was not free in time; \
+            `unavailable`: Redis lost the SKU's stock until an admin reconciles; \
+            `backend_unavailable`, `overloaded`, `timeout`: try again after Retry-After",
+            body = ErrorBody),
+    ))]
 pub async fn place_order(
     State(state): State<AppState>,
     query: Result<Query<OrderQuery>, axum::extract::rejection::QueryRejection>,

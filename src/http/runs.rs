@@ -3,10 +3,11 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use serde::Serialize;
+use utoipa::ToSchema;
 
 use super::ApiJson;
 use crate::app::AppState;
-use crate::error::AppError;
+use crate::error::{AppError, ErrorBody};
 use crate::report::LoadReport;
 
 /// Reports returned by `GET /api/runs`, newest first.
@@ -15,18 +16,21 @@ const HISTORY_LENGTH: u32 = 50;
 /// A report may carry one run per strategy; more is not a load-test report.
 const MAX_RUNS_PER_REPORT: usize = 64;
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct StoredReport {
     id: i64,
     #[serde(flatten)]
     report: LoadReport,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct Saved {
     id: u64,
 }
 
+#[utoipa::path(get, path = "/api/runs", tag = "reports",
+    responses((status = 200, description = "The latest reports, newest first",
+        body = Vec<StoredReport>)))]
 pub async fn list(State(state): State<AppState>) -> Result<ApiJson<Vec<StoredReport>>, AppError> {
     let reports = state.flow.store.records.reports(HISTORY_LENGTH).await?;
     Ok(ApiJson(
@@ -37,6 +41,13 @@ pub async fn list(State(state): State<AppState>) -> Result<ApiJson<Vec<StoredRep
     ))
 }
 
+/// Keeps a load-test report (the load test posts its own; 256 KiB at most).
+#[utoipa::path(post, path = "/api/runs", tag = "admin",
+    request_body = LoadReport,
+    responses(
+        (status = 201, description = "Kept", body = Saved),
+        (status = 422, description = "`invalid_value`: no runs, or too many", body = ErrorBody),
+    ))]
 pub async fn save(
     State(state): State<AppState>,
     ApiJson(report): ApiJson<LoadReport>,

@@ -8,21 +8,26 @@ use chrono::{DateTime, Utc};
 
 use axum::extract::{Query, State};
 use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
-use super::ApiJson;
+use super::{ApiJson, StrategyName};
 use crate::app::AppState;
-use crate::error::AppError;
+use crate::error::{AppError, ErrorBody};
 use crate::model::Sku;
 use crate::store::{ProductRecord, ReplicaInfo};
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct StatsQuery {
+    /// Only this SKU.
+    #[param(value_type = Option<Sku>)]
     sku: Option<String>,
 }
 
 /// The answer of `GET /api/stats`; clients (the load test) read it with these types.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct Stats {
+    #[schema(value_type = StrategyName)]
     pub strategy: String,
     /// Whether lock holders' writes are fenced.
     pub fencing: bool,
@@ -35,7 +40,7 @@ pub struct Stats {
     pub counters: BTreeMap<String, i64>,
 }
 
-#[derive(Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Serialize, Deserialize, PartialEq, ToSchema)]
 pub struct SkuStats {
     pub sku: Sku,
     pub initial_stock: i64,
@@ -66,6 +71,15 @@ impl SkuStats {
     }
 }
 
+/// The sale per SKU from the service's own records: both stock copies, the orders,
+/// the oversold units and whether the copies agree.
+#[utoipa::path(get, path = "/api/stats", tag = "orders",
+    params(StatsQuery),
+    responses(
+        (status = 200, description = "Every SKU's figures, or the one asked for", body = Stats),
+        (status = 404, description = "`not_found`: unknown SKU", body = ErrorBody),
+        (status = 422, description = "`invalid_value`: not a valid SKU", body = ErrorBody),
+    ))]
 pub async fn stats(
     State(state): State<AppState>,
     query: Result<Query<StatsQuery>, axum::extract::rejection::QueryRejection>,

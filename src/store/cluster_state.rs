@@ -47,7 +47,7 @@ pub struct ClusterSettings {
 }
 
 /// What a replica announces about itself with each heartbeat.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ReplicaInfo {
     pub id: String,
     pub address: String,

@@ -275,8 +275,7 @@ impl Records {
             what: "load report",
             detail: e.to_string(),
         })?;
-        let result = sqlx::query("INSERT INTO load_test_runs (generated_at, report) VALUES (?, ?)")
-            .bind(report.generated_at)
+        let result = sqlx::query("INSERT INTO load_test_runs (report) VALUES (?)")
             .bind(json)
             .execute(&self.pool)
             .await?;
@@ -285,12 +284,11 @@ impl Records {
 
     /// The latest `limit` reports, newest first, with their ids.
     pub async fn reports(&self, limit: u32) -> Result<Vec<(i64, LoadReport)>, StoreError> {
-        let rows: Vec<(i64, String)> = sqlx::query_as(
-            "SELECT id, report FROM load_test_runs ORDER BY generated_at DESC, id DESC LIMIT ?",
-        )
-        .bind(limit)
-        .fetch_all(&self.pool)
-        .await?;
+        let rows: Vec<(i64, String)> =
+            sqlx::query_as("SELECT id, report FROM load_test_runs ORDER BY id DESC LIMIT ?")
+                .bind(limit)
+                .fetch_all(&self.pool)
+                .await?;
         rows.into_iter()
             .map(|(id, json)| {
                 serde_json::from_str(&json)

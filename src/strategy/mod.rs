@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 pub use flow::{SaleFlow, ensure_in_stock};
 
@@ -88,8 +89,9 @@ pub fn token_owner(token: &str) -> String {
 }
 
 /// A strategy described for people: what it does, the exact commands, how it fails.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Explanation {
+    #[schema(value_type = crate::http::StrategyName)]
     pub name: &'static str,
     pub title: &'static str,
     pub summary: &'static str,

@@ -124,3 +124,62 @@ async fn metrics_are_exposed_in_prometheus_format() {
         );
     }
 }
+
+/// A load test started from the dashboard ends with the replica that started it: it
+/// also targets that replica, and left running it would hold the shutdown up and
+/// outlive it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_a_replica_stops_its_load_test() {
+    let scratch = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let pid_file = scratch.join(format!("loadtest-{}.pid", std::process::id()));
+    let fake = scratch.join(format!("slow-loadtest-{}.sh", std::process::id()));
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\necho $$ > {}\nexec sleep 60\n",
+            pid_file.display()
+        ),
+    )
+    .expect("write the stand-in load test");
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("make it executable");
+    let fake = fake.display().to_string();
+    let mut cluster = TestCluster::start(1, &["--loadtest-bin", &fake]).await;
+
+    let started = cluster
+        .http
+        .post(cluster.url(0, "/api/loadtests"))
+        .json(&json!({ "users": 1, "stock": 1 }))
+        .send()
+        .await
+        .expect("start a load test");
+    assert_eq!(started.status(), StatusCode::ACCEPTED);
+    let mut pid = None;
+    for _ in 0..50 {
+        pid = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|s| s.trim().parse::<u32>().ok());
+        if pid.is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let pid = pid.expect("the load test wrote its pid");
+    let alive = || std::path::Path::new(&format!("/proc/{pid}")).exists();
+    assert!(alive(), "the load test runs");
+
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        cluster.replicas[0].stop(),
+    )
+    .await
+    .expect("the replica stops promptly");
+    for _ in 0..50 {
+        if !alive() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(!alive(), "the load test was stopped with its replica");
+    let _ = std::fs::remove_file(&pid_file);
+}

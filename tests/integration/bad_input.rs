@@ -57,6 +57,22 @@ fn cases() -> Vec<Case> {
             "malformed_request",
         ),
         case(
+            "the fields as an array",
+            M::POST,
+            order,
+            r#"["bad-input","u",1]"#,
+            400,
+            "malformed_request",
+        ),
+        case(
+            "fault armed by an array",
+            M::POST,
+            "/api/admin/faults",
+            "[null]",
+            400,
+            "malformed_request",
+        ),
+        case(
             "null body",
             M::POST,
             order,
@@ -338,4 +354,39 @@ async fn bad_requests_get_json_4xx_and_change_nothing() {
         "nothing stored changed"
     );
     assert_eq!(cluster.count_orders(sku).await, 1);
+}
+
+/// Input at the edges of what is valid is served, not refused: any Unicode user id
+/// (MariaDB's latin1 default once made "张伟" a 500), whole numbers written as `1.0`
+/// (an integer in JSON Schema, so in the OpenAPI document), and SKUs that differ
+/// only in case are two products, as they are in Redis.
+#[tokio::test]
+async fn valid_edge_input_is_served() {
+    let cluster = TestCluster::start(1, &[]).await;
+    cluster.reset("Edge-Sku", 5).await;
+    cluster.reset("edge-sku", 3).await;
+    let placed = cluster
+        .http
+        .post(cluster.url(0, "/api/orders"))
+        .json(&serde_json::json!({ "sku": "Edge-Sku", "user_id": "张伟 😀", "quantity": 2.0 }))
+        .send()
+        .await
+        .expect("order");
+    assert_eq!(placed.status(), StatusCode::CREATED);
+    let order: Value = placed.json().await.expect("order JSON");
+    assert_eq!(
+        (order["user_id"].as_str(), order["quantity"].as_i64()),
+        (Some("张伟 😀"), Some(2))
+    );
+
+    let upper = cluster.sku_stats("Edge-Sku").await;
+    let lower = cluster.sku_stats("edge-sku").await;
+    assert_eq!(
+        (upper["stock_mysql"].as_i64(), upper["consistent"].as_bool()),
+        (Some(3), Some(true))
+    );
+    assert_eq!(
+        (lower["stock_mysql"].as_i64(), lower["orders"].as_i64()),
+        (Some(3), Some(0))
+    );
 }

@@ -12,4 +12,5 @@ mod limits;
 mod lock_primitives;
 mod lock_strategies;
 mod none_strategy;
+mod openapi_fuzz;
 mod support;
