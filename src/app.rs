@@ -165,7 +165,7 @@ impl Server {
             )),
         };
         let loadtests = state.loadtests.clone();
-        let router = crate::http::router(state, &config.static_dir, limits);
+        let router = crate::http::router(state, &config.static_dir, limits, &config.cors_origins);
         Ok(Server {
             listener,
             router,

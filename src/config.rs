@@ -119,7 +119,8 @@ pub struct ServeConfig {
     pub max_in_flight: u64,
 
     /// Largest quantity one order may ask for.
-    #[arg(long, env = "FLASHSALE_MAX_QUANTITY", default_value_t = 10)]
+    #[arg(long, env = "FLASHSALE_MAX_QUANTITY", default_value_t = 10,
+          value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
     pub max_quantity: i64,
 
     /// MySQL connections per replica.
@@ -147,6 +148,13 @@ pub struct ServeConfig {
     /// admin calls are open, and the service refuses to listen beyond loopback.
     #[arg(long, env = "FLASHSALE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<AdminToken>,
+
+    /// Web origins whose pages may call the API from a browser, such as
+    /// `https://shop.example` (comma-separated in the environment), or `*` for any.
+    /// None by default: no CORS headers are sent.
+    #[arg(long = "cors-origin", env = "FLASHSALE_CORS_ORIGINS", value_delimiter = ',',
+          value_parser = parse_origin)]
+    pub cors_origins: Vec<String>,
 
     /// Folder with the dashboard's static files.
     #[arg(long, env = "FLASHSALE_STATIC_DIR", default_value = "static")]
@@ -184,6 +192,30 @@ impl ServeConfig {
 
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_secs(self.connect_timeout_s)
+    }
+}
+
+/// `*`, or an origin as browsers send it: `http` or `https`, a host, an optional port,
+/// and nothing after.
+fn parse_origin(raw: &str) -> Result<String, String> {
+    let origin = raw.trim();
+    let rest = origin
+        .strip_prefix("https://")
+        .or_else(|| origin.strip_prefix("http://"));
+    let valid = origin == "*"
+        || rest.is_some_and(|host| {
+            !host.is_empty()
+                && host
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']'))
+        });
+    if valid {
+        Ok(origin.to_owned())
+    } else {
+        Err(format!(
+            "'{raw}' is not an origin such as https://shop.example or http://127.0.0.1:3000 \
+             (no path, no trailing slash), nor *"
+        ))
     }
 }
 
@@ -251,6 +283,28 @@ mod tests {
         assert!(!token.matches("0123456789abcde"));
         assert!("short".parse::<AdminToken>().is_err());
         assert_eq!(format!("{token:?}"), "AdminToken(***)");
+    }
+
+    #[test]
+    fn cors_origins_are_origins() {
+        for good in [
+            "*",
+            "https://shop.example",
+            "http://127.0.0.1:3000",
+            "http://[::1]:80",
+        ] {
+            assert_eq!(parse_origin(good).as_deref(), Ok(good));
+        }
+        for bad in [
+            "",
+            "shop.example",
+            "https://",
+            "https://shop.example/",
+            "ftp://x",
+            "http://a b",
+        ] {
+            assert!(parse_origin(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 mod admin;
 mod auth;
+mod cors;
 mod events;
 mod health;
 mod json;
@@ -42,7 +43,12 @@ pub const MAX_BODY_BYTES: usize = 16 * 1024;
 /// Load-test reports are larger than orders; they get a limit of their own.
 pub const MAX_REPORT_BYTES: usize = 256 * 1024;
 
-pub fn router(state: AppState, static_dir: &Path, limits: limits::Limits) -> Router {
+pub fn router(
+    state: AppState,
+    static_dir: &Path,
+    limits: limits::Limits,
+    cors_origins: &[String],
+) -> Router {
     // Calls that change the sale or start load: behind the admin token when one is set.
     let admin = Router::new()
         .route(
@@ -86,7 +92,7 @@ pub fn router(state: AppState, static_dir: &Path, limits: limits::Limits) -> Rou
         .route("/api/events", get(events::events))
         .route("/api/openapi.json", get(openapi::openapi_json));
 
-    admin
+    let router = admin
         .merge(public)
         .route_layer(middleware::from_fn_with_state(limits, limits::enforce))
         .merge(unlimited)
@@ -100,7 +106,12 @@ pub fn router(state: AppState, static_dir: &Path, limits: limits::Limits) -> Rou
             count_requests,
         ))
         .layer(TraceLayer::new_for_http())
-        .with_state(state)
+        .with_state(state);
+    // Outermost, so a browser's preflight is answered before auth and limits.
+    match cors::layer(cors_origins) {
+        Some(cors) => router.layer(cors),
+        None => router,
+    }
 }
 
 async fn method_not_allowed() -> AppError {

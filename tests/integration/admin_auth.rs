@@ -93,3 +93,38 @@ async fn admin_calls_need_the_token() {
         assert_eq!(response.status(), StatusCode::OK, "GET {path} is public");
     }
 }
+
+/// Asks as a page from `origin` would before a cross-origin admin call (a CORS
+/// preflight), and returns the origin the replica allows, if any.
+async fn preflight(cluster: &TestCluster, origin: &str) -> Option<String> {
+    let response = reqwest::Client::new()
+        .request(Method::OPTIONS, cluster.url(0, "/api/admin/reset"))
+        .header("origin", origin)
+        .header("access-control-request-method", "POST")
+        .header(
+            "access-control-request-headers",
+            "authorization, content-type",
+        )
+        .send()
+        .await
+        .expect("preflight");
+    response
+        .headers()
+        .get("access-control-allow-origin")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// No CORS unless configured: pages from other origins get no CORS headers, so a
+/// browser will not let them call the API; a configured origin is allowed, and only it.
+#[tokio::test]
+async fn cors_only_for_configured_origins() {
+    let closed = TestCluster::start(1, &[]).await;
+    assert_eq!(preflight(&closed, "https://shop.example").await, None);
+    let shop = TestCluster::start(1, &["--cors-origin", "https://shop.example"]).await;
+    assert_eq!(
+        preflight(&shop, "https://shop.example").await.as_deref(),
+        Some("https://shop.example")
+    );
+    assert_eq!(preflight(&shop, "https://evil.example").await, None);
+}
