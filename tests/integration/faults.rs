@@ -67,15 +67,47 @@ impl PrivateRedis {
 }
 
 /// Every answer the crowd got: status, error code, time to answer.
-type Answers = Vec<(StatusCode, String, Duration)>;
+/// What one shopper got: the status, the error code, how long the answer took and
+/// when it arrived.
+#[derive(Clone, Debug)]
+struct Answer {
+    status: StatusCode,
+    code: String,
+    took: Duration,
+    at: Instant,
+}
+
+type Answers = Vec<Answer>;
+
+impl Answer {
+    fn is_order(&self) -> bool {
+        self.status == StatusCode::CREATED
+    }
+}
+
+/// When the sale recovered: the first order answered after `since`.
+fn first_order_after(answers: &Answers, since: Instant) -> Option<Duration> {
+    answers
+        .iter()
+        .filter(|answer| answer.is_order() && answer.at > since)
+        .map(|answer| answer.at - since)
+        .min()
+}
+
+/// When the backend answered again after the fault, and when an admin had
+/// reconciled the stock.
+struct Outage {
+    back: Instant,
+    reconciled: Instant,
+}
 
 /// Six shoppers buy one unit at a time on both replicas while `disruption` runs, then
-/// stop; returns every answer they got.
+/// stop; returns every answer they got and the outage's timeline.
 async fn crowd_during(
     cluster: &TestCluster,
     sku: &str,
-    disruption: impl Future<Output = ()>,
-) -> Answers {
+    disruption: impl Future<Output = Outage>,
+) -> (Answers, Outage) {
     let stop = Arc::new(AtomicBool::new(false));
     let answers = Arc::new(std::sync::Mutex::new(Answers::new()));
     let shoppers: Vec<_> = (0..6)
@@ -107,21 +139,24 @@ async fn crowd_during(
                         .ok()
                         .and_then(|b| b["error"].as_str().map(str::to_owned))
                         .unwrap_or_default();
-                    answers
-                        .lock()
-                        .expect("answers")
-                        .push((status, code, started.elapsed()));
+                    answers.lock().expect("answers").push(Answer {
+                        status,
+                        code,
+                        took: started.elapsed(),
+                        at: Instant::now(),
+                    });
                     tokio::time::sleep(Duration::from_millis(30)).await;
                 }
             })
         })
         .collect();
-    disruption.await;
+    let outage = disruption.await;
     stop.store(true, Ordering::SeqCst);
     for shopper in shoppers {
         shopper.await.expect("shopper finished");
     }
-    answers.lock().expect("answers").clone()
+    let answers = answers.lock().expect("answers").clone();
+    (answers, outage)
 }
 
 /// Redis dies and comes back empty while a crowd buys under redis-lock. The service
@@ -135,37 +170,45 @@ async fn redis_restart_mid_sale() {
     let cluster = TestCluster::start(2, &["--redis-url", &url, "--redlock-urls", &url]).await;
     cluster.set_strategy("redis-lock").await;
     let sku = "outage";
-    cluster.reset(sku, 60).await;
+    // Enough that the sale is still on when Redis goes down and after it is back.
+    cluster.reset(sku, 2000).await;
 
-    let answers = crowd_during(&cluster, sku, async {
+    let (answers, outage) = crowd_during(&cluster, sku, async {
         tokio::time::sleep(Duration::from_millis(400)).await;
         redis.kill().await;
         tokio::time::sleep(Duration::from_millis(1500)).await;
         redis.restart().await;
+        let back = Instant::now();
         tokio::time::sleep(Duration::from_millis(800)).await;
         cluster.reconcile().await;
+        let reconciled = Instant::now();
         tokio::time::sleep(Duration::from_millis(1000)).await;
+        Outage { back, reconciled }
     })
     .await;
-    let codes = |code: &str| answers.iter().filter(|(_, c, _)| c == code).count();
-    let slowest = answers.iter().map(|(_, _, d)| *d).max().unwrap_or_default();
+    let codes = |code: &str| answers.iter().filter(|a| a.code == code).count();
+    let slowest = answers.iter().map(|a| a.took).max().unwrap_or_default();
     println!(
-        "redis restart: {} answers, {} orders, {} backend_unavailable, {} stock_unavailable, slowest {slowest:?}",
+        "redis restart: {} answers, {} orders, {} backend_unavailable, {} stock_unavailable, \
+         slowest {slowest:?}; first order {:?} after Redis was back, {:?} after the reconcile",
         answers.len(),
-        answers
-            .iter()
-            .filter(|(s, _, _)| *s == StatusCode::CREATED)
-            .count(),
+        answers.iter().filter(|a| a.is_order()).count(),
         codes("backend_unavailable"),
         codes("unavailable"),
+        first_order_after(&answers, outage.back),
+        first_order_after(&answers, outage.reconciled),
     );
     assert!(
         answers
             .iter()
-            .all(|(s, _, _)| [201, 409, 503].contains(&s.as_u16())),
+            .all(|a| [201, 409, 503].contains(&a.status.as_u16())),
         "only 201/409/503: {answers:?}"
     );
     assert!(codes("backend_unavailable") > 0, "503 while Redis was down");
+    assert!(
+        first_order_after(&answers, outage.reconciled).is_some(),
+        "the sale resumed after the reconcile, without a restart"
+    );
     assert!(
         codes("unavailable") > 0,
         "503 stock_unavailable until reconciled"
@@ -350,6 +393,21 @@ impl Drop for PrivateMariaDb {
 /// stock, and nothing is oversold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mariadb_restart_mid_sale() {
+    // Longer than the pools' bounded waits (3 s): orders must get 503s.
+    let answers = mariadb_outage(Duration::from_millis(4000)).await;
+    let unavailable = answers.iter().filter(|a| a.status.as_u16() == 503).count();
+    assert!(unavailable > 0, "503 while MariaDB was down");
+}
+
+/// A shorter outage, within the pools' waits: orders wait and are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mariadb_blip_mid_sale() {
+    mariadb_outage(Duration::from_millis(1500)).await;
+}
+
+/// A crowd buys while MariaDB is down for `down`; checks what both outages share
+/// (answers not hangs, nothing oversold, consistent) and prints the figures.
+async fn mariadb_outage(down: Duration) -> Answers {
     let mut db = PrivateMariaDb::start().await;
     let url = db.url();
     let cluster = TestCluster::start_on(&url, 2, &["--lock-wait-ms", "4000"]).await;
@@ -358,42 +416,48 @@ async fn mariadb_restart_mid_sale() {
     // Enough that the sale is still on when MariaDB goes down.
     cluster.reset(sku, 2000).await;
 
-    let answers = crowd_during(&cluster, sku, async {
+    let (answers, outage) = crowd_during(&cluster, sku, async {
         tokio::time::sleep(Duration::from_millis(400)).await;
         db.kill().await;
-        // Longer than the pools' bounded waits (3 s): shorter outages are ridden through.
-        tokio::time::sleep(Duration::from_millis(4000)).await;
+        tokio::time::sleep(down).await;
         db.restart().await;
+        let back = Instant::now();
         tokio::time::sleep(Duration::from_millis(1500)).await;
         cluster.reconcile().await;
+        let reconciled = Instant::now();
         tokio::time::sleep(Duration::from_millis(1500)).await;
+        Outage { back, reconciled }
     })
     .await;
-    let slowest = answers.iter().map(|(_, _, d)| *d).max().unwrap_or_default();
-    let unavailable = answers.iter().filter(|(s, _, _)| s.as_u16() == 503).count();
+    let slowest = answers.iter().map(|a| a.took).max().unwrap_or_default();
+    let unavailable = answers.iter().filter(|a| a.status.as_u16() == 503).count();
     println!(
-        "mariadb restart: {} answers, {} orders, {unavailable} 503s, slowest {slowest:?}",
+        "mariadb down {down:?}: {} answers, {} orders, {unavailable} 503s, slowest {slowest:?}; \
+         first order {:?} after MariaDB was back, {:?} after the reconcile",
         answers.len(),
-        answers
-            .iter()
-            .filter(|(s, _, _)| *s == StatusCode::CREATED)
-            .count(),
+        answers.iter().filter(|a| a.is_order()).count(),
+        first_order_after(&answers, outage.back),
+        first_order_after(&answers, outage.reconciled),
     );
     assert!(
         answers
             .iter()
-            .all(|(s, _, _)| [201, 409, 503].contains(&s.as_u16())),
+            .all(|a| [201, 409, 503].contains(&a.status.as_u16())),
         "only 201/409/503: {answers:?}"
     );
-    assert!(unavailable > 0, "503 while MariaDB was down");
     assert!(
         slowest < Duration::from_secs(12),
         "answers, not hangs: slowest {slowest:?}"
+    );
+    assert!(
+        first_order_after(&answers, outage.back).is_some(),
+        "the sale resumed without a restart"
     );
     let stats = cluster.sku_stats(sku).await;
     assert_eq!(stats["oversold"], 0, "{stats}");
     assert_eq!(stats["consistent"], true, "{stats}");
     assert!(stats["orders"].as_i64() > Some(0));
+    answers
 }
 
 /// Places one order in the background and returns its status once answered.
