@@ -154,7 +154,10 @@ impl Server {
         let live_feed = crate::http::spawn_snapshots(state.clone());
         let heartbeat = Heartbeat::new(
             store.cluster.clone(),
-            address,
+            config
+                .advertise
+                .clone()
+                .unwrap_or_else(|| address.to_string()),
             state.requests.clone(),
             state.flow.clone(),
         );

@@ -46,6 +46,12 @@ pub struct ServeConfig {
     #[arg(long, env = "FLASHSALE_REPLICA_ID")]
     pub replica_id: Option<String>,
 
+    /// `host:port` at which the other replicas' dashboards and the load tests they
+    /// start reach this replica [default: the address it listens on]. Set it when
+    /// listening on 0.0.0.0, e.g. `app1:8080` in docker-compose.
+    #[arg(long, env = "FLASHSALE_ADVERTISE", value_parser = parse_host_port)]
+    pub advertise: Option<String>,
+
     /// Redis holding the stock cache, the active strategy and the replica registry.
     #[arg(
         long,
@@ -195,6 +201,20 @@ impl ServeConfig {
     }
 }
 
+/// `host:port`, as an HTTP client needs it: a host name or address and a port number.
+fn parse_host_port(raw: &str) -> Result<String, String> {
+    let valid = raw.rsplit_once(':').is_some_and(|(host, port)| {
+        !host.is_empty()
+            && !host.chars().any(|c| c.is_whitespace() || c == '/')
+            && port.parse::<u16>().is_ok_and(|port| port > 0)
+    });
+    if valid {
+        Ok(raw.to_owned())
+    } else {
+        Err(format!("'{raw}' is not host:port, such as app1:8080"))
+    }
+}
+
 /// `*`, or an origin as browsers send it: `http` or `https`, a host, an optional port,
 /// and nothing after.
 fn parse_origin(raw: &str) -> Result<String, String> {
@@ -283,6 +303,23 @@ mod tests {
         assert!(!token.matches("0123456789abcde"));
         assert!("short".parse::<AdminToken>().is_err());
         assert_eq!(format!("{token:?}"), "AdminToken(***)");
+    }
+
+    #[test]
+    fn advertised_addresses_are_host_and_port() {
+        for good in ["app1:8080", "127.0.0.1:8081", "[::1]:80"] {
+            assert_eq!(parse_host_port(good).as_deref(), Ok(good));
+        }
+        for bad in [
+            "app1",
+            "app1:",
+            ":8080",
+            "app1:0",
+            "app1:99999",
+            "http://app1:8080",
+        ] {
+            assert!(parse_host_port(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -3,7 +3,6 @@
 //! list the replicas alive. It deregisters on a clean shutdown; a killed replica simply
 //! stops beating and ages out.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -32,14 +31,14 @@ pub struct RunningHeartbeat {
 impl Heartbeat {
     pub fn new(
         cluster: ClusterState,
-        address: SocketAddr,
+        address: String,
         requests: Arc<AtomicU64>,
         flow: Arc<SaleFlow>,
     ) -> Self {
         let now = Utc::now();
         let info = ReplicaInfo {
             id: flow.replica_id.clone(),
-            address: address.to_string(),
+            address,
             pid: std::process::id(),
             started_at: now,
             requests: 0,

@@ -183,3 +183,12 @@ async fn stopping_a_replica_stops_its_load_test() {
     assert!(!alive(), "the load test was stopped with its replica");
     let _ = std::fs::remove_file(&pid_file);
 }
+
+/// A replica listening on a wildcard address announces the address others reach it
+/// at, which the load tests its dashboard starts then target.
+#[tokio::test]
+async fn replicas_announce_their_advertised_address() {
+    let cluster = TestCluster::start(1, &["--advertise", "app1:8080"]).await;
+    let stats = cluster.get_json(0, "/api/stats").await;
+    assert_eq!(stats["replicas"][0]["address"], "app1:8080");
+}
