@@ -128,3 +128,78 @@ async fn cors_only_for_configured_origins() {
     );
     assert_eq!(preflight(&shop, "https://evil.example").await, None);
 }
+
+/// Secrets never reach the logs, even at debug level: not the admin token, not a
+/// wrong token someone presented, not the database password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_stay_out_of_the_logs() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("free port")
+        .port();
+    let wrong = "someone-elses-token-9876543210";
+    let replica = tokio::process::Command::new(env!("CARGO_BIN_EXE_flashsale"))
+        .args(["serve", "--port", &port.to_string()])
+        .args(["--database-url", &cluster.database_url])
+        .args(["--namespace", &cluster.namespace, "--admin-token", TOKEN])
+        .env("RUST_LOG", "debug")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn the replica");
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    let mut healthy = false;
+    for _ in 0..200 {
+        let health = http.get(format!("{base}/healthz")).send().await;
+        if health.is_ok_and(|r| r.status().is_success()) {
+            healthy = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(healthy, "the replica started");
+    for (token, status) in [(TOKEN, StatusCode::OK), (wrong, StatusCode::FORBIDDEN)] {
+        let answer = http
+            .post(format!("{base}/api/admin/reset"))
+            .bearer_auth(token)
+            .json(&json!({ "sku": "logged", "stock": 3 }))
+            .send()
+            .await
+            .expect("reset");
+        assert_eq!(answer.status(), status);
+    }
+
+    let pid = nix::unistd::Pid::from_raw(
+        replica
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .expect("pid"),
+    );
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+    let output = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        replica.wait_with_output(),
+    )
+    .await
+    .expect("the replica stopped")
+    .expect("its output");
+    let logs = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(logs.contains("stock reset"), "the logs were captured");
+    let password = cluster
+        .database_url
+        .split_once("://")
+        .and_then(|(_, rest)| rest.split_once('@'))
+        .and_then(|(credentials, _)| credentials.split_once(':'))
+        .map(|(_, password)| format!(":{password}@"))
+        .expect("the test database URL has a password");
+    for secret in [TOKEN, wrong, &password] {
+        assert!(!logs.contains(secret), "{secret:?} appears in the logs");
+    }
+}
