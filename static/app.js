@@ -10,6 +10,7 @@ const state = {
   lastRequests: new Map(), // replica id -> { requests, at }
   rate: { t: [], v: [] },  // orders/s over the last minute
   lastSnapshotAt: 0,
+  strategyPicked: false, // the menu holds a choice not yet switched to
   charts: {},
 };
 
@@ -73,9 +74,14 @@ function fmt(n, digits = 0) {
 // ---- controls -----------------------------------------------------------------
 
 function setUpControls() {
+  // A strategy picked but not yet switched to stays picked: live snapshots only show
+  // the active strategy in the menu while the user has not touched it.
+  const strategySelect = document.getElementById("strategy-select");
+  strategySelect.addEventListener("change", () => { state.strategyPicked = true; });
   document.getElementById("strategy-form").addEventListener("submit", async (event) => {
     event.preventDefault();
-    const strategy = document.getElementById("strategy-select").value;
+    const strategy = strategySelect.value;
+    state.strategyPicked = false;
     try {
       await api("PUT", "/api/admin/strategy", { strategy });
       document.getElementById("active-strategy").textContent = strategy;
@@ -203,7 +209,7 @@ function onSnapshot(snapshot) {
   const stats = snapshot.stats;
   document.getElementById("active-strategy").textContent = stats.strategy;
   const select = document.getElementById("strategy-select");
-  if (document.activeElement !== select) select.value = stats.strategy;
+  if (!state.strategyPicked && document.activeElement !== select) select.value = stats.strategy;
   const fencing = document.getElementById("fencing-toggle");
   if (document.activeElement !== fencing) fencing.checked = stats.fencing;
   document.getElementById("fencing-state").textContent = stats.fencing ? "on: MySQL refuses stale holders" : "off";

@@ -34,6 +34,9 @@ try {
 
   step("switch to redis-lock");
   await page.selectOption("#strategy-select", "redis-lock");
+  // A live snapshot (one a second) arrives before the click: it must not undo the
+  // choice, as it once did.
+  await page.waitForTimeout(1500);
   await page.click("#switch-strategy");
   await expectText(page.locator("#active-strategy"), "redis-lock", "active strategy");
   const active = await (await fetch(`${base}/api/admin/strategy`)).json();
