@@ -6,14 +6,13 @@
 //! document says what the service really answers. The integration tests run
 //! schemathesis from this document against a replica.
 
+use axum::extract::State;
 use utoipa::openapi::path::{Operation, PathItem};
 use utoipa::openapi::response::{ResponseBuilder, Responses};
 use utoipa::openapi::schema::{ArrayItems, KnownFormat, ObjectBuilder, Schema, SchemaFormat, Type};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
 use utoipa::openapi::{Components, ContentBuilder, OpenApi as Document, Ref, RefOr};
 use utoipa::{Modify, OpenApi, PartialSchema, ToSchema};
-
-use axum::extract::State;
 
 use super::{ApiJson, admin, events, health, loadtests, metrics, orders, runs, stats, strategies};
 use crate::app::AppState;
@@ -81,14 +80,17 @@ const ADMIN_TOKEN: &str = "admin_token";
 struct ApiDoc;
 
 /// The document this replica serves: the strategy names it knows and its largest
-/// order quantity filled in.
+/// order quantity filled in, and the range of unsigned integers stated.
 pub fn document(strategy_names: &[&str], max_quantity: i64) -> Document {
     let mut document = ApiDoc::openapi();
+    // utoipa copies Cargo.toml's licence, which this crate does not declare.
+    document.info.license = None;
     let schemas = document
         .components
         .as_mut()
         .map(|components| &mut components.schemas);
     if let Some(schemas) = schemas {
+        schemas.values_mut().for_each(bound_unsigned);
         if let Some(RefOr::T(Schema::Object(names))) = schemas.get_mut("StrategyName") {
             names.enum_values = Some(strategy_names.iter().map(|&n| n.into()).collect());
         }
@@ -107,7 +109,6 @@ struct RouterLayers;
 impl Modify for RouterLayers {
     fn modify(&self, document: &mut Document) {
         let components = document.components.get_or_insert_with(Components::new);
-        components.schemas.values_mut().for_each(bound_unsigned);
         components.add_security_scheme(
             ADMIN_TOKEN,
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
@@ -265,6 +266,22 @@ mod tests {
             serde_json::json!(["none", "redis-lock"])
         );
         assert_eq!(schemas["OrderBody"]["properties"]["quantity"]["maximum"], 7);
+    }
+
+    #[test]
+    fn unsigned_integers_state_their_range() {
+        let json = serde_json::to_value(document(&["none"], 10)).unwrap();
+        let schemas = &json["components"]["schemas"];
+        let sold_out = &schemas["RunResult"]["properties"]["sold_out"];
+        assert_eq!(
+            (&sold_out["format"], &sold_out["maximum"]),
+            (&"uint64".into(), &u64::MAX.into())
+        );
+        // A bound the field declares itself is kept.
+        assert_eq!(
+            schemas["LoadTestRequest"]["properties"]["users"]["maximum"],
+            1000
+        );
     }
 
     #[test]
