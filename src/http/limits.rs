@@ -29,7 +29,11 @@ pub async fn enforce(
     let Ok(_permit) = limits.in_flight.clone().try_acquire_owned() else {
         return Err(AppError::Overloaded);
     };
+    let route = request.uri().path().to_owned();
     tokio::time::timeout(limits.timeout, next.run(request))
         .await
-        .map_err(|_| AppError::TimedOut(limits.timeout))
+        .map_err(|_| {
+            tracing::warn!(%route, timeout = ?limits.timeout, "request abandoned: too slow");
+            AppError::TimedOut(limits.timeout)
+        })
 }

@@ -28,7 +28,8 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
 use tower_http::services::ServeDir;
-use tower_http::trace::TraceLayer;
+use tower_http::trace::{DefaultOnFailure, TraceLayer};
+use tracing::Level;
 
 use crate::app::AppState;
 use crate::error::AppError;
@@ -105,7 +106,11 @@ pub fn router(
             state.clone(),
             count_requests,
         ))
-        .layer(TraceLayer::new_for_http())
+        // tower-http logs every 5xx as an error; here most are expected answers (503
+        // lock_timeout under contention). Real failures are logged where they happen,
+        // with their detail (`error.rs`, `limits.rs`), and every status is counted in
+        // /metrics.
+        .layer(TraceLayer::new_for_http().on_failure(DefaultOnFailure::new().level(Level::DEBUG)))
         .with_state(state);
     // Outermost, so a browser's preflight is answered before auth and limits.
     match cors::layer(cors_origins) {
