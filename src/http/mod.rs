@@ -25,8 +25,9 @@ use std::sync::atomic::Ordering;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::services::ServeDir;
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use tracing::Level;
@@ -106,6 +107,9 @@ pub fn router(
             state.clone(),
             count_requests,
         ))
+        // A bug that panics in a handler answers the usual JSON 500 instead of
+        // dropping the connection; the panic is logged.
+        .layer(CatchPanicLayer::custom(answer_panic))
         // tower-http logs every 5xx as an error; here most are expected answers (503
         // lock_timeout under contention). Real failures are logged where they happen,
         // with their detail (`error.rs`, `limits.rs`), and every status is counted in
@@ -117,6 +121,16 @@ pub fn router(
         Some(cors) => router.layer(cors),
         None => router,
     }
+}
+
+fn answer_panic(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    let message = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("(no message)");
+    tracing::error!(panic = message, "a handler panicked");
+    AppError::Internal.into_response()
 }
 
 async fn method_not_allowed() -> AppError {
@@ -131,4 +145,25 @@ async fn unknown_api_route() -> AppError {
 async fn count_requests(State(state): State<AppState>, request: Request, next: Next) -> Response {
     state.requests.fetch_add(1, Ordering::Relaxed);
     next.run(request).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_is_answered_with_the_json_500() {
+        let response = answer_panic(Box::new("index out of bounds"));
+        assert_eq!(
+            response.status(),
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR
+        );
+        assert_eq!(
+            response
+                .headers()
+                .get(axum::http::header::CONTENT_TYPE)
+                .map(|v| v.as_bytes()),
+            Some(&b"application/json"[..])
+        );
+    }
 }
