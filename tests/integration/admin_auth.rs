@@ -5,7 +5,7 @@
 use reqwest::{Method, StatusCode};
 use serde_json::json;
 
-use crate::support::TestCluster;
+use crate::support::{TestCluster, free_port, wait_healthy};
 
 const TOKEN: &str = "test-admin-token-0123456789";
 
@@ -134,10 +134,7 @@ async fn cors_only_for_configured_origins() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secrets_stay_out_of_the_logs() {
     let cluster = TestCluster::start(1, &[]).await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("free port")
-        .port();
+    let port = free_port();
     let wrong = "someone-elses-token-9876543210";
     let replica = tokio::process::Command::new(env!("CARGO_BIN_EXE_flashsale"))
         .args(["serve", "--port", &port.to_string()])
@@ -150,17 +147,8 @@ async fn secrets_stay_out_of_the_logs() {
         .spawn()
         .expect("spawn the replica");
     let base = format!("http://127.0.0.1:{port}");
+    assert!(wait_healthy(&base).await, "the replica started");
     let http = reqwest::Client::new();
-    let mut healthy = false;
-    for _ in 0..200 {
-        let health = http.get(format!("{base}/healthz")).send().await;
-        if health.is_ok_and(|r| r.status().is_success()) {
-            healthy = true;
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    assert!(healthy, "the replica started");
     for (token, status) in [(TOKEN, StatusCode::OK), (wrong, StatusCode::FORBIDDEN)] {
         let answer = http
             .post(format!("{base}/api/admin/reset"))

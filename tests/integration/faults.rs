@@ -10,7 +10,15 @@ use nix::unistd::Pid;
 use reqwest::StatusCode;
 use serde_json::json;
 
-use crate::support::TestCluster;
+use crate::support::{TestCluster, free_port};
+
+/// Kills a backend of the test's own as a crash would, and reaps it.
+async fn sigkill(child: &mut Option<tokio::process::Child>) {
+    if let Some(mut child) = child.take() {
+        child.start_kill().expect("SIGKILL");
+        child.wait().await.expect("reaped");
+    }
+}
 
 /// A redis-server of the test's own, without persistence (a restart loses the data,
 /// the worst case).
@@ -21,10 +29,7 @@ struct PrivateRedis {
 
 impl PrivateRedis {
     async fn start() -> PrivateRedis {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
+        let port = free_port();
         let mut redis = PrivateRedis { port, child: None };
         redis.restart().await;
         redis
@@ -59,14 +64,10 @@ impl PrivateRedis {
     }
 
     async fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            child.start_kill().expect("SIGKILL");
-            child.wait().await.expect("reaped");
-        }
+        sigkill(&mut self.child).await;
     }
 }
 
-/// Every answer the crowd got: status, error code, time to answer.
 /// What one shopper got: the status, the error code, how long the answer took and
 /// when it arrived.
 #[derive(Clone, Debug)]
@@ -302,10 +303,7 @@ struct PrivateMariaDb {
 
 impl PrivateMariaDb {
     async fn start() -> PrivateMariaDb {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
+        let port = free_port();
         let dir = std::env::temp_dir().join(format!("flashsale-mariadb-{port}"));
         let _ = std::fs::remove_dir_all(&dir);
         let installed = tokio::process::Command::new("mariadb-install-db")
@@ -370,10 +368,7 @@ impl PrivateMariaDb {
     }
 
     async fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            child.start_kill().expect("SIGKILL");
-            child.wait().await.expect("reaped");
-        }
+        sigkill(&mut self.child).await;
     }
 }
 

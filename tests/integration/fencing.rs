@@ -17,14 +17,7 @@ async fn paused_holder(strategy: &str, fencing: bool) -> (TestCluster, StatusCod
     let cluster =
         TestCluster::start(2, &["--lock-lease-ms", "600", "--lock-wait-ms", "15000"]).await;
     cluster.set_strategy(strategy).await;
-    let switched = cluster
-        .http
-        .put(cluster.url(0, "/api/admin/fencing"))
-        .json(&json!({ "enabled": fencing }))
-        .send()
-        .await
-        .expect("fencing switch");
-    assert_eq!(switched.status(), StatusCode::OK);
+    cluster.set_fencing(fencing).await;
     let sku = "last-unit";
     cluster.reset(sku, 1).await;
     let armed = cluster
@@ -119,14 +112,7 @@ async fn etcd_paused_holder_is_fenced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fencing_admits_the_first_holder_of_every_lock() {
     let cluster = TestCluster::start(1, &[]).await;
-    let switched = cluster
-        .http
-        .put(cluster.url(0, "/api/admin/fencing"))
-        .json(&json!({ "enabled": true }))
-        .send()
-        .await
-        .expect("fencing switch");
-    assert_eq!(switched.status(), StatusCode::OK);
+    cluster.set_fencing(true).await;
     for strategy in ["redis-lock", "db-unique", "zookeeper", "etcd", "redlock"] {
         let sku = format!("first-{strategy}");
         cluster.reset(&sku, 5).await;

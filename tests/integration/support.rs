@@ -15,6 +15,27 @@ use tokio::task::JoinHandle;
 
 pub const DEFAULT_DATABASE_URL: &str = "mysql://flashsale:flashsale@127.0.0.1:3390/flashsale";
 
+/// A loopback port nothing listens on right now, for a server the test starts.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("free port")
+        .port()
+}
+
+/// Waits up to 10 s for a replica started as a process to answer `/healthz` with 200.
+pub async fn wait_healthy(base_url: &str) -> bool {
+    let http = reqwest::Client::new();
+    for _ in 0..200 {
+        let health = http.get(format!("{base_url}/healthz")).send().await;
+        if health.is_ok_and(|r| r.status().is_success()) {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    false
+}
+
 pub fn redis_url() -> String {
     std::env::var("FLASHSALE_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6390".to_owned())
 }
@@ -194,6 +215,17 @@ impl TestCluster {
         assert_eq!(response.status(), StatusCode::OK, "switching to {strategy}");
     }
 
+    pub async fn set_fencing(&self, enabled: bool) {
+        let response = self
+            .http
+            .put(self.url(0, "/api/admin/fencing"))
+            .json(&json!({ "enabled": enabled }))
+            .send()
+            .await
+            .expect("fencing request");
+        assert_eq!(response.status(), StatusCode::OK, "fencing {enabled}");
+    }
+
     /// Rebuilds lost Redis stock from MySQL, as an admin would after a restart.
     pub async fn reconcile(&self) {
         let response = self
@@ -283,10 +315,7 @@ impl TestCluster {
     /// namespace, so a test can kill it with SIGKILL like a crashed machine.
     /// `binary` is the `flashsale` executable (`env!("CARGO_BIN_EXE_flashsale")`).
     pub async fn spawn_process_replica(&self, binary: &str, extra: &[&str]) -> ProcessReplica {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
+        let port = free_port();
         let child = tokio::process::Command::new(binary)
             .args(["serve", "--bind", "127.0.0.1", "--port", &port.to_string()])
             .args([
@@ -302,14 +331,11 @@ impl TestCluster {
             .spawn()
             .expect("spawn replica process");
         let base_url = format!("http://127.0.0.1:{port}");
-        for _ in 0..200 {
-            let health = self.http.get(format!("{base_url}/healthz")).send().await;
-            if health.is_ok_and(|r| r.status().is_success()) {
-                return ProcessReplica { base_url, child };
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-        panic!("replica process did not become healthy");
+        assert!(
+            wait_healthy(&base_url).await,
+            "replica process did not become healthy"
+        );
+        ProcessReplica { base_url, child }
     }
 
     pub async fn count_orders(&self, sku: &str) -> i64 {
