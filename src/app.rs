@@ -11,6 +11,7 @@ use std::sync::atomic::AtomicU64;
 use anyhow::Context;
 use deadpool_redis::{PoolConfig, Runtime, Timeouts};
 use tokio::net::TcpListener;
+use tokio_util::task::TaskTracker;
 
 use crate::config::{AdminToken, ServeConfig};
 use crate::error::AppError;
@@ -18,7 +19,7 @@ use crate::http::Snapshots;
 use crate::loadtests::LoadTests;
 use crate::replica::Heartbeat;
 use crate::store::{ClusterSettings, ClusterState, Records, StockCache, Store};
-use crate::strategy::{self, Backends, DEFAULT_STRATEGY, SaleFlow, Strategy};
+use crate::strategy::{self, Backends, SaleFlow, Strategy};
 
 /// Shared by every handler of one replica.
 #[derive(Clone)]
@@ -34,6 +35,8 @@ pub struct AppState {
     /// Admin calls need this token when set.
     pub admin_token: Option<AdminToken>,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
+    /// Orders run in tasks of their own (see `http::orders`); shutdown waits for them.
+    pub orders_in_flight: TaskTracker,
 }
 
 impl AppState {
@@ -49,24 +52,19 @@ impl AppState {
             })
     }
 
-    /// The cluster's settings (one Redis round trip) and the strategy to use: the
-    /// requested one, or else the cluster's active one.
+    /// The cluster's settings (one Redis round trip) and the active strategy. Orders
+    /// always run under it: nobody outside the admin API can choose another.
     pub async fn settings_and_strategy(
         &self,
-        requested: Option<&str>,
     ) -> Result<(ClusterSettings, Arc<dyn Strategy>), AppError> {
         let settings = self.flow.store.settings().await?;
-        if let Some(name) = requested {
-            return Ok((settings, self.named_strategy(name)?));
-        }
-        let name = settings.strategy.as_deref().unwrap_or(DEFAULT_STRATEGY);
-        match strategy::find(&self.strategies, name) {
+        match strategy::find(&self.strategies, &settings.strategy) {
             Some(active) => {
                 let active = active.clone();
                 Ok((settings, active))
             }
             None => {
-                tracing::error!(%name, "the cluster's active strategy is unknown to this replica");
+                tracing::error!(name = %settings.strategy, "the cluster's active strategy is unknown to this replica");
                 Err(AppError::Internal)
             }
         }
@@ -84,6 +82,7 @@ pub struct Server {
     heartbeat: Heartbeat,
     live_feed: tokio::task::JoinHandle<()>,
     loadtests: Arc<LoadTests>,
+    orders_in_flight: TaskTracker,
 }
 
 impl Server {
@@ -150,6 +149,7 @@ impl Server {
             )),
             admin_token: config.admin_token.clone(),
             metrics: crate::telemetry::prometheus(),
+            orders_in_flight: TaskTracker::new(),
         };
         let live_feed = crate::http::spawn_snapshots(state.clone());
         let heartbeat = Heartbeat::new(
@@ -168,6 +168,7 @@ impl Server {
             )),
         };
         let loadtests = state.loadtests.clone();
+        let orders_in_flight = state.orders_in_flight.clone();
         let router = crate::http::router(state, &config.static_dir, limits, &config.cors_origins);
         Ok(Server {
             listener,
@@ -175,6 +176,7 @@ impl Server {
             heartbeat,
             live_feed,
             loadtests,
+            orders_in_flight,
         })
     }
 
@@ -202,11 +204,26 @@ impl Server {
                 loadtests.stop();
             })
             .await;
+        // Orders whose clients hung up are still running: let them finish (their
+        // waits and work are bounded) rather than cut them at the process exit.
+        self.orders_in_flight.close();
+        if tokio::time::timeout(ORDER_DRAIN, self.orders_in_flight.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                left = self.orders_in_flight.len(),
+                "orders still running at shutdown"
+            );
+        }
         self.live_feed.abort();
         heartbeat.stop().await;
         served.context("serving HTTP")
     }
 }
+
+/// How long shutdown waits for orders still running after their requests ended.
+const ORDER_DRAIN: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A Redis pool whose waits are bounded, so an outage answers 503 instead of hanging.
 fn redis_pool(url: &str, size: usize) -> anyhow::Result<deadpool_redis::Pool> {

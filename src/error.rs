@@ -60,6 +60,14 @@ pub enum AppError {
     /// A feature this replica cannot offer right now; the message says why.
     #[error("{0}")]
     Unavailable(String),
+    /// An admin changed the sale while the order was under way; retry.
+    #[error(
+        "the sale changed (strategy, fencing, reset or reconcile) while the order was under way; nothing was written, try again"
+    )]
+    SaleChanged,
+    /// optimistic concurrency gave up after conflicting on every attempt.
+    #[error("{0}")]
+    GaveUp(String),
     /// Too many requests in flight on this replica.
     #[error("this replica is at its limit of requests in flight; try again")]
     Overloaded,
@@ -91,6 +99,8 @@ impl AppError {
             AppError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
             AppError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             AppError::Overloaded => (StatusCode::SERVICE_UNAVAILABLE, "overloaded"),
+            AppError::SaleChanged => (StatusCode::SERVICE_UNAVAILABLE, "sale_changed"),
+            AppError::GaveUp(_) => (StatusCode::SERVICE_UNAVAILABLE, "too_many_conflicts"),
             AppError::TimedOut(_) => (StatusCode::SERVICE_UNAVAILABLE, "timeout"),
             AppError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             AppError::LockLost(_) => (StatusCode::CONFLICT, "lock_lost"),
@@ -112,6 +122,8 @@ impl IntoResponse for AppError {
         let mut response = (status, body).into_response();
         let retry_after = match &self {
             AppError::Busy(_)
+            | AppError::SaleChanged
+            | AppError::GaveUp(_)
             | AppError::BackendUnavailable { .. }
             | AppError::Overloaded
             | AppError::TimedOut(_) => Some("1"),
@@ -183,8 +195,13 @@ impl From<OrderError> for AppError {
             OrderError::Busy(message) => AppError::Busy(message),
             OrderError::LockLost(detail) => AppError::LockLost(detail),
             OrderError::Fenced { token } => AppError::LockLost(format!(
-                "MySQL refused fencing token {token}: a newer lock holder wrote first"
+                "MySQL refused fencing token {token}: a newer lock holder began since"
             )),
+            OrderError::StaleRead => AppError::LockLost(
+                "MySQL refused the write: the stock it was computed from had changed".into(),
+            ),
+            OrderError::SaleChanged => AppError::SaleChanged,
+            OrderError::GaveUp(message) => AppError::GaveUp(message),
             OrderError::LockBackend { backend, detail } => {
                 tracing::warn!(backend, %detail, "lock backend failed");
                 AppError::BackendUnavailable { backend }

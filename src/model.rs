@@ -143,3 +143,43 @@ mod tests {
         }
     }
 }
+
+/// Where in the critical section the paused-holder fault stalls its holder. Each is a
+/// place a real process can stop (a GC or VM pause) and each needs the fence to cover
+/// it: a holder that stalls before its read, after it, after its last lock check, or
+/// between the MySQL commit and the Redis write must never make a unit sell twice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PausePoint {
+    /// Right after the lock is taken, before the stock is read.
+    BeforeRead,
+    /// After the stock is read, before the simulated work.
+    AfterRead,
+    /// After the last check that the lock is still held, right before the commit.
+    #[default]
+    BeforeCommit,
+    /// After the MySQL commit, before the Redis stock is written.
+    AfterCommit,
+}
+
+impl PausePoint {
+    pub const ALL: [PausePoint; 4] = [
+        PausePoint::BeforeRead,
+        PausePoint::AfterRead,
+        PausePoint::BeforeCommit,
+        PausePoint::AfterCommit,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PausePoint::BeforeRead => "before_read",
+            PausePoint::AfterRead => "after_read",
+            PausePoint::BeforeCommit => "before_commit",
+            PausePoint::AfterCommit => "after_commit",
+        }
+    }
+
+    pub fn parse(raw: &str) -> Option<PausePoint> {
+        PausePoint::ALL.into_iter().find(|p| p.as_str() == raw)
+    }
+}

@@ -1,4 +1,10 @@
-//! Admin calls shared by all replicas: the active strategy and stock resets.
+//! Admin calls shared by all replicas: the active strategy, fencing, stock resets,
+//! reconcile and faults.
+//!
+//! Every change of the sale goes through `Store::change_sale`, which moves the sale
+//! epoch forward: orders already under way that have not committed are refused with
+//! `sale_changed` (and retried by their clients under the new settings), so an old and
+//! a new strategy never sell the same SKU at once.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -8,7 +14,8 @@ use utoipa::ToSchema;
 use super::{ApiJson, StrategyName};
 use crate::app::AppState;
 use crate::error::{AppError, ErrorBody};
-use crate::model::{Sku, integer_in_range};
+use crate::model::{PausePoint, Sku, integer_in_range};
+use crate::store::{PauseFault, SaleChange};
 
 /// Largest stock a reset may set.
 pub const MAX_STOCK: i64 = 10_000_000;
@@ -25,13 +32,14 @@ pub struct StrategyBody {
 pub async fn active_strategy(
     State(state): State<AppState>,
 ) -> Result<ApiJson<StrategyBody>, AppError> {
-    let (_, strategy) = state.settings_and_strategy(None).await?;
+    let (_, strategy) = state.settings_and_strategy().await?;
     Ok(ApiJson(StrategyBody {
         strategy: strategy.name().to_owned(),
     }))
 }
 
-/// Switches every replica to a strategy; orders already under way finish under theirs.
+/// Switches every replica to a strategy. Orders of the old one that have not committed
+/// yet are refused (`sale_changed`); none of them can commit after the switch.
 #[utoipa::path(put, path = "/api/admin/strategy", tag = "admin",
     request_body = StrategyBody,
     responses(
@@ -46,7 +54,7 @@ pub async fn set_strategy(
     state
         .flow
         .store
-        .set_active_strategy(strategy.name())
+        .change_sale(SaleChange::Strategy(strategy.name().to_owned()))
         .await?;
     tracing::info!(strategy = strategy.name(), "active strategy switched");
     Ok(ApiJson(body))
@@ -68,6 +76,7 @@ pub struct ResetDone {
 
 /// Restocks a SKU in MySQL (clearing its orders) and then in Redis. MySQL goes first:
 /// if Redis then fails, the stats show the mismatch and a retried reset repairs it.
+/// Orders of the SKU under way that read the old stock are refused at their commit.
 #[utoipa::path(post, path = "/api/admin/reset", tag = "admin",
     request_body = ResetBody,
     responses(
@@ -80,9 +89,14 @@ pub async fn reset(
 ) -> Result<ApiJson<ResetDone>, AppError> {
     let sku = Sku::parse(&body.sku).map_err(AppError::Invalid)?;
     let stock = integer_in_range("stock", &body.stock, 0, MAX_STOCK).map_err(AppError::Invalid)?;
-    let store = &state.flow.store;
-    store.records.reset(&sku, stock).await?;
-    store.cache.reset(&sku, stock).await?;
+    state
+        .flow
+        .store
+        .change_sale(SaleChange::Reset {
+            sku: sku.clone(),
+            stock,
+        })
+        .await?;
     tracing::info!(%sku, stock, "stock reset");
     Ok(ApiJson(ResetDone { sku, stock }))
 }
@@ -96,7 +110,7 @@ pub struct FencingBody {
 #[utoipa::path(get, path = "/api/admin/fencing", tag = "admin",
     responses((status = 200, description = "The fencing switch", body = FencingBody)))]
 pub async fn fencing(State(state): State<AppState>) -> Result<ApiJson<FencingBody>, AppError> {
-    let (settings, _) = state.settings_and_strategy(None).await?;
+    let (settings, _) = state.settings_and_strategy().await?;
     Ok(ApiJson(FencingBody {
         enabled: settings.fencing,
     }))
@@ -110,7 +124,11 @@ pub async fn set_fencing(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<FencingBody>,
 ) -> Result<ApiJson<FencingBody>, AppError> {
-    state.flow.store.set_fencing(body.enabled).await?;
+    state
+        .flow
+        .store
+        .change_sale(SaleChange::Fencing(body.enabled))
+        .await?;
     tracing::info!(enabled = body.enabled, "fencing switched");
     Ok(ApiJson(body))
 }
@@ -124,11 +142,15 @@ pub struct FaultBody {
     /// the lease surely runs out.
     #[schema(value_type = Option<i64>, minimum = 1, maximum = 120_000)]
     pause_holder_ms: Option<serde_json::Number>,
+    /// Where in the critical section it stalls; after its last lock check by default.
+    #[serde(default)]
+    at: Option<PausePoint>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct FaultArmed {
     pause_holder_ms: u64,
+    at: PausePoint,
 }
 
 /// Arms the paused-holder fault for the next lock holder in the cluster.
@@ -150,10 +172,21 @@ pub async fn arm_fault(
                 .unwrap_or(MAX_PAUSE_MS),
         };
     let ms = u64::try_from(ms).unwrap_or(0);
-    state.flow.store.cluster.arm_pause(ms).await?;
-    tracing::warn!(ms, "fault armed: the next lock holder will pause");
+    let at = body.at.unwrap_or_default();
+    state
+        .flow
+        .store
+        .cluster
+        .arm_pause(PauseFault { ms, at })
+        .await?;
+    tracing::warn!(
+        ms,
+        at = at.as_str(),
+        "fault armed: the next lock holder there will pause"
+    );
     Ok(ApiJson(FaultArmed {
         pause_holder_ms: ms,
+        at,
     }))
 }
 
@@ -167,28 +200,27 @@ pub async fn disarm_fault(State(state): State<AppState>) -> Result<StatusCode, A
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Reconciled {
-    /// SKUs whose Redis stock was missing and was rebuilt from MySQL.
+    /// SKUs whose Redis stock was missing or differed from MySQL and was rewritten.
     skus: Vec<ResetDone>,
 }
 
-/// Rebuilds the Redis stock of every SKU Redis has lost (after a restart without
-/// persistence) from MySQL's products rows, the system of record. A stock Redis
-/// still has is left alone: sales may be writing it right now, and overwriting it
-/// with a value read from MySQL a moment earlier would undo one of them. To repair a
-/// stale cache, reset the SKU. Orders are not touched.
+/// Rewrites every SKU's Redis stock from MySQL's products rows, the system of record:
+/// repairs stock Redis lost (a restart without persistence) and stock that went stale
+/// (a cache write that failed, a COMMIT whose outcome was unknown). It is safe during
+/// a sale: like every change of the sale it moves the epoch forward, so no order that
+/// read the old cache can commit after it, and the rows' versions move forward too,
+/// so no cache write on its way can put an older stock back. Orders are not touched.
 #[utoipa::path(post, path = "/api/admin/reconcile", tag = "admin",
-    responses((status = 200, description = "The SKUs rebuilt", body = Reconciled)))]
+    responses((status = 200, description = "The SKUs rewritten", body = Reconciled)))]
 pub async fn reconcile(State(state): State<AppState>) -> Result<ApiJson<Reconciled>, AppError> {
-    let store = &state.flow.store;
-    let mut skus = Vec::new();
-    for product in store.records.products(None).await? {
-        if store.cache.restore(&product.sku, product.stock).await? {
-            skus.push(ResetDone {
-                sku: product.sku,
-                stock: product.stock,
-            });
-        }
-    }
-    tracing::warn!(skus = skus.len(), "Redis stock rebuilt from MySQL");
+    let rewritten = state.flow.store.change_sale(SaleChange::Reconcile).await?;
+    let skus: Vec<ResetDone> = rewritten
+        .into_iter()
+        .map(|at| ResetDone {
+            sku: at.sku,
+            stock: at.stock,
+        })
+        .collect();
+    tracing::warn!(skus = skus.len(), "Redis stock rewritten from MySQL");
     Ok(ApiJson(Reconciled { skus }))
 }

@@ -3,9 +3,9 @@
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use serde::Deserialize;
-use utoipa::{IntoParams, ToSchema};
+use utoipa::ToSchema;
 
-use super::{ApiJson, StrategyName};
+use super::ApiJson;
 use crate::app::AppState;
 use crate::error::{AppError, ErrorBody};
 use crate::model::{NewOrder, Order, Sku, integer_in_range, parse_user_id};
@@ -27,13 +27,12 @@ pub struct OrderBody {
     quantity: serde_json::Number,
 }
 
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-pub struct OrderQuery {
-    /// Place this order under this strategy instead of the cluster's active one.
-    #[param(value_type = Option<StrategyName>)]
-    strategy: Option<String>,
-}
+/// Orders take no query parameters. The former `?strategy=` override let any shopper
+/// switch the lock off for their own order; it is refused rather than ignored, so a
+/// client that relied on it learns why.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OrderQuery {}
 
 impl OrderBody {
     fn validate(self, max_quantity: i64) -> Result<NewOrder, AppError> {
@@ -46,10 +45,15 @@ impl OrderBody {
     }
 }
 
-/// Places one order. Under a lock strategy the replica takes the SKU's lock, checks
-/// the stock, writes the order and the new stock to MySQL and Redis, and releases.
+/// Places one order under the cluster's active strategy. Under a lock strategy the
+/// replica takes the SKU's lock, checks the stock, writes the order and the new stock
+/// to MySQL and Redis, and releases.
+///
+/// The order runs in a task of its own: once started it completes or rolls back even
+/// if the client hangs up or the request times out (a dropped handler only stops
+/// waiting for it). Otherwise a hang-up would stop the order wherever it was: between
+/// the COMMIT and the Redis write, or holding a lock acquisition half made.
 #[utoipa::path(post, path = "/api/orders", tag = "orders",
-    params(OrderQuery),
     request_body = OrderBody,
     responses(
         (status = 201, description = "The order, recorded", body = Order),
@@ -59,6 +63,8 @@ impl OrderBody {
         (status = 422, description = "`invalid_value`: a value is out of range, or the \
             strategy is unknown", body = ErrorBody),
         (status = 503, description = "`lock_timeout`: the lock was not free in time; \
+            `too_many_conflicts`: optimistic retries ran out; \
+            `sale_changed`: an admin switched or reset the sale meanwhile, nothing written; \
             `unavailable`: Redis lost the SKU's stock until an admin reconciles; \
             `backend_unavailable`, `overloaded`, `timeout`: try again after Retry-After",
             body = ErrorBody),
@@ -68,21 +74,38 @@ pub async fn place_order(
     query: Result<Query<OrderQuery>, axum::extract::rejection::QueryRejection>,
     ApiJson(body): ApiJson<OrderBody>,
 ) -> Result<(StatusCode, ApiJson<Order>), AppError> {
-    let Query(query) = query?;
+    let Query(OrderQuery {}) = query.map_err(|_| {
+        AppError::Malformed(
+            "orders take no query parameters; the ?strategy= override was withdrawn: \
+             orders run under the active strategy"
+                .into(),
+        )
+    })?;
     let order = body.validate(state.max_quantity)?;
-    let (settings, strategy) = state
-        .settings_and_strategy(query.strategy.as_deref())
-        .await?;
+    let (settings, strategy) = state.settings_and_strategy().await?;
     let options = OrderOptions {
         fencing: settings.fencing,
-        pause_armed: settings.pause_holder_ms.is_some(),
+        epoch: settings.epoch,
+        pause: settings.pause.map(|p| p.at),
     };
-    let placed = strategy.place_order(&state.flow, &order, options).await;
+    let flow = state.flow.clone();
+    let running = strategy.clone();
+    let placed = state
+        .orders_in_flight
+        .spawn(async move { running.place_order(&flow, &order, options).await })
+        .await
+        .map_err(|error| {
+            tracing::error!(%error, "an order task failed");
+            AppError::Internal
+        })?;
     let outcome = match &placed {
         Ok(_) => "created",
         Err(OrderError::SoldOut { .. }) => "sold_out",
-        Err(OrderError::Busy(_)) => "busy",
-        Err(OrderError::LockLost(_) | OrderError::Fenced { .. }) => "lock_lost",
+        Err(OrderError::Busy(_) | OrderError::GaveUp(_)) => "busy",
+        Err(OrderError::LockLost(_) | OrderError::Fenced { .. } | OrderError::StaleRead) => {
+            "lock_lost"
+        }
+        Err(OrderError::SaleChanged) => "sale_changed",
         Err(OrderError::UnknownSku(_)) => "unknown_sku",
         Err(OrderError::StockUnavailable(_)) => "stock_unavailable",
         Err(OrderError::LockBackend { .. } | OrderError::Store(_)) => "error",

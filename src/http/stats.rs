@@ -13,6 +13,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::{ApiJson, StrategyName};
 use crate::app::AppState;
 use crate::error::{AppError, ErrorBody};
+use crate::model::PausePoint;
 use crate::model::Sku;
 use crate::store::{ProductRecord, ReplicaInfo};
 
@@ -31,8 +32,14 @@ pub struct Stats {
     pub strategy: String,
     /// Whether lock holders' writes are fenced.
     pub fencing: bool,
+    /// The sale epoch: moved forward by every admin change of the sale.
+    #[serde(default)]
+    pub epoch: u64,
     /// A paused-holder fault waiting for the next lock holder, in ms.
     pub pause_armed_ms: Option<u64>,
+    /// Where in the critical section that holder will pause.
+    #[serde(default)]
+    pub pause_armed_at: Option<PausePoint>,
     pub replicas: Vec<ReplicaInfo>,
     pub skus: Vec<SkuStats>,
     /// Cluster-wide event counts by `strategy.counter` (lock timeouts, locks lost,
@@ -103,11 +110,13 @@ pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppEr
     }
     let skus: Vec<Sku> = records.iter().map(|r| r.sku.clone()).collect();
     let redis_stocks = store.cache.stocks(&skus).await?;
-    let (settings, strategy) = state.settings_and_strategy(None).await?;
+    let (settings, strategy) = state.settings_and_strategy().await?;
     Ok(Stats {
         strategy: strategy.name().to_owned(),
         fencing: settings.fencing,
-        pause_armed_ms: settings.pause_holder_ms,
+        epoch: settings.epoch,
+        pause_armed_ms: settings.pause.map(|p| p.ms),
+        pause_armed_at: settings.pause.map(|p| p.at),
         replicas: store.cluster.live_replicas().await?,
         counters: store.cluster.counters().await?,
         skus: records

@@ -11,6 +11,7 @@
 
 pub mod etcd;
 pub mod lease;
+pub mod local_queue;
 pub mod redis;
 pub mod redlock;
 pub mod table;

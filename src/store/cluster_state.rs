@@ -1,5 +1,6 @@
 //! State every replica must agree on, kept in Redis: the active strategy, the fencing
-//! switch, an armed fault, and the registry of live replicas.
+//! switch and the sale epoch (published by `sale.rs`), an armed fault, and the registry
+//! of live replicas.
 //!
 //! The settings are read from Redis on each order (one MGET) rather than cached, so a
 //! switch takes effect on every replica for the very next request: a load test that
@@ -8,11 +9,44 @@
 use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
+use std::sync::LazyLock;
+
 use deadpool_redis::Pool;
-use deadpool_redis::redis::AsyncCommands;
+use deadpool_redis::redis::{AsyncCommands, Script};
 use serde::{Deserialize, Serialize};
 
-use super::StoreError;
+use super::{SaleSettings, StoreError};
+use crate::model::PausePoint;
+
+/// Publishes the settings only if their epoch is newer than the one Redis has, so of
+/// two concurrent admin changes the later one always wins.
+static PUBLISH_IF_NEWER: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if tonumber(redis.call('GET', KEYS[3]) or '0') < tonumber(ARGV[3]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[2], ARGV[2])
+  redis.call('SET', KEYS[3], ARGV[3])
+  return 1
+end
+return 0
+",
+    )
+});
+
+/// Claims the armed pause if it is armed for this point (`<ms>@<point>`).
+static TAKE_PAUSE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local armed = redis.call('GET', KEYS[1])
+if armed and string.sub(armed, -string.len(ARGV[1]) - 1) == '@' .. ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return armed
+end
+return false
+",
+    )
+});
 
 /// A replica is considered alive while its last heartbeat is younger than this.
 pub const REPLICA_TTL_MS: i64 = 5_000;
@@ -32,18 +66,41 @@ fn fencing_value(enabled: bool) -> &'static str {
 pub struct CachedSettings {
     pub strategy: Option<String>,
     pub fencing: Option<bool>,
-    pub pause_holder_ms: Option<u64>,
+    pub epoch: Option<u64>,
+    pub pause: Option<PauseFault>,
 }
 
 /// The cluster-wide switches an order needs.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ClusterSettings {
-    /// The active strategy, `None` when nobody has chosen one yet.
-    pub strategy: Option<String>,
+    pub strategy: String,
     /// Whether lock holders' writes are fenced by their tokens.
     pub fencing: bool,
-    /// An armed paused-holder fault, in milliseconds.
-    pub pause_holder_ms: Option<u64>,
+    /// The sale epoch the order runs under; its commit requires it unchanged.
+    pub epoch: u64,
+    /// An armed paused-holder fault.
+    pub pause: Option<PauseFault>,
+}
+
+/// The paused-holder fault: the next lock holder reaching `at` stalls for `ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PauseFault {
+    pub ms: u64,
+    pub at: PausePoint,
+}
+
+impl PauseFault {
+    fn encode(self) -> String {
+        format!("{}@{}", self.ms, self.at.as_str())
+    }
+
+    fn decode(raw: &str) -> Option<PauseFault> {
+        let (ms, at) = raw.split_once('@')?;
+        Some(PauseFault {
+            ms: ms.parse().ok()?,
+            at: PausePoint::parse(at)?,
+        })
+    }
 }
 
 /// What a replica announces about itself with each heartbeat.
@@ -77,6 +134,10 @@ impl ClusterState {
         format!("{}:fault:pause-holder-ms", self.namespace)
     }
 
+    fn epoch_key(&self) -> String {
+        format!("{}:epoch", self.namespace)
+    }
+
     fn counters_key(&self) -> String {
         format!("{}:counters", self.namespace)
     }
@@ -89,39 +150,46 @@ impl ClusterState {
     /// setting Redis does not have (never set, or lost in a restart).
     pub async fn cached_settings(&self) -> Result<CachedSettings, StoreError> {
         let mut conn = self.pool.get().await?;
-        let (strategy, fencing, pause): (Option<String>, Option<String>, Option<u64>) = conn
-            .mget(&[self.strategy_key(), self.fencing_key(), self.pause_key()])
+        let (strategy, fencing, epoch, pause): (
+            Option<String>,
+            Option<String>,
+            Option<u64>,
+            Option<String>,
+        ) = conn
+            .mget(&[
+                self.strategy_key(),
+                self.fencing_key(),
+                self.epoch_key(),
+                self.pause_key(),
+            ])
             .await?;
         Ok(CachedSettings {
             strategy,
             fencing: fencing.map(|f| f == "on"),
-            pause_holder_ms: pause,
+            epoch,
+            pause: pause.as_deref().and_then(PauseFault::decode),
         })
     }
 
-    pub async fn set_fencing(&self, enabled: bool) -> Result<(), StoreError> {
+    /// Publishes the settings of an epoch, unless Redis already has a newer one.
+    pub async fn publish_settings(&self, settings: &SaleSettings) -> Result<(), StoreError> {
         let mut conn = self.pool.get().await?;
-        let () = conn.set(self.fencing_key(), fencing_value(enabled)).await?;
-        Ok(())
-    }
-
-    /// Puts settings rebuilt from MySQL back, unless they were set meanwhile.
-    pub async fn restore_settings(&self, strategy: &str, fencing: bool) -> Result<(), StoreError> {
-        let mut conn = self.pool.get().await?;
-        let () = deadpool_redis::redis::pipe()
-            .set_nx(self.strategy_key(), strategy)
-            .ignore()
-            .set_nx(self.fencing_key(), fencing_value(fencing))
-            .ignore()
-            .query_async(&mut conn)
+        let _: i64 = PUBLISH_IF_NEWER
+            .key(self.strategy_key())
+            .key(self.fencing_key())
+            .key(self.epoch_key())
+            .arg(&settings.strategy)
+            .arg(fencing_value(settings.fencing))
+            .arg(settings.epoch)
+            .invoke_async(&mut conn)
             .await?;
         Ok(())
     }
 
-    /// Arms the paused-holder fault: the next lock holder to claim it stalls `ms`.
-    pub async fn arm_pause(&self, ms: u64) -> Result<(), StoreError> {
+    /// Arms the paused-holder fault for the next lock holder reaching `fault.at`.
+    pub async fn arm_pause(&self, fault: PauseFault) -> Result<(), StoreError> {
         let mut conn = self.pool.get().await?;
-        let () = conn.set(self.pause_key(), ms).await?;
+        let () = conn.set(self.pause_key(), fault.encode()).await?;
         Ok(())
     }
 
@@ -132,16 +200,15 @@ impl ClusterState {
         Ok(())
     }
 
-    /// Claims the armed pause (only one holder gets it).
-    pub async fn take_pause(&self) -> Result<Option<u64>, StoreError> {
+    /// Claims the armed pause if it is armed for `at` (only one holder gets it).
+    pub async fn take_pause(&self, at: PausePoint) -> Result<Option<PauseFault>, StoreError> {
         let mut conn = self.pool.get().await?;
-        Ok(conn.get_del(self.pause_key()).await?)
-    }
-
-    pub async fn set_active_strategy(&self, name: &str) -> Result<(), StoreError> {
-        let mut conn = self.pool.get().await?;
-        let () = conn.set(self.strategy_key(), name).await?;
-        Ok(())
+        let taken: Option<String> = TAKE_PAUSE
+            .key(self.pause_key())
+            .arg(at.as_str())
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(taken.as_deref().and_then(PauseFault::decode))
     }
 
     /// Adds one to a cluster-wide counter such as `optimistic.conflicts`. Counting is

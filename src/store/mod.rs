@@ -5,14 +5,21 @@
 //! commands and SQL stay inside this folder.
 
 mod cluster_state;
+mod order_commit;
 mod records;
+mod sale;
 mod stock_cache;
 
-pub use cluster_state::{ClusterSettings, ClusterState, ReplicaInfo};
-pub use records::{LockedProduct, ProductRecord, Records};
+pub use cluster_state::{ClusterSettings, ClusterState, PauseFault, ReplicaInfo};
+pub use order_commit::{Committed, Fence, LockedProduct, Refusal, StockWrite};
+pub use records::{ProductRecord, Records};
+pub use sale::{SaleChange, SaleSettings, StockAt};
 pub use stock_cache::{StockCache, Taken};
 
 use deadpool_redis::redis::RedisError;
+
+/// The strategy used when nobody has chosen one (the migrations also store it).
+pub const DEFAULT_STRATEGY: &str = "none";
 
 /// The stores one replica uses, with their connection pools.
 #[derive(Clone)]
@@ -20,47 +27,6 @@ pub struct Store {
     pub cache: StockCache,
     pub records: Records,
     pub cluster: ClusterState,
-}
-
-const STRATEGY_SETTING: &str = "strategy";
-const FENCING_SETTING: &str = "fencing";
-
-impl Store {
-    /// The cluster-wide settings: one Redis round trip on the order path. If Redis
-    /// lost them (a restart), they are read from MySQL's durable copy and put back,
-    /// rather than silently falling back to the default strategy.
-    pub async fn settings(&self) -> Result<ClusterSettings, StoreError> {
-        let cached = self.cluster.cached_settings().await?;
-        if let (Some(strategy), Some(fencing)) = (&cached.strategy, cached.fencing) {
-            return Ok(ClusterSettings {
-                strategy: Some(strategy.clone()),
-                fencing,
-                pause_holder_ms: cached.pause_holder_ms,
-            });
-        }
-        let strategy = self.records.setting(STRATEGY_SETTING).await?;
-        let fencing = self.records.setting(FENCING_SETTING).await?.as_deref() == Some("on");
-        if let Some(strategy) = &strategy {
-            self.cluster.restore_settings(strategy, fencing).await?;
-        }
-        Ok(ClusterSettings {
-            strategy,
-            fencing,
-            pause_holder_ms: cached.pause_holder_ms,
-        })
-    }
-
-    /// Switches the strategy: the durable copy first, then the one orders read.
-    pub async fn set_active_strategy(&self, name: &str) -> Result<(), StoreError> {
-        self.records.save_setting(STRATEGY_SETTING, name).await?;
-        self.cluster.set_active_strategy(name).await
-    }
-
-    pub async fn set_fencing(&self, enabled: bool) -> Result<(), StoreError> {
-        let value = if enabled { "on" } else { "off" };
-        self.records.save_setting(FENCING_SETTING, value).await?;
-        self.cluster.set_fencing(enabled).await
-    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -99,6 +65,13 @@ impl StoreError {
                 | sqlx::Error::PoolClosed
                 | sqlx::Error::WorkerCrashed,
             ) => Some("mysql"),
+            // InnoDB rolled the statement back to break a deadlock (an order against
+            // an admin change): nothing was written, a retry goes through.
+            StoreError::Mysql(error)
+                if order_commit::mysql_error_number(error) == Some(order_commit::DEADLOCK) =>
+            {
+                Some("mysql")
+            }
             _ => None,
         }
     }

@@ -5,9 +5,15 @@
 use async_trait::async_trait;
 
 use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock};
+use crate::lock::local_queue::LocalQueues;
 use crate::model::{NewOrder, Order, Sku};
 
-pub struct DbForUpdateStrategy;
+#[derive(Default)]
+pub struct DbForUpdateStrategy {
+    /// This replica's buyers of one SKU queue here, so only one of them holds a
+    /// pooled connection while waiting for the row.
+    pub queues: LocalQueues,
+}
 
 #[async_trait]
 impl Strategy for DbForUpdateStrategy {
@@ -23,11 +29,15 @@ impl Strategy for DbForUpdateStrategy {
                       key, so concurrent buyers of the same SKU wait for the row; then it checks \
                       the stock, works, writes the stock and the order, and commits, which frees \
                       the row. The database is both the lock and the record, so a holder cannot \
-                      lose its lock and still write. The wait is bounded per session.",
+                      lose its lock and still write. Within a replica, buyers of one SKU queue \
+                      locally so only one of them ties up a connection waiting for the row; \
+                      that wait is bounded for the one statement.",
             commands: vec![
-                "BEGIN; SET SESSION innodb_lock_wait_timeout = <wait s>",
-                "SELECT stock, version FROM products WHERE sku = ? FOR UPDATE",
-                "UPDATE products SET stock = stock - ?, version = version + 1 WHERE sku = ?",
+                "this replica's buyers of the SKU queue locally; the head of the queue:",
+                "BEGIN; SET STATEMENT innodb_lock_wait_timeout = <wait s> FOR \
+                 SELECT stock FROM products WHERE sku = ? FOR UPDATE",
+                "UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
+                 SET p.stock = p.stock - ?, p.version = p.version + 1 WHERE p.sku = ? AND e.value = <epoch>",
                 "INSERT INTO orders (...) VALUES (...); COMMIT",
                 "Lua: if version > cached version then SET <ns>:stock:<sku>",
             ],
@@ -42,31 +52,38 @@ impl Strategy for DbForUpdateStrategy {
         &self,
         flow: &SaleFlow,
         order: &NewOrder,
-        _options: OrderOptions,
+        options: OrderOptions,
     ) -> Result<Order, OrderError> {
         let store = &flow.store;
         let acquire = async {
-            let locked = store.records.lock_product(&order.sku, flow.lock_wait).await;
-            locked.map_err(OrderError::from)
+            // Wait this replica's turn for the SKU first, holding no connection: only
+            // the head of the local queue waits on the row, with one connection.
+            let deadline = tokio::time::Instant::now() + flow.lock_wait;
+            let Some(turn) = self.queues.turn(order.sku.as_str(), deadline).await else {
+                return Err(OrderError::Busy(format!(
+                    "the row lock was not granted within {:?}; try again",
+                    flow.lock_wait
+                )));
+            };
+            let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let locked = store.records.lock_product(&order.sku, wait).await;
+            Ok((turn, locked.map_err(OrderError::from)?))
         };
-        let locked = flow
-            .wait_for_lock(self.name(), acquire)
-            .await?
-            .ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
+        let (_turn, locked) = flow.wait_for_lock(self.name(), acquire).await?;
+        let locked = locked.ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
         ensure_in_stock(locked.stock, order)?;
         flow.simulate_work().await;
         let new_stock = locked.stock - order.quantity;
-        let (recorded, version) = locked
-            .commit_order(order, self.name(), &flow.replica_id)
-            .await?;
-        if let Err(error) = store
-            .cache
-            .set_stock_if_newer(&order.sku, new_stock, version)
-            .await
-        {
-            tracing::error!(%error, sku = %order.sku, "order committed but Redis stock not updated");
-        }
-        Ok(recorded)
+        let committed = locked
+            .commit_order(order, options.epoch, self.name(), &flow.replica_id)
+            .await;
+        let committed = match committed {
+            Ok(Ok(committed)) => committed,
+            Ok(Err(refusal)) => return Err(flow.refused(order, refusal).await),
+            Err(error) => return Err(flow.commit_failed(order, error).await),
+        };
+        flow.write_cache(order, new_stock, committed.version).await;
+        Ok(committed.order)
     }
 
     async fn inspect(&self, flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {

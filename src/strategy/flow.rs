@@ -2,11 +2,12 @@
 //! only thing that differs between lock strategies is how they coordinate:
 //!
 //! ```text
+//! (fencing: register the lock's token as the SKU's fence in MySQL)
 //! stock = GET stock in Redis
 //! if stock < quantity: sold out
 //! optional work (simulated validation)
 //! MySQL transaction: write stock - quantity, insert the order
-//! SET stock - quantity in Redis
+//! SET stock - quantity in Redis (only if newer than the cached version)
 //! ```
 //!
 //! Without a lock around it, two replicas read the same stock and both write back
@@ -17,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use super::{OrderError, OrderOptions};
 use crate::lock::{DistributedLock, HeldLock};
-use crate::model::{NewOrder, Order};
-use crate::store::{Store, StoreError};
+use crate::model::{NewOrder, Order, PausePoint};
+use crate::store::{Committed, Fence, Refusal, StockWrite, Store, StoreError};
 
 /// What one replica needs to run the order flow.
 pub struct SaleFlow {
@@ -58,7 +59,7 @@ impl SaleFlow {
             .record(holding.elapsed().as_secs_f64());
         match &sold {
             Err(OrderError::LockLost(_)) => self.store.cluster.count(strategy, "locks_lost").await,
-            Err(OrderError::Fenced { .. }) => {
+            Err(OrderError::Fenced { .. } | OrderError::StaleRead) => {
                 self.store
                     .cluster
                     .count(strategy, "fencing_rejections")
@@ -99,6 +100,12 @@ impl SaleFlow {
 
     /// Runs the read-check-write critical section. The caller holds `hold`, its
     /// strategy's lock, or nothing (`none`); a lost lock aborts before the commit.
+    ///
+    /// With fencing, the holder registers its token with MySQL before it reads, and
+    /// its write lands only while that token is still the SKU's fence and the stock
+    /// it read is still MySQL's (`store::order_commit`). A holder paused anywhere in
+    /// here therefore cannot sell a unit twice: a newer holder that began meanwhile
+    /// moved the fence, and a write it made changed the stock.
     pub async fn sell(
         &self,
         order: &NewOrder,
@@ -106,50 +113,132 @@ impl SaleFlow {
         hold: Option<&dyn HeldLock>,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
+        let token = match hold {
+            Some(hold) if options.fencing => {
+                Some(self.register_fence(hold, order, strategy).await?)
+            }
+            _ => None,
+        };
+        self.pause_at(PausePoint::BeforeRead, hold, strategy, options)
+            .await?;
         let Some(stock) = self.store.cache.stock(&order.sku).await? else {
             return Err(self.missing_stock(order).await);
         };
         ensure_in_stock(stock, order)?;
+        self.pause_at(PausePoint::AfterRead, hold, strategy, options)
+            .await?;
         self.simulate_work().await;
         // The last moment to notice a lost lock. A lease can still run out between
-        // this check and the commit; closing that gap takes a fencing token checked
-        // by MySQL itself.
+        // this check and the commit; closing that gap takes the fence.
         if let Some(hold) = hold {
             hold.ensure_held().await?;
-            if options.pause_armed {
-                self.pause_if_claimed(hold, strategy).await?;
-            }
         }
+        self.pause_at(PausePoint::BeforeCommit, hold, strategy, options)
+            .await?;
         let new_stock = stock - order.quantity;
-        let fence = hold
-            .filter(|_| options.fencing)
-            .and_then(|h| h.fencing_token());
+        let write = StockWrite::Set {
+            new_stock,
+            fence: token.map(|token| Fence {
+                token,
+                read_stock: stock,
+            }),
+        };
+        let committed = self.commit(order, write, strategy, options.epoch).await?;
+        self.pause_at(PausePoint::AfterCommit, hold, strategy, options)
+            .await?;
+        self.write_cache(order, new_stock, committed.version).await;
+        Ok(committed.order)
+    }
+
+    /// Registers the holder's token as the SKU's fence. A lock that yields no token
+    /// cannot be fenced: with fencing on, that refuses the order rather than let it
+    /// write unfenced.
+    async fn register_fence(
+        &self,
+        hold: &dyn HeldLock,
+        order: &NewOrder,
+        strategy: &str,
+    ) -> Result<u64, OrderError> {
+        let Some(token) = hold.fencing_token() else {
+            return Err(OrderError::LockBackend {
+                backend: "lock",
+                detail: format!("{strategy} gave no fencing token; fencing is on, so no write"),
+            });
+        };
+        self.store
+            .records
+            .register_fence(&order.sku, strategy, token)
+            .await?;
+        Ok(token)
+    }
+
+    /// Writes the order to MySQL and turns a refused write into the order's answer.
+    /// A COMMIT whose outcome is unknown drops the SKU's Redis stock: selling on from
+    /// it could sell a unit twice.
+    pub async fn commit(
+        &self,
+        order: &NewOrder,
+        write: StockWrite,
+        strategy: &str,
+        epoch: u64,
+    ) -> Result<Committed, OrderError> {
         let committed = self
             .store
             .records
-            .commit_order(order, new_stock, fence, strategy, &self.replica_id)
+            .commit_order(order, write, epoch, strategy, &self.replica_id)
             .await;
-        let recorded = match committed {
-            Ok(Some(recorded)) => recorded,
-            Ok(None) => {
-                return Err(OrderError::Fenced {
-                    token: fence.unwrap_or(0),
-                });
+        match committed {
+            Ok(Ok(committed)) => Ok(committed),
+            Ok(Err(refusal)) => Err(self.refused(order, refusal).await),
+            Err(error) => Err(self.commit_failed(order, error).await),
+        }
+    }
+
+    /// The order's answer when its MySQL write failed. After a COMMIT whose outcome is
+    /// unknown the Redis stock can no longer be trusted and is dropped.
+    pub async fn commit_failed(&self, order: &NewOrder, error: StoreError) -> OrderError {
+        if matches!(error, StoreError::CommitOutcomeUnknown(_)) {
+            self.forget_stock(order).await;
+        }
+        error.into()
+    }
+
+    /// The order's answer for a write MySQL refused. A stale read means the cache is
+    /// behind MySQL (a holder committed but has not written Redis yet, or never will):
+    /// the cache is repaired from MySQL's row, versioned so it cannot undo a newer
+    /// write.
+    pub async fn refused(&self, order: &NewOrder, refusal: Refusal) -> OrderError {
+        match refusal {
+            Refusal::UnknownSku => OrderError::UnknownSku(order.sku.to_string()),
+            Refusal::SaleChanged => OrderError::SaleChanged,
+            Refusal::Fenced { token } => OrderError::Fenced { token },
+            Refusal::StaleRead { stock, version } => {
+                self.write_cache(order, stock, version).await;
+                OrderError::StaleRead
             }
-            Err(error) => {
-                if matches!(error, StoreError::CommitOutcomeUnknown(_)) {
-                    self.forget_stock(order).await;
-                }
-                return Err(error.into());
+            Refusal::VersionChanged => {
+                OrderError::Busy("another writer changed the product first; try again".into())
             }
-        };
-        // The order is committed: if the cache write fails now, the cache is stale;
-        // forget it rather than let the next holder sell from it.
-        if let Err(error) = self.store.cache.set_stock(&order.sku, new_stock).await {
+            Refusal::NotEnough { stock } => OrderError::SoldOut {
+                available: stock.max(0),
+                requested: order.quantity,
+            },
+        }
+    }
+
+    /// Writes the stock of MySQL row version `version` to Redis, unless a newer one is
+    /// there. If Redis cannot be written, the stock is dropped instead (the SKU waits
+    /// for a reconcile) so nobody sells from a value MySQL has moved past.
+    pub async fn write_cache(&self, order: &NewOrder, stock: i64, version: i64) {
+        let written = self
+            .store
+            .cache
+            .set_stock_if_newer(&order.sku, stock, version)
+            .await;
+        if let Err(error) = written {
             tracing::error!(%error, sku = %order.sku, "order committed but Redis stock not updated");
             self.forget_stock(order).await;
         }
-        Ok(recorded)
     }
 
     /// Why Redis has no stock for the order's SKU: never stocked (404), or the cache
@@ -167,7 +256,7 @@ impl SaleFlow {
     /// COMMIT: MySQL may have committed) the Redis stock can no longer be trusted:
     /// selling on from it could sell a unit twice. Deleting it makes the SKU answer
     /// `stock_unavailable` until it is rebuilt from MySQL (reconcile), the truth.
-    async fn forget_stock(&self, order: &NewOrder) {
+    pub async fn forget_stock(&self, order: &NewOrder) {
         match self.store.cache.forget(&order.sku).await {
             Ok(()) => tracing::warn!(sku = %order.sku,
                 "MySQL write failed: Redis stock dropped until reconciled from MySQL"),
@@ -183,25 +272,32 @@ impl SaleFlow {
         }
     }
 
-    /// The paused-holder fault (Kleppmann's scenario): if this holder claims the armed
-    /// pause, it stops renewing its lock and stalls after its last check, as a GC or VM
-    /// pause can, so its lease runs out and another replica takes the lock while this
-    /// one still means to write.
-    async fn pause_if_claimed(
+    /// The paused-holder fault (Kleppmann's scenario): if this holder claims the pause
+    /// armed for `point`, it stops renewing its lock and stalls, as a GC or VM pause
+    /// can, so its lease runs out and another replica takes the lock while this one
+    /// still means to go on.
+    async fn pause_at(
         &self,
-        hold: &dyn HeldLock,
+        point: PausePoint,
+        hold: Option<&dyn HeldLock>,
         strategy: &str,
+        options: OrderOptions,
     ) -> Result<(), OrderError> {
-        let Some(ms) = self.store.cluster.take_pause().await? else {
+        let Some(hold) = hold else { return Ok(()) };
+        if options.pause != Some(point) {
+            return Ok(());
+        }
+        let Some(fault) = self.store.cluster.take_pause(point).await? else {
             return Ok(());
         };
         tracing::warn!(
             strategy,
-            ms,
+            ms = fault.ms,
+            at = point.as_str(),
             "fault: lock holder pausing with its renewal suspended"
         );
         hold.suspend_renewal();
-        tokio::time::sleep(Duration::from_millis(ms)).await;
+        tokio::time::sleep(Duration::from_millis(fault.ms)).await;
         self.store.cluster.count(strategy, "paused_holders").await;
         Ok(())
     }

@@ -31,11 +31,10 @@ use crate::lock::redis::RedisLock;
 use crate::lock::redlock::Redlock;
 use crate::lock::table::TableLock;
 use crate::lock::zookeeper::ZooKeeperLock;
-use crate::model::{NewOrder, Order, Sku};
+use crate::model::{NewOrder, Order, PausePoint, Sku};
 use crate::store::StoreError;
 
-/// The strategy used when nobody has chosen one.
-pub const DEFAULT_STRATEGY: &str = "none";
+pub use crate::store::DEFAULT_STRATEGY;
 
 #[async_trait]
 pub trait Strategy: Send + Sync {
@@ -62,10 +61,12 @@ pub trait Strategy: Send + Sync {
 /// Cluster-wide switches that apply to one order, read with the active strategy.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct OrderOptions {
-    /// Lock holders' writes must carry a fencing token newer than the last one.
+    /// Lock holders register their token and their write must still carry the fence.
     pub fencing: bool,
-    /// A paused-holder fault is armed; the next holder to claim it stalls.
-    pub pause_armed: bool,
+    /// The sale epoch the order started under; its commit requires it unchanged.
+    pub epoch: u64,
+    /// Where an armed paused-holder fault stalls the next holder to claim it.
+    pub pause: Option<PausePoint>,
 }
 
 /// A strategy's lock for one SKU as the dashboard shows it.
@@ -116,9 +117,19 @@ pub enum OrderError {
     /// The lock was lost before the order was committed; nothing was written.
     #[error("{0}")]
     LockLost(String),
-    /// MySQL refused the write: a holder with a newer fencing token wrote first.
-    #[error("fencing token {token} is not newer than the last write")]
+    /// MySQL refused the write: a holder with a newer fencing token began since.
+    #[error("fencing token {token} was overtaken by a newer lock holder")]
     Fenced { token: u64 },
+    /// MySQL refused the write: the stock it was computed from is no longer MySQL's.
+    #[error("the stock read is no longer MySQL's")]
+    StaleRead,
+    /// An admin changed the sale (strategy, fencing, reset, reconcile) while the order
+    /// was under way; nothing was written, and a retry runs under the new settings.
+    #[error("the sale changed while the order was under way")]
+    SaleChanged,
+    /// optimistic: every attempt conflicted with another writer.
+    #[error("{0}")]
+    GaveUp(String),
     #[error("{backend}: {detail}")]
     LockBackend {
         backend: &'static str,
@@ -198,7 +209,7 @@ pub fn registry(backends: &Backends) -> Vec<Arc<dyn Strategy>> {
                 owner,
             ),
         }),
-        Arc::new(db_for_update::DbForUpdateStrategy),
+        Arc::new(db_for_update::DbForUpdateStrategy::default()),
         Arc::new(etcd::EtcdStrategy {
             lock: EtcdLock::new(&backends.etcd, &backends.namespace, backends.lease),
         }),

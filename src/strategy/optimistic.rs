@@ -8,6 +8,7 @@ use async_trait::async_trait;
 use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock};
 use crate::lock::jittered_backoff;
 use crate::model::{NewOrder, Order, Sku};
+use crate::store::{Refusal, StockWrite};
 
 const BACKOFF_BASE: Duration = Duration::from_millis(2);
 const BACKOFF_CAP: Duration = Duration::from_millis(100);
@@ -35,14 +36,17 @@ impl Strategy for OptimisticStrategy {
                       newer version, so a late writer never restores an older stock.",
             commands: vec![
                 "SELECT stock, version FROM products WHERE sku = ?",
-                "BEGIN; UPDATE products SET stock = stock - ?, version = version + 1 \
-                 WHERE sku = ? AND version = ? AND stock >= ?; INSERT INTO orders ...; COMMIT",
+                "BEGIN; UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
+                 SET p.stock = p.stock - ?, p.version = p.version + 1 \
+                 WHERE p.sku = ? AND e.value = <epoch> AND p.version = ? AND p.stock >= ?; \
+                 INSERT INTO orders ...; COMMIT",
                 "0 rows updated: ROLLBACK, sleep (jittered, growing), retry",
                 "Lua: if version > cached version then SET <ns>:stock:<sku>, SET <ns>:stock-version:<sku>",
             ],
             failure_mode: "Retry storm: under heavy contention on one row most attempts conflict, \
                            so work is wasted and latency grows; buyers can give up (503) while \
-                           stock is left. Great when conflicts are rare, poor for one hot SKU.",
+                           stock is left (503 too_many_conflicts). Great when conflicts are \
+                           rare, poor for one hot SKU.",
         }
     }
 
@@ -50,7 +54,7 @@ impl Strategy for OptimisticStrategy {
         &self,
         flow: &SaleFlow,
         order: &NewOrder,
-        _options: OrderOptions,
+        options: OrderOptions,
     ) -> Result<Order, OrderError> {
         let store = &flow.store;
         for attempt in 0..self.max_attempts {
@@ -61,27 +65,27 @@ impl Strategy for OptimisticStrategy {
                 .ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
             ensure_in_stock(stock, order)?;
             flow.simulate_work().await;
+            let write = StockWrite::DecrementAtVersion { version };
             let committed = store
                 .records
-                .commit_decrement(order, Some(version), self.name(), &flow.replica_id)
-                .await?;
-            if let Some(recorded) = committed {
-                let new_stock = stock - order.quantity;
-                if let Err(error) = store
-                    .cache
-                    .set_stock_if_newer(&order.sku, new_stock, version + 1)
-                    .await
-                {
-                    tracing::error!(%error, sku = %order.sku, "order committed but Redis stock not updated");
+                .commit_order(order, write, options.epoch, self.name(), &flow.replica_id)
+                .await;
+            match committed {
+                Ok(Ok(committed)) => {
+                    flow.write_cache(order, stock - order.quantity, committed.version)
+                        .await;
+                    return Ok(committed.order);
                 }
-                return Ok(recorded);
+                Ok(Err(Refusal::VersionChanged)) => {}
+                Ok(Err(refusal)) => return Err(flow.refused(order, refusal).await),
+                Err(error) => return Err(flow.commit_failed(order, error).await),
             }
             store.cluster.count(self.name(), "conflicts").await;
             tokio::time::sleep(jittered_backoff(attempt, BACKOFF_BASE, BACKOFF_CAP)).await;
         }
         store.cluster.count(self.name(), "gave_up").await;
-        Err(OrderError::Busy(format!(
-            "{} optimistic attempts all conflicted; try again",
+        Err(OrderError::GaveUp(format!(
+            "{} optimistic attempts all conflicted with other writers; try again",
             self.max_attempts
         )))
     }

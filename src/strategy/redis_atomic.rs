@@ -7,7 +7,7 @@ use async_trait::async_trait;
 
 use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
 use crate::model::{NewOrder, Order, Sku};
-use crate::store::Taken;
+use crate::store::{Refusal, StockWrite, StoreError, Taken};
 
 pub struct RedisAtomicStrategy;
 
@@ -28,15 +28,19 @@ impl Strategy for RedisAtomicStrategy {
                       fastest safe design, and the ceiling the locks are measured against.",
             commands: vec![
                 "Lua: stock = GET <ns>:stock:<sku>; if stock >= q then DECRBY <ns>:stock:<sku> q",
-                "BEGIN; UPDATE products SET stock = stock - ?, version = version + 1 WHERE sku = ?; \
-                 INSERT INTO orders ...; COMMIT",
-                "if MySQL fails: INCRBY <ns>:stock:<sku> q",
+                "BEGIN; UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
+                 SET p.stock = p.stock - ?, p.version = p.version + 1 \
+                 WHERE p.sku = ? AND e.value = <epoch> AND p.stock >= ?; INSERT INTO orders ...; COMMIT",
+                "refused or failed before COMMIT: INCRBY <ns>:stock:<sku> q (Lua, only if the stock \
+                 was not rewritten from MySQL since the take)",
+                "COMMIT outcome unknown: DEL <ns>:stock:<sku> until an admin reconciles",
             ],
             failure_mode: "Redis is the authority for the stock: if Redis loses writes (a \
                            failover before replication, a restart without persistence), units \
-                           can be sold twice or vanish until Redis is rebuilt from MySQL. And a \
-                           crash between the Lua script and the MySQL commit loses the units \
-                           taken (undersell), unless reconciled.",
+                           can be sold twice or vanish until Redis is rebuilt from MySQL \
+                           (reconcile). A crash between the Lua script and the MySQL commit \
+                           loses the units taken (undersell) until an admin reconciles, which \
+                           rewrites the stock from MySQL.",
         }
     }
 
@@ -44,10 +48,10 @@ impl Strategy for RedisAtomicStrategy {
         &self,
         flow: &SaleFlow,
         order: &NewOrder,
-        _options: OrderOptions,
+        options: OrderOptions,
     ) -> Result<Order, OrderError> {
         let store = &flow.store;
-        match store.cache.take(&order.sku, order.quantity).await? {
+        let generation = match store.cache.take(&order.sku, order.quantity).await? {
             Taken::UnknownSku => return Err(flow.missing_stock(order).await),
             Taken::NotEnough { available } => {
                 return Err(OrderError::SoldOut {
@@ -55,25 +59,39 @@ impl Strategy for RedisAtomicStrategy {
                     requested: order.quantity,
                 });
             }
-            Taken::Done { .. } => {}
-        }
+            Taken::Done { generation, .. } => generation,
+        };
         flow.simulate_work().await;
-        let recorded = store
+        let committed = store
             .records
-            .commit_decrement(order, None, self.name(), &flow.replica_id)
+            .commit_order(
+                order,
+                StockWrite::Decrement,
+                options.epoch,
+                self.name(),
+                &flow.replica_id,
+            )
             .await;
-        match recorded {
-            Ok(Some(recorded)) => Ok(recorded),
-            Ok(None) => {
-                // The product row is gone (a reset deleted it?): give the units back.
-                store.cache.give_back(&order.sku, order.quantity).await?;
-                Err(OrderError::UnknownSku(order.sku.to_string()))
-            }
-            Err(error) => {
-                if let Err(give_back) = store.cache.give_back(&order.sku, order.quantity).await {
-                    tracing::error!(%give_back, sku = %order.sku, quantity = order.quantity,
-                        "units taken in Redis could not be given back; reset or reconcile the SKU");
+        match committed {
+            Ok(Ok(committed)) => Ok(committed.order),
+            // Refused: the transaction was rolled back, so the units were provably not
+            // sold and go back.
+            Ok(Err(refusal)) => {
+                if let Refusal::NotEnough { stock } = refusal {
+                    tracing::error!(sku = %order.sku, mysql_stock = stock,
+                        "Redis had units MySQL has not: the cache is ahead of the records; reconcile");
                 }
+                self.give_back(flow, order, &generation).await;
+                Err(flow.refused(order, refusal).await)
+            }
+            // The COMMIT's outcome is unknown: the units may be sold. They stay taken
+            // and the SKU's stock is dropped until reconciled from MySQL.
+            Err(error @ StoreError::CommitOutcomeUnknown(_)) => {
+                Err(flow.commit_failed(order, error).await)
+            }
+            // Failed before COMMIT: nothing was written.
+            Err(error) => {
+                self.give_back(flow, order, &generation).await;
                 Err(error.into())
             }
         }
@@ -91,5 +109,22 @@ impl Strategy for RedisAtomicStrategy {
             ],
             ..LockView::default()
         })
+    }
+}
+
+impl RedisAtomicStrategy {
+    /// Returns units taken for an order that was provably not recorded, unless the
+    /// stock was rewritten from MySQL since (then they are counted already).
+    async fn give_back(&self, flow: &SaleFlow, order: &NewOrder, generation: &str) {
+        let given = flow
+            .store
+            .cache
+            .give_back(&order.sku, order.quantity, generation)
+            .await;
+        if let Err(error) = given {
+            tracing::error!(%error, sku = %order.sku, quantity = order.quantity,
+                "units taken in Redis could not be given back; reconcile the SKU");
+            flow.forget_stock(order).await;
+        }
     }
 }

@@ -204,12 +204,12 @@ fn cases() -> Vec<Case> {
             "not_found",
         ),
         case(
-            "unknown strategy",
+            "the withdrawn strategy override",
             M::POST,
-            "/api/orders?strategy=magic",
+            "/api/orders?strategy=none",
             r#"{"sku":"bad-input","user_id":"u","quantity":1}"#,
-            422,
-            "invalid_value",
+            400,
+            "malformed_request",
         ),
         case(
             "1 MiB body",

@@ -236,10 +236,11 @@ async fn sigterm_lets_in_flight_orders_finish() {
     let cluster = TestCluster::start(1, &[]).await;
     let sku = "draining";
     cluster.reset(sku, 10).await;
+    cluster.set_strategy("redis-lock").await;
     let mut replica = cluster
         .spawn_process_replica(env!("CARGO_BIN_EXE_flashsale"), &["--work-ms", "300"])
         .await;
-    let url = format!("{}/api/orders?strategy=redis-lock", replica.base_url);
+    let url = format!("{}/api/orders", replica.base_url);
     let orders: Vec<_> = (0..4)
         .map(|i| {
             let (http, url) = (cluster.http.clone(), url.clone());
@@ -456,12 +457,9 @@ async fn mariadb_outage(down: Duration) -> Answers {
 }
 
 /// Places one order in the background and returns its status once answered.
-fn order_in_background(
-    cluster: &TestCluster,
-    strategy: &str,
-    sku: &str,
-) -> tokio::task::JoinHandle<StatusCode> {
-    let url = cluster.url(0, &format!("/api/orders?strategy={strategy}"));
+/// The cluster must already run the strategy under test.
+fn order_in_background(cluster: &TestCluster, sku: &str) -> tokio::task::JoinHandle<StatusCode> {
+    let url = cluster.url(0, "/api/orders");
     let http = cluster.http.clone();
     let body = json!({ "sku": sku, "user_id": "holder", "quantity": 1 });
     tokio::spawn(async move {
@@ -482,7 +480,8 @@ async fn etcd_lease_lost_while_holding_aborts_the_order() {
     let cluster = TestCluster::start(1, &["--work-ms", "1500"]).await;
     let sku = "lease-lost";
     cluster.reset(sku, 5).await;
-    let order = order_in_background(&cluster, "etcd", sku);
+    cluster.set_strategy("etcd").await;
+    let order = order_in_background(&cluster, sku);
 
     let mut etcd = etcd_client::Client::connect([crate::support::etcd_endpoints()], None)
         .await
@@ -544,7 +543,8 @@ async fn zookeeper_session_expiry_while_holding_aborts_the_order() {
     .await;
     let sku = "session-lost";
     cluster.reset(sku, 5).await;
-    let order = order_in_background(&cluster, "zookeeper", sku);
+    cluster.set_strategy("zookeeper").await;
+    let order = order_in_background(&cluster, sku);
     tokio::time::sleep(Duration::from_millis(500)).await;
     proxy.cut();
 

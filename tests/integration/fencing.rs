@@ -116,10 +116,11 @@ async fn fencing_admits_the_first_holder_of_every_lock() {
     for strategy in ["redis-lock", "db-unique", "zookeeper", "etcd", "redlock"] {
         let sku = format!("first-{strategy}");
         cluster.reset(&sku, 5).await;
+        cluster.set_strategy(strategy).await;
         for buyer in 0..3 {
             let placed = cluster
                 .http
-                .post(cluster.url(0, &format!("/api/orders?strategy={strategy}")))
+                .post(cluster.url(0, "/api/orders"))
                 .json(&json!({ "sku": sku, "user_id": format!("b{buyer}"), "quantity": 1 }))
                 .send()
                 .await

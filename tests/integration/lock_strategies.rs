@@ -122,6 +122,7 @@ async fn killed_holder_frees_the_lock(strategy: &str) {
     let cluster = TestCluster::start(1, &["--lock-wait-ms", "20000"]).await;
     let sku = "orphaned";
     cluster.reset(sku, 5).await;
+    cluster.set_strategy(strategy).await;
     let mut doomed = cluster
         .spawn_process_replica(
             env!("CARGO_BIN_EXE_flashsale"),
@@ -136,7 +137,7 @@ async fn killed_holder_frees_the_lock(strategy: &str) {
         )
         .await;
 
-    let url = format!("{}/api/orders?strategy={strategy}", doomed.base_url);
+    let url = format!("{}/api/orders", doomed.base_url);
     let http = cluster.http.clone();
     let stuck = tokio::spawn(async move {
         let body = json!({ "sku": "orphaned", "user_id": "doomed", "quantity": 1 });
@@ -150,7 +151,7 @@ async fn killed_holder_frees_the_lock(strategy: &str) {
 
     let response = cluster
         .http
-        .post(cluster.url(0, &format!("/api/orders?strategy={strategy}")))
+        .post(cluster.url(0, "/api/orders"))
         .json(&json!({ "sku": sku, "user_id": "survivor", "quantity": 1 }))
         .send()
         .await
@@ -206,13 +207,14 @@ async fn db_for_update_survives_a_killed_holder() {
 async fn lock_wait_is_bounded<L: DistributedLock>(cluster: &TestCluster, strategy: &str, lock: L) {
     let sku = "contended";
     cluster.reset(sku, 5).await;
+    cluster.set_strategy(strategy).await;
     let guard = lock
         .acquire(sku, Duration::from_secs(5))
         .await
         .expect("held by the test");
     let response = cluster
         .http
-        .post(cluster.url(0, &format!("/api/orders?strategy={strategy}")))
+        .post(cluster.url(0, "/api/orders"))
         .json(&json!({ "sku": sku, "user_id": "patient", "quantity": 1 }))
         .send()
         .await
@@ -282,6 +284,7 @@ async fn row_lock_wait_is_bounded() {
     let cluster = TestCluster::start(1, &["--lock-wait-ms", "1000"]).await;
     let sku = "row-held";
     cluster.reset(sku, 5).await;
+    cluster.set_strategy("db-for-update").await;
     let mysql = cluster.mysql().await;
     let mut holder = mysql.begin().await.expect("transaction");
     let _: (i64,) = sqlx::query_as("SELECT stock FROM products WHERE sku = ? FOR UPDATE")
@@ -291,7 +294,7 @@ async fn row_lock_wait_is_bounded() {
         .expect("row locked by the test");
     let response = cluster
         .http
-        .post(cluster.url(0, "/api/orders?strategy=db-for-update"))
+        .post(cluster.url(0, "/api/orders"))
         .json(&json!({ "sku": sku, "user_id": "patient", "quantity": 1 }))
         .send()
         .await
@@ -310,6 +313,7 @@ async fn redis_atomic_gives_units_back_when_mysql_fails() {
     let cluster = TestCluster::start(1, &[]).await;
     let sku = "vanishing";
     cluster.reset(sku, 3).await;
+    cluster.set_strategy("redis-atomic").await;
     let mysql = cluster.mysql().await;
     sqlx::query("DELETE FROM products WHERE sku = ?")
         .bind(sku)
@@ -318,7 +322,7 @@ async fn redis_atomic_gives_units_back_when_mysql_fails() {
         .expect("row deleted");
     let response = cluster
         .http
-        .post(cluster.url(0, "/api/orders?strategy=redis-atomic"))
+        .post(cluster.url(0, "/api/orders"))
         .json(&json!({ "sku": sku, "user_id": "unlucky", "quantity": 2 }))
         .send()
         .await

@@ -128,6 +128,14 @@ impl TestCluster {
 
     /// The same on another MySQL server (`base` is a URL of any database on it).
     pub async fn start_on(base: &str, count: usize, extra: &[&str]) -> TestCluster {
+        // The replicas' logs, shown with a failing test's output (RUST_LOG to filter).
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            )
+            .with_test_writer()
+            .try_init();
         let name = unique_name();
         let admin = MySqlPool::connect(base)
             .await

@@ -1,0 +1,242 @@
+//! Admin changes of the sale (switch the strategy or fencing, reset a SKU, reconcile
+//! the cache) and the settings every order reads.
+//!
+//! Each change is one MySQL transaction that first moves the sale epoch forward. Its
+//! exclusive lock on the epoch row waits for the order commits in flight (they hold it
+//! shared, see `order_commit.rs`), and every order of an older epoch that has not
+//! committed yet will find its commit refused. Then:
+//!
+//! - the products' row versions move forward too, and the Redis stock is rewritten from
+//!   MySQL with those versions. A cache write of an order that committed before the
+//!   change but writes Redis after it carries an older version and is ignored; so a new
+//!   strategy never starts from a stock the old one had not yet written;
+//! - the settings are published to Redis with their epoch, only if newer, so two
+//!   concurrent changes cannot leave Redis behind MySQL.
+//!
+//! MySQL holds the durable copy: if Redis loses the settings, they are published again
+//! from it on the next read.
+
+use super::{ClusterSettings, Store, StoreError};
+use crate::model::Sku;
+use crate::store::order_commit::{DEADLOCK, mysql_error_number};
+use crate::store::records::Records;
+
+/// One admin change of the sale.
+#[derive(Debug, Clone)]
+pub enum SaleChange {
+    Strategy(String),
+    Fencing(bool),
+    /// New stock for a SKU (created if new); its orders and fences are cleared.
+    Reset {
+        sku: Sku,
+        stock: i64,
+    },
+    /// Rewrite every SKU's Redis stock from MySQL: repairs missing and stale values.
+    Reconcile,
+}
+
+/// The cluster-wide settings as MySQL holds them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SaleSettings {
+    pub strategy: String,
+    pub fencing: bool,
+    pub epoch: u64,
+}
+
+/// A product's stock as MySQL holds it, with the row version that orders the cache
+/// writes.
+#[derive(Debug, Clone)]
+pub struct StockAt {
+    pub sku: Sku,
+    pub stock: i64,
+    pub version: i64,
+}
+
+/// How often a change is retried after InnoDB chose it as a deadlock victim (against
+/// an order holding its product row and waiting for the epoch row).
+const DEADLOCK_RETRIES: u32 = 5;
+
+impl Store {
+    /// Applies an admin change; returns the SKUs whose Redis stock it rewrote with a
+    /// different value (for reconcile's answer).
+    pub async fn change_sale(&self, change: SaleChange) -> Result<Vec<StockAt>, StoreError> {
+        let (settings, stocks) = self.records.apply_change(&change).await?;
+        let rewritten = match &change {
+            SaleChange::Reset { .. } => {
+                for stock in &stocks {
+                    self.cache.reset(stock).await?;
+                }
+                stocks
+            }
+            _ => self.cache.refresh(&stocks).await?,
+        };
+        self.cluster.publish_settings(&settings).await?;
+        Ok(rewritten)
+    }
+
+    /// The settings an order needs: one Redis round trip. If Redis lost them (a
+    /// restart), they are read from MySQL's durable copy and published again rather
+    /// than silently falling back to a default.
+    pub async fn settings(&self) -> Result<ClusterSettings, StoreError> {
+        let cached = self.cluster.cached_settings().await?;
+        if let (Some(strategy), Some(fencing), Some(epoch)) =
+            (cached.strategy, cached.fencing, cached.epoch)
+        {
+            return Ok(ClusterSettings {
+                strategy,
+                fencing,
+                epoch,
+                pause: cached.pause,
+            });
+        }
+        let durable = self.records.sale_settings().await?;
+        self.cluster.publish_settings(&durable).await?;
+        Ok(ClusterSettings {
+            strategy: durable.strategy,
+            fencing: durable.fencing,
+            epoch: durable.epoch,
+            pause: cached.pause,
+        })
+    }
+}
+
+impl Records {
+    /// The settings' durable copy.
+    pub async fn sale_settings(&self) -> Result<SaleSettings, StoreError> {
+        let rows = sqlx::query_as(SETTINGS).fetch_all(self.pool()).await?;
+        parse_settings(&rows)
+    }
+
+    /// The change's transaction, retried when InnoDB picks it as a deadlock victim.
+    /// Returns the settings after it and the stocks the cache must now show.
+    async fn apply_change(
+        &self,
+        change: &SaleChange,
+    ) -> Result<(SaleSettings, Vec<StockAt>), StoreError> {
+        let mut attempt = 0;
+        loop {
+            match self.try_apply_change(change).await {
+                Err(StoreError::Mysql(error))
+                    if attempt < DEADLOCK_RETRIES
+                        && mysql_error_number(&error) == Some(DEADLOCK) =>
+                {
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn try_apply_change(
+        &self,
+        change: &SaleChange,
+    ) -> Result<(SaleSettings, Vec<StockAt>), StoreError> {
+        let mut tx = self.pool().begin().await?;
+        // First, so that from here on no order of the old epoch can commit.
+        sqlx::query(
+            "UPDATE cluster_settings SET value = CAST(value AS UNSIGNED) + 1 WHERE name = 'epoch'",
+        )
+        .execute(&mut *tx)
+        .await?;
+        let save = "INSERT INTO cluster_settings (name, value) VALUES (?, ?)
+                    ON DUPLICATE KEY UPDATE value = VALUES(value)";
+        let only: Option<&Sku> = match change {
+            SaleChange::Strategy(name) => {
+                sqlx::query(save)
+                    .bind("strategy")
+                    .bind(name)
+                    .execute(&mut *tx)
+                    .await?;
+                None
+            }
+            SaleChange::Fencing(enabled) => {
+                sqlx::query(save)
+                    .bind("fencing")
+                    .bind(if *enabled { "on" } else { "off" })
+                    .execute(&mut *tx)
+                    .await?;
+                None
+            }
+            SaleChange::Reset { sku, stock } => {
+                // The version keeps growing across resets, so a cache write from
+                // before the reset can never pass for a newer one.
+                sqlx::query(
+                    "INSERT INTO products (sku, stock, initial_stock, version) VALUES (?, ?, ?, 1)
+                     ON DUPLICATE KEY UPDATE stock = VALUES(stock),
+                         initial_stock = VALUES(initial_stock), version = version + 1",
+                )
+                .bind(sku.as_str())
+                .bind(stock)
+                .bind(stock)
+                .execute(&mut *tx)
+                .await?;
+                sqlx::query("DELETE FROM orders WHERE sku = ?")
+                    .bind(sku.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+                // A lock service whose data was wiped restarts its tokens low; a reset
+                // is the way to let it fence again.
+                sqlx::query("DELETE FROM product_fences WHERE sku = ?")
+                    .bind(sku.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+                Some(sku)
+            }
+            SaleChange::Reconcile => None,
+        };
+        if only.is_none() {
+            sqlx::query("UPDATE products SET version = version + 1")
+                .execute(&mut *tx)
+                .await?;
+        }
+        let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+            "SELECT sku, stock, version FROM products WHERE (? IS NULL OR sku = ?) ORDER BY sku",
+        )
+        .bind(only.map(Sku::as_str))
+        .bind(only.map(Sku::as_str))
+        .fetch_all(&mut *tx)
+        .await?;
+        // Read inside the transaction: what is published is what this change made.
+        let settings: Vec<(String, String)> = sqlx::query_as(SETTINGS).fetch_all(&mut *tx).await?;
+        tx.commit().await?;
+        let stocks = rows
+            .into_iter()
+            .map(|(sku, stock, version)| {
+                let sku = Sku::parse(&sku).map_err(|detail| StoreError::Corrupt {
+                    what: "products.sku",
+                    detail,
+                })?;
+                Ok(StockAt {
+                    sku,
+                    stock,
+                    version,
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        Ok((parse_settings(&settings)?, stocks))
+    }
+}
+
+const SETTINGS: &str =
+    "SELECT name, value FROM cluster_settings WHERE name IN ('strategy', 'fencing', 'epoch')";
+
+fn parse_settings(rows: &[(String, String)]) -> Result<SaleSettings, StoreError> {
+    let value = |name: &str| {
+        rows.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    };
+    let epoch = value("epoch")
+        .and_then(|e| e.parse().ok())
+        .ok_or_else(|| StoreError::Corrupt {
+            what: "cluster_settings.epoch",
+            detail: format!("{:?}", value("epoch")),
+        })?;
+    Ok(SaleSettings {
+        strategy: value("strategy")
+            .unwrap_or(super::DEFAULT_STRATEGY)
+            .to_owned(),
+        fencing: value("fencing") == Some("on"),
+        epoch,
+    })
+}
