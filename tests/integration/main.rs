@@ -17,3 +17,4 @@ mod none_strategy;
 mod openapi_fuzz;
 mod sale_changes;
 mod support;
+mod unknown_commit;

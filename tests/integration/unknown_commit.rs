@@ -1,0 +1,178 @@
+//! A COMMIT whose outcome is unknown: the connection to MySQL breaks after the COMMIT
+//! was sent and before its answer came back. MySQL committed; the replica cannot know.
+//!
+//! A proxy between the replica and MariaDB makes this deterministic: armed, it forwards
+//! the next `COMMIT` to the server, then cuts the connection without relaying the
+//! answer. The order must then be treated as possibly sold: no units go back to Redis,
+//! the SKU's cached stock is dropped (503 `unavailable`) until an admin reconciles it
+//! from MySQL, and afterwards exactly the stock is sold. On the landed code
+//! redis-atomic gave the units back, so Redis showed one unit more than MySQL and the
+//! sale went on to oversell it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::support::{DEFAULT_DATABASE_URL, TestCluster};
+
+/// A loopback proxy to MariaDB that can lose the answer to one COMMIT.
+struct CommitCutter {
+    address: std::net::SocketAddr,
+    armed: Arc<AtomicBool>,
+    acceptor: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for CommitCutter {
+    fn drop(&mut self) {
+        self.acceptor.abort();
+    }
+}
+
+impl CommitCutter {
+    async fn start(target: String) -> CommitCutter {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let address = listener.local_addr().expect("proxy address");
+        let armed = Arc::new(AtomicBool::new(false));
+        let acceptor = {
+            let armed = armed.clone();
+            tokio::spawn(async move {
+                while let Ok((client, _)) = listener.accept().await {
+                    let Ok(server) = TcpStream::connect(&target).await else {
+                        continue;
+                    };
+                    tokio::spawn(relay(client, server, armed.clone()));
+                }
+            })
+        };
+        CommitCutter {
+            address,
+            armed,
+            acceptor,
+        }
+    }
+
+    /// The next COMMIT through the proxy reaches the server, its answer does not.
+    fn arm(&self) {
+        self.armed.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Relays both ways; when armed and a COMMIT goes by, forwards it, lets the server
+/// work, and drops both sockets.
+async fn relay(client: TcpStream, server: TcpStream, armed: Arc<AtomicBool>) {
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let answers = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+    });
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        let Ok(read) = client_read.read(&mut buffer).await else {
+            break;
+        };
+        if read == 0 {
+            break;
+        }
+        let chunk = &buffer[..read];
+        // COM_QUERY (0x03) followed by the statement text.
+        let is_commit = chunk.windows(7).any(|w| w == b"\x03COMMIT");
+        if is_commit && armed.swap(false, Ordering::SeqCst) {
+            answers.abort();
+            let _ = server_write.write_all(chunk).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return; // both sockets drop: the client never hears the outcome
+        }
+        if server_write.write_all(chunk).await.is_err() {
+            break;
+        }
+    }
+    answers.abort();
+}
+
+async fn commit_outcome_unknown(strategy: &str, reads_redis: bool) {
+    let base =
+        std::env::var("FLASHSALE_DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
+    let (scheme_and_auth, rest) = base.rsplit_once('@').expect("URL with credentials");
+    let (host, database) = rest.split_once('/').expect("URL with a database");
+    let cutter = CommitCutter::start(host.to_owned()).await;
+    let through_proxy = format!("{scheme_and_auth}@{}/{database}", cutter.address);
+    let cluster = TestCluster::start_on(&through_proxy, 1, &[]).await;
+    cluster.set_strategy(strategy).await;
+    let sku = "unknown-commit";
+    cluster.reset(sku, 3).await;
+
+    cutter.arm();
+    let cut = cluster.order(0, sku, "in-doubt", 1).await.status();
+    assert_eq!(
+        cut,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{strategy}: the COMMIT's answer was lost"
+    );
+    assert_eq!(
+        cluster.count_orders(sku).await,
+        1,
+        "{strategy}: MySQL did commit the order"
+    );
+
+    // The cache cannot be trusted now: it was dropped. Strategies that sell from it
+    // wait for a reconcile; those that read MySQL sell on.
+    let stats = cluster.sku_stats(sku).await;
+    assert!(
+        stats["stock_redis"].is_null(),
+        "{strategy}: dropped: {stats}"
+    );
+    if reads_redis {
+        let waiting = cluster.order(0, sku, "next", 1).await;
+        let status = waiting.status();
+        let body = waiting.text().await.unwrap_or_default();
+        assert_eq!(
+            status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{strategy}: {body}"
+        );
+        assert!(body.contains("\"unavailable\""), "{strategy}: {body}");
+    }
+    cluster.reconcile().await;
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        stats["stock_redis"], 2,
+        "{strategy}: rebuilt from MySQL: {stats}"
+    );
+    for buyer in 0..2 {
+        let status = cluster
+            .order(0, sku, &format!("after-{buyer}"), 1)
+            .await
+            .status();
+        assert_eq!(status, StatusCode::CREATED, "{strategy}: buyer {buyer}");
+    }
+    let status = cluster.order(0, sku, "too-late", 1).await.status();
+    assert_eq!(status, StatusCode::CONFLICT, "{strategy}: sold out");
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(stats["orders"], 3, "{strategy}: {stats}");
+    assert_eq!(stats["oversold"], 0, "{strategy}: {stats}");
+    assert_eq!(stats["consistent"], true, "{strategy}: {stats}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_atomic_keeps_units_of_an_unknown_commit() {
+    commit_outcome_unknown("redis-atomic", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_lock_drops_the_cache_after_an_unknown_commit() {
+    commit_outcome_unknown("redis-lock", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn db_for_update_drops_the_cache_after_an_unknown_commit() {
+    commit_outcome_unknown("db-for-update", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn optimistic_drops_the_cache_after_an_unknown_commit() {
+    commit_outcome_unknown("optimistic", false).await;
+}
