@@ -15,6 +15,7 @@ mod lock_primitives;
 mod lock_strategies;
 mod none_strategy;
 mod openapi_fuzz;
+mod row_lock_queue;
 mod sale_changes;
 mod support;
 mod unknown_commit;

@@ -165,11 +165,12 @@ impl TestCluster {
                 &name,
                 "--replica-id",
                 &replica_id,
-                "--db-pool",
-                "8",
                 "--redis-pool",
                 "16",
             ];
+            if !extra.contains(&"--db-pool") {
+                args.extend_from_slice(&["--db-pool", "8"]);
+            }
             args.extend_from_slice(extra);
             let Command::Serve(config) = Cli::parse_from(args).command else {
                 unreachable!("parsed a serve command")
