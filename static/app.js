@@ -141,8 +141,10 @@ function setUpControls() {
   document.getElementById("fault-form").addEventListener("submit", async (event) => {
     event.preventDefault();
     try {
-      const armed = await api("POST", "/api/admin/faults", {});
-      say(`The next lock holder will pause ${armed.pause_holder_ms} ms after its last check.`);
+      const at = document.getElementById("pause-at").value;
+      const armed = await api("POST", "/api/admin/faults", { at });
+      const where = document.getElementById("pause-at").selectedOptions[0].textContent;
+      say(`The next lock holder will pause ${armed.pause_holder_ms} ms ${where}.`);
     } catch (error) {
       say(`Could not arm the fault: ${error.message}`, true);
     }
@@ -214,7 +216,7 @@ function onSnapshot(snapshot) {
   if (document.activeElement !== fencing) fencing.checked = stats.fencing;
   document.getElementById("fencing-state").textContent = stats.fencing ? "on: MySQL refuses stale holders" : "off";
   document.getElementById("fault-state").textContent = stats.pause_armed_ms
-    ? `armed: the next holder stalls ${stats.pause_armed_ms} ms` : "";
+    ? `armed: the next holder stalls ${stats.pause_armed_ms} ms (${(stats.pause_armed_at || "before_commit").replace("_", " ")})` : "";
   renderSkus(stats.skus);
   renderRate(stats.skus, snapshot.at);
   renderReplicas(stats.replicas, snapshot.at);

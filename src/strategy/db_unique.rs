@@ -34,7 +34,9 @@ impl Strategy for DbUniqueStrategy {
             ],
             failure_mode: "A crashed holder's row blocks everyone until it expires. Polling \
                            puts load on the database and is unfair under contention. Like every \
-                           lease lock, a holder paused past its expiry can be overtaken.",
+                           lease lock, a holder paused past its expiry can be overtaken and \
+                           write after the next holder; fencing (the row id, registered before \
+                           the read, and the stock read compared at commit) refuses it.",
         }
     }
 

@@ -34,7 +34,8 @@ impl Strategy for EtcdStrategy {
             ],
             failure_mode: "Lease expiry: a holder cut off from etcd, or paused, longer than the \
                            lease TTL loses the lock while it may still be working; checking the \
-                           lease before committing narrows the window, fencing closes it.",
+                           lease before committing narrows the window, fencing closes it when \
+                           it covers the read (the revision registered before the stock is read).",
         }
     }
 

@@ -36,7 +36,9 @@ impl Strategy for RedisLockStrategy {
             failure_mode: "A holder that stalls longer than the lease (GC or VM pause, a stopped \
                            watchdog) loses the lock while still believing it holds it; another \
                            replica takes it and both write. Checking before commit narrows the \
-                           window; only a fencing token closes it. A Redis failover can also \
+                           window; only a fencing token closes it, and only if it covers the \
+                           read: registered in MySQL before the stock is read, and the write \
+                           lands only while it is still the fence and the stock read is MySQL's. A Redis failover can also \
                            lose a lock that was not yet replicated.",
         }
     }

@@ -36,8 +36,10 @@ impl Strategy for RedlockStrategy {
             ],
             failure_mode: "Timing: a holder paused past the validity, a node that restarts without \
                            persistence, or a clock that jumps can give two holders the lock at \
-                           once, and Redlock offers no fencing token that strictly grows. Five \
-                           Redis round trips per attempt make it slower than one node.",
+                           once, and Redlock has no natural fencing token: this lab derives one \
+                           from counters on a majority of nodes. Kleppmann's critique (no \
+                           fencing, timing assumptions) is why Redisson deprecated its \
+                           RedLock; prefer one node with fencing, or a consensus store.",
         }
     }
 
