@@ -1,6 +1,9 @@
 //! One replica put together: connect the stores, build the router, announce the
 //! replica, serve until told to stop, then deregister.
 //!
+//! This is the composition root: it builds the layers (stores, strategies, HTTP) and
+//! wires them; it holds no logic of its own.
+//!
 //! Tests use `Server::bind` + `Server::run` directly to start real replicas on random
 //! ports, exactly as `flashsale serve` does.
 
@@ -13,67 +16,12 @@ use deadpool_redis::{PoolConfig, Runtime, Timeouts};
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{AdminToken, ServeConfig};
-use crate::error::AppError;
-use crate::http::Snapshots;
+use crate::config::ServeConfig;
+use crate::http::{AppState, Snapshots};
 use crate::loadtests::LoadTests;
 use crate::replica::Heartbeat;
-use crate::store::{ClusterSettings, ClusterState, Records, StockCache, Store};
-use crate::strategy::{self, Backends, SaleFlow, Strategy};
-
-/// Shared by every handler of one replica.
-#[derive(Clone)]
-pub struct AppState {
-    pub flow: Arc<SaleFlow>,
-    pub strategies: Arc<[Arc<dyn Strategy>]>,
-    pub max_quantity: i64,
-    /// Requests served by this replica, announced in its heartbeat.
-    pub requests: Arc<AtomicU64>,
-    /// The dashboard's live snapshot, rebuilt while anyone listens.
-    pub snapshots: Arc<Snapshots>,
-    pub loadtests: Arc<LoadTests>,
-    /// Admin calls need this token when set.
-    pub admin_token: Option<AdminToken>,
-    pub metrics: metrics_exporter_prometheus::PrometheusHandle,
-    /// Orders run in tasks of their own (see `http::orders`); shutdown waits for them.
-    pub orders_in_flight: TaskTracker,
-}
-
-impl AppState {
-    /// The strategy called `name`; 422 when this build has none by that name.
-    pub fn named_strategy(&self, name: &str) -> Result<Arc<dyn Strategy>, AppError> {
-        strategy::find(&self.strategies, name)
-            .cloned()
-            .ok_or_else(|| {
-                AppError::Invalid(format!(
-                    "unknown strategy '{name}'; known: {}",
-                    self.strategy_names().join(", ")
-                ))
-            })
-    }
-
-    /// The cluster's settings (one Redis round trip) and the active strategy. Orders
-    /// always run under it: nobody outside the admin API can choose another.
-    pub async fn settings_and_strategy(
-        &self,
-    ) -> Result<(ClusterSettings, Arc<dyn Strategy>), AppError> {
-        let settings = self.flow.store.settings().await?;
-        match strategy::find(&self.strategies, &settings.strategy) {
-            Some(active) => {
-                let active = active.clone();
-                Ok((settings, active))
-            }
-            None => {
-                tracing::error!(name = %settings.strategy, "the cluster's active strategy is unknown to this replica");
-                Err(AppError::Internal)
-            }
-        }
-    }
-
-    pub fn strategy_names(&self) -> Vec<&'static str> {
-        self.strategies.iter().map(|s| s.name()).collect()
-    }
-}
+use crate::store::{ClusterState, Records, StockCache, Store};
+use crate::strategy::{self, Backends, SaleFlow};
 
 /// A replica bound to its port, ready to serve.
 pub struct Server {
@@ -86,6 +34,7 @@ pub struct Server {
 }
 
 impl Server {
+    /// Connects the stores, builds the strategies and the router: composition only.
     pub async fn bind(config: ServeConfig) -> anyhow::Result<Server> {
         config.check()?;
         let listener = TcpListener::bind((config.bind, config.port))
@@ -98,8 +47,6 @@ impl Server {
             .unwrap_or_else(|| format!("replica-{}", address.port()));
 
         let redis = redis_pool(&config.redis_url, config.redis_pool)?;
-        let redis_client = deadpool_redis::redis::Client::open(config.redis_url.as_str())
-            .context("parsing the Redis URL")?;
         let records = Records::connect(
             &config.database_url,
             config.db_pool,
@@ -107,38 +54,24 @@ impl Server {
         )
         .await
         .context("connecting to MySQL and applying migrations")?;
-        let backends = Backends {
-            redis_client,
-            redis_pool: redis.clone(),
-            mysql: records.pool().clone(),
-            namespace: config.namespace.clone(),
-            replica_id: replica_id.clone(),
-            lease: config.lock_lease(),
-            zookeeper: config.zookeeper.clone(),
-            zookeeper_session_timeout: config.zk_session_timeout(),
-            redlock_nodes: config
-                .redlock_urls
-                .iter()
-                .map(|url| redis_pool(url, config.redis_pool))
-                .collect::<anyhow::Result<_>>()?,
-            etcd: config.etcd.clone(),
-            optimistic_attempts: config.optimistic_attempts,
-        };
+        let backends = backends(&config, &replica_id, &redis, &records)?;
         let store = Store {
             cache: StockCache::new(redis.clone(), config.namespace.clone()),
             records,
             cluster: ClusterState::new(redis, config.namespace.clone()),
         };
+        let flow = Arc::new(SaleFlow {
+            store: store.clone(),
+            work: config.work(),
+            replica_id,
+            lock_wait: config.lock_wait(),
+            lock_lease: config.lock_lease(),
+            lock_waiters: AtomicU64::new(0),
+        });
         let state = AppState {
-            flow: Arc::new(SaleFlow {
-                store: store.clone(),
-                work: config.work(),
-                replica_id: replica_id.clone(),
-                lock_wait: config.lock_wait(),
-                lock_lease: config.lock_lease(),
-                lock_waiters: AtomicU64::new(0),
-            }),
-            strategies: strategy::registry(&backends).into(),
+            flow: flow.clone(),
+            store: store.clone(),
+            strategies: strategy::registry(&backends),
             max_quantity: config.max_quantity,
             requests: Arc::new(AtomicU64::new(0)),
             snapshots: Arc::new(Snapshots::new(None)),
@@ -151,32 +84,24 @@ impl Server {
             metrics: crate::telemetry::prometheus(),
             orders_in_flight: TaskTracker::new(),
         };
-        let live_feed = crate::http::spawn_snapshots(state.clone());
-        let heartbeat = Heartbeat::new(
-            store.cluster.clone(),
-            config
-                .advertise
-                .clone()
-                .unwrap_or_else(|| address.to_string()),
-            state.requests.clone(),
-            state.flow.clone(),
-        );
+        let advertised = config
+            .advertise
+            .clone()
+            .unwrap_or_else(|| address.to_string());
+        let heartbeat = Heartbeat::new(store.cluster, advertised, state.requests.clone(), flow);
         let limits = crate::http::limits::Limits {
             timeout: std::time::Duration::from_millis(config.request_timeout_ms),
             in_flight: Arc::new(tokio::sync::Semaphore::new(
                 usize::try_from(config.max_in_flight).unwrap_or(usize::MAX),
             )),
         };
-        let loadtests = state.loadtests.clone();
-        let orders_in_flight = state.orders_in_flight.clone();
-        let router = crate::http::router(state, &config.static_dir, limits, &config.cors_origins);
         Ok(Server {
             listener,
-            router,
             heartbeat,
-            live_feed,
-            loadtests,
-            orders_in_flight,
+            live_feed: crate::http::spawn_snapshots(state.clone()),
+            loadtests: state.loadtests.clone(),
+            orders_in_flight: state.orders_in_flight.clone(),
+            router: crate::http::router(state, &config.static_dir, limits, &config.cors_origins),
         })
     }
 
@@ -220,6 +145,33 @@ impl Server {
         heartbeat.stop().await;
         served.context("serving HTTP")
     }
+}
+
+/// What the strategies are built from: this replica's own clients and pools.
+fn backends(
+    config: &ServeConfig,
+    replica_id: &str,
+    redis: &deadpool_redis::Pool,
+    records: &Records,
+) -> anyhow::Result<Backends> {
+    Ok(Backends {
+        redis_client: deadpool_redis::redis::Client::open(config.redis_url.as_str())
+            .context("parsing the Redis URL")?,
+        redis_pool: redis.clone(),
+        mysql: records.pool().clone(),
+        namespace: config.namespace.clone(),
+        replica_id: replica_id.to_owned(),
+        lease: config.lock_lease(),
+        zookeeper: config.zookeeper.clone(),
+        zookeeper_session_timeout: config.zk_session_timeout(),
+        redlock_nodes: config
+            .redlock_urls
+            .iter()
+            .map(|url| redis_pool(url, config.redis_pool))
+            .collect::<anyhow::Result<_>>()?,
+        etcd: config.etcd.clone(),
+        optimistic_attempts: config.optimistic_attempts,
+    })
 }
 
 /// How long shutdown waits for orders still running after their requests ended.

@@ -7,12 +7,11 @@
 //! - `lock`: distributed lock primitives per backend (knows no HTTP, no orders);
 //! - `store`: the Redis stock cache, the MySQL records and cluster-wide state;
 //! - `app`, `replica`, `cluster`: putting replicas together and running them;
-//! - `config`, `model`, `error`: options, domain values and the one error type.
+//! - `config`, `model`: options and the domain values.
 
 pub mod app;
 pub mod cluster;
 pub mod config;
-pub mod error;
 pub mod http;
 pub mod loadtests;
 pub mod lock;

@@ -27,7 +27,7 @@ pub const BUILD_HINT: &str = "cargo build --release -p loadtest";
 pub struct LoadTestRequest {
     /// Strategy names; empty means all.
     #[serde(default)]
-    #[schema(value_type = Vec<crate::http::StrategyName>)]
+    #[schema(value_type = Vec<crate::model::StrategyName>)]
     pub strategies: Vec<String>,
     #[schema(minimum = 1, maximum = 1000)]
     pub users: u64,

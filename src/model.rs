@@ -144,6 +144,18 @@ mod tests {
     }
 }
 
+/// A strategy name (`docs/api.md` lists them). The served OpenAPI document lists the
+/// names this build knows; this type only names the schema.
+pub enum StrategyName {}
+
+impl utoipa::PartialSchema for StrategyName {
+    fn schema() -> RefOr<Schema> {
+        ObjectBuilder::new().schema_type(Type::String).into()
+    }
+}
+
+impl ToSchema for StrategyName {}
+
 /// Where in the critical section the paused-holder fault stalls its holder. Each is a
 /// place a real process can stop (a GC or VM pause) and each needs the fence to cover
 /// it: a holder that stalls before its read, after it, after its last lock check, or

@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | `flashsale_http_requests_total` | route, method, status | `http::observe` |
 //! | `flashsale_http_request_duration_seconds` (histogram) | route | `http::observe` |
-//! | `flashsale_orders_total` | strategy, outcome | `http::orders` |
+//! | `flashsale_orders_total` | strategy, outcome (the API code, `strategy::Outcome`) | `http::orders` |
 //! | `flashsale_lock_acquire_seconds` (histogram) | strategy | `strategy::flow` |
 //! | `flashsale_lock_hold_seconds` (histogram) | strategy | `strategy::flow` |
 //! | `flashsale_events_total` | strategy, event (`lock_timeouts`, `locks_lost`, `fencing_rejections`, `conflicts`, `gave_up`, `paused_holders`) | `store::ClusterState::count` |

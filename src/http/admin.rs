@@ -11,9 +11,10 @@ use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::{ApiJson, StrategyName};
-use crate::app::AppState;
-use crate::error::{AppError, ErrorBody};
+use super::ApiJson;
+use super::AppState;
+use super::error::{AppError, ErrorBody};
+use crate::model::StrategyName;
 use crate::model::{PausePoint, Sku, integer_in_range};
 use crate::store::{PauseFault, SaleChange};
 
@@ -50,7 +51,7 @@ pub async fn set_strategy(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<StrategyBody>,
 ) -> Result<ApiJson<StrategyBody>, AppError> {
-    let strategy = state.named_strategy(&body.strategy)?;
+    let strategy = state.strategies.named(&body.strategy)?;
     state
         .flow
         .store

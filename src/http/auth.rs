@@ -9,8 +9,8 @@ use axum::http::header::AUTHORIZATION;
 use axum::middleware::Next;
 use axum::response::Response;
 
-use crate::app::AppState;
-use crate::error::AppError;
+use super::AppState;
+use super::error::AppError;
 
 pub async fn require_admin(
     State(state): State<AppState>,

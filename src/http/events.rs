@@ -21,8 +21,8 @@ use tokio_stream::wrappers::{BroadcastStream, WatchStream};
 use utoipa::openapi::RefOr;
 use utoipa::openapi::schema::{ObjectBuilder, Schema, Type};
 
+use super::AppState;
 use super::stats::{self, Stats};
-use crate::app::AppState;
 use crate::model::Sku;
 use crate::strategy::LockView;
 
@@ -69,7 +69,7 @@ pub fn spawn_snapshots(state: AppState) -> JoinHandle<()> {
 
 async fn snapshot(state: &AppState) -> anyhow::Result<String> {
     let stats = stats::collect(state, None).await?;
-    let strategy = state.named_strategy(&stats.strategy)?;
+    let strategy = state.strategies.named(&stats.strategy)?;
     let mut locks = Vec::new();
     let mut recent: Vec<_> = stats.skus.iter().collect();
     recent.sort_by_key(|s| std::cmp::Reverse(s.updated_at));

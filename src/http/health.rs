@@ -11,7 +11,7 @@ use tokio::time::{Instant, timeout};
 use utoipa::ToSchema;
 
 use super::ApiJson;
-use crate::app::AppState;
+use super::AppState;
 use crate::store::StoreError;
 
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);

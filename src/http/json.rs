@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use serde_json::{Number, Value};
 
-use crate::error::AppError;
+use super::error::AppError;
 
 pub struct ApiJson<T>(pub T);
 

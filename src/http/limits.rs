@@ -13,7 +13,7 @@ use axum::middleware::Next;
 use axum::response::Response;
 use tokio::sync::Semaphore;
 
-use crate::error::AppError;
+use super::error::AppError;
 
 #[derive(Clone)]
 pub struct Limits {

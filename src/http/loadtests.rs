@@ -7,8 +7,8 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::ApiJson;
-use crate::app::AppState;
-use crate::error::{AppError, ErrorBody};
+use super::AppState;
+use super::error::{AppError, ErrorBody};
 use crate::loadtests::{LoadTestRequest, LoadTestStatus, StartError};
 
 #[utoipa::path(get, path = "/api/loadtests", tag = "reports",
@@ -40,7 +40,7 @@ pub async fn start(
     ApiJson(request): ApiJson<LoadTestRequest>,
 ) -> Result<(StatusCode, ApiJson<Started>), AppError> {
     request
-        .validate(&state.strategy_names())
+        .validate(&state.strategies.names())
         .map_err(AppError::Invalid)?;
     let targets: Vec<String> = state
         .flow

@@ -9,9 +9,9 @@ use axum::http::header::CONTENT_TYPE;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
+use super::AppState;
+use super::error::{AppError, ErrorBody};
 use super::stats;
-use crate::app::AppState;
-use crate::error::{AppError, ErrorBody};
 
 pub async fn observe(request: Request, next: Next) -> Response {
     let route = request

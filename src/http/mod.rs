@@ -7,6 +7,7 @@
 mod admin;
 mod auth;
 mod cors;
+mod error;
 mod events;
 mod health;
 mod json;
@@ -16,6 +17,7 @@ mod metrics;
 mod openapi;
 mod orders;
 mod runs;
+mod state;
 pub mod stats;
 mod strategies;
 
@@ -32,12 +34,10 @@ use tower_http::services::ServeDir;
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use tracing::Level;
 
-use crate::app::AppState;
-use crate::error::AppError;
-
+pub use error::{AppError, ErrorBody};
 pub use events::{Snapshots, spawn_snapshots};
 pub use json::ApiJson;
-pub use openapi::StrategyName;
+pub use state::AppState;
 
 /// Request bodies larger than this are refused with 413 before they are parsed.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;

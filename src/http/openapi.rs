@@ -9,26 +9,15 @@
 use axum::extract::State;
 use utoipa::openapi::path::{Operation, PathItem};
 use utoipa::openapi::response::{ResponseBuilder, Responses};
-use utoipa::openapi::schema::{ArrayItems, KnownFormat, ObjectBuilder, Schema, SchemaFormat, Type};
+use utoipa::openapi::schema::{ArrayItems, KnownFormat, Schema, SchemaFormat};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
 use utoipa::openapi::{Components, ContentBuilder, OpenApi as Document, Ref, RefOr};
-use utoipa::{Modify, OpenApi, PartialSchema, ToSchema};
+use utoipa::{Modify, OpenApi, PartialSchema};
 
+use super::AppState;
+use super::error::ErrorBody;
 use super::{ApiJson, admin, events, health, loadtests, metrics, orders, runs, stats, strategies};
-use crate::app::AppState;
-use crate::error::ErrorBody;
-
-/// A strategy name from SPEC §3. The served document lists the names this build
-/// knows; this type only names the schema.
-pub enum StrategyName {}
-
-impl PartialSchema for StrategyName {
-    fn schema() -> RefOr<Schema> {
-        ObjectBuilder::new().schema_type(Type::String).into()
-    }
-}
-
-impl ToSchema for StrategyName {}
+use crate::model::StrategyName;
 
 /// Operations with this tag are admin calls: they need the admin token when one is set.
 const ADMIN: &str = "admin";
@@ -250,7 +239,7 @@ fn shared(responses: &mut Responses, status: &str, name: &str) {
 #[utoipa::path(get, path = "/api/openapi.json", tag = "service",
     responses((status = 200, description = "OpenAPI 3.1", body = Object)))]
 pub async fn openapi_json(State(state): State<AppState>) -> ApiJson<Document> {
-    ApiJson(document(&state.strategy_names(), state.max_quantity))
+    ApiJson(document(&state.strategies.names(), state.max_quantity))
 }
 
 #[cfg(test)]

@@ -6,10 +6,12 @@ use serde::Deserialize;
 use utoipa::ToSchema;
 
 use super::ApiJson;
-use crate::app::AppState;
-use crate::error::{AppError, ErrorBody};
+use super::AppState;
+use super::error::{AppError, ErrorBody};
 use crate::model::{NewOrder, Order, Sku, integer_in_range, parse_user_id};
-use crate::strategy::{OrderError, OrderOptions};
+use tokio_util::sync::CancellationToken;
+
+use crate::strategy::{OrderError, OrderOptions, Outcome};
 
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct OrderBody {
@@ -83,34 +85,35 @@ pub async fn place_order(
     })?;
     let order = body.validate(state.max_quantity)?;
     let (settings, strategy) = state.settings_and_strategy().await?;
+    // Dropped with this handler (hang-up, timeout): tells the order its shopper left.
+    let client_gone = CancellationToken::new();
+    let _leaving = client_gone.clone().drop_guard();
     let options = OrderOptions {
         fencing: settings.fencing,
         epoch: settings.epoch,
         pause: settings.pause.map(|p| p.at),
+        client_gone,
     };
     let flow = state.flow.clone();
     let running = strategy.clone();
     let placed = state
         .orders_in_flight
-        .spawn(async move { running.place_order(&flow, &order, options).await })
+        .spawn(async move {
+            if options.client_gone.is_cancelled() {
+                return Err(OrderError::Abandoned);
+            }
+            running.place_order(&flow, &order, options).await
+        })
         .await
         .map_err(|error| {
             tracing::error!(%error, "an order task failed");
             AppError::Internal
         })?;
     let outcome = match &placed {
-        Ok(_) => "created",
-        Err(OrderError::SoldOut { .. }) => "sold_out",
-        Err(OrderError::Busy(_) | OrderError::GaveUp(_)) => "busy",
-        Err(OrderError::LockLost(_) | OrderError::Fenced { .. } | OrderError::StaleRead) => {
-            "lock_lost"
-        }
-        Err(OrderError::SaleChanged) => "sale_changed",
-        Err(OrderError::UnknownSku(_)) => "unknown_sku",
-        Err(OrderError::StockUnavailable(_)) => "stock_unavailable",
-        Err(OrderError::LockBackend { .. } | OrderError::Store(_)) => "error",
+        Ok(_) => Outcome::Created,
+        Err(error) => error.outcome(),
     };
-    metrics::counter!("flashsale_orders_total", "strategy" => strategy.name(), "outcome" => outcome)
+    metrics::counter!("flashsale_orders_total", "strategy" => strategy.name(), "outcome" => outcome.code())
         .increment(1);
     let placed = placed?;
     Ok((StatusCode::CREATED, ApiJson(placed)))

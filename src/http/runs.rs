@@ -6,8 +6,8 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::ApiJson;
-use crate::app::AppState;
-use crate::error::{AppError, ErrorBody};
+use super::AppState;
+use super::error::{AppError, ErrorBody};
 use crate::report::LoadReport;
 
 /// Reports returned by `GET /api/runs`, newest first.

@@ -10,11 +10,12 @@ use axum::extract::{Query, State};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
-use super::{ApiJson, StrategyName};
-use crate::app::AppState;
-use crate::error::{AppError, ErrorBody};
+use super::ApiJson;
+use super::AppState;
+use super::error::{AppError, ErrorBody};
 use crate::model::PausePoint;
 use crate::model::Sku;
+use crate::model::StrategyName;
 use crate::store::{ProductRecord, ReplicaInfo};
 
 #[derive(Debug, Deserialize, IntoParams)]

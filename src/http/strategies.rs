@@ -3,11 +3,10 @@
 use axum::extract::State;
 
 use super::ApiJson;
-use crate::app::AppState;
-use crate::strategy::Explanation;
+use crate::strategy::{Explanation, Registry};
 
 #[utoipa::path(get, path = "/api/strategies", tag = "orders",
     responses((status = 200, description = "Every strategy, explained", body = Vec<Explanation>)))]
-pub async fn list(State(state): State<AppState>) -> ApiJson<Vec<Explanation>> {
-    ApiJson(state.strategies.iter().map(|s| s.explanation()).collect())
+pub async fn list(State(strategies): State<Registry>) -> ApiJson<Vec<Explanation>> {
+    ApiJson(strategies.all().iter().map(|s| s.explanation()).collect())
 }

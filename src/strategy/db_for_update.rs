@@ -69,7 +69,7 @@ impl Strategy for DbForUpdateStrategy {
             let locked = store.records.lock_product(&order.sku, wait).await;
             Ok((turn, locked.map_err(OrderError::from)?))
         };
-        let (_turn, locked) = flow.wait_for_lock(self.name(), acquire).await?;
+        let (_turn, locked) = flow.wait_for_lock(self.name(), &options, acquire).await?;
         let locked = locked.ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
         ensure_in_stock(locked.stock, order)?;
         flow.simulate_work().await;

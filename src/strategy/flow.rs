@@ -49,9 +49,9 @@ impl SaleFlow {
             let acquired = lock.acquire(order.sku.as_str(), self.lock_wait).await;
             acquired.map_err(OrderError::from)
         };
-        let guard = self.wait_for_lock(strategy, acquire).await?;
+        let guard = self.wait_for_lock(strategy, &options, acquire).await?;
         let holding = Instant::now();
-        let sold = self.sell(order, strategy, Some(&guard), options).await;
+        let sold = self.sell(order, strategy, Some(&guard), &options).await;
         if let Err(error) = guard.release().await {
             tracing::warn!(%error, sku = %order.sku, strategy, "lock release failed");
         }
@@ -71,11 +71,14 @@ impl SaleFlow {
     }
 
     /// Waits for a lock (`acquire`, whatever the mechanism): counts the order among
-    /// this replica's waiters while it waits, even if the request is dropped mid-wait,
-    /// times the wait, and counts a wait that timed out.
+    /// this replica's waiters while it waits, times the wait, and counts a wait that
+    /// timed out. The wait is never cut short (a half-made acquisition could leave a
+    /// key or node nobody owns); if the shopper left meanwhile, the lock is given back
+    /// (dropping it releases it) and the order does not begin.
     pub async fn wait_for_lock<T>(
         &self,
         strategy: &str,
+        options: &OrderOptions,
         acquire: impl Future<Output = Result<T, OrderError>>,
     ) -> Result<T, OrderError> {
         /// Takes the order off the waiters when dropped, however the wait ends.
@@ -95,6 +98,9 @@ impl SaleFlow {
         if let Err(OrderError::Busy(_)) = &acquired {
             self.store.cluster.count(strategy, "lock_timeouts").await;
         }
+        if acquired.is_ok() && options.client_gone.is_cancelled() {
+            return Err(OrderError::Abandoned);
+        }
         acquired
     }
 
@@ -111,7 +117,7 @@ impl SaleFlow {
         order: &NewOrder,
         strategy: &str,
         hold: Option<&dyn HeldLock>,
-        options: OrderOptions,
+        options: &OrderOptions,
     ) -> Result<Order, OrderError> {
         let token = match hold {
             Some(hold) if options.fencing => {
@@ -281,7 +287,7 @@ impl SaleFlow {
         point: PausePoint,
         hold: Option<&dyn HeldLock>,
         strategy: &str,
-        options: OrderOptions,
+        options: &OrderOptions,
     ) -> Result<(), OrderError> {
         let Some(hold) = hold else { return Ok(()) };
         if options.pause != Some(point) {

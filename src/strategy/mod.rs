@@ -14,6 +14,7 @@ mod optimistic;
 mod redis_atomic;
 mod redis_lock;
 mod redlock;
+mod registry;
 mod zookeeper;
 
 use std::sync::Arc;
@@ -21,9 +22,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
 pub use flow::{SaleFlow, ensure_in_stock};
+pub use registry::{Registry, UnknownStrategy};
 
 use crate::lock::LockError;
 use crate::lock::etcd::EtcdLock;
@@ -58,8 +61,9 @@ pub trait Strategy: Send + Sync {
     }
 }
 
-/// Cluster-wide switches that apply to one order, read with the active strategy.
-#[derive(Debug, Clone, Copy, Default)]
+/// Cluster-wide switches that apply to one order, read with the active strategy, and
+/// the order's link to its shopper.
+#[derive(Debug, Clone, Default)]
 pub struct OrderOptions {
     /// Lock holders register their token and their write must still carry the fence.
     pub fencing: bool,
@@ -67,6 +71,10 @@ pub struct OrderOptions {
     pub epoch: u64,
     /// Where an armed paused-holder fault stalls the next holder to claim it.
     pub pause: Option<PausePoint>,
+    /// Cancelled when the shopper's request ends early (hang-up, timeout). An order
+    /// that gets its lock after that gives it back without selling: nobody is there
+    /// to receive the answer. Once the critical section has begun it runs to its end.
+    pub client_gone: CancellationToken,
 }
 
 /// A strategy's lock for one SKU as the dashboard shows it.
@@ -92,7 +100,7 @@ pub fn token_owner(token: &str) -> String {
 /// A strategy described for people: what it does, the exact commands, how it fails.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Explanation {
-    #[schema(value_type = crate::http::StrategyName)]
+    #[schema(value_type = crate::model::StrategyName)]
     pub name: &'static str,
     pub title: &'static str,
     pub summary: &'static str,
@@ -130,6 +138,9 @@ pub enum OrderError {
     /// optimistic: every attempt conflicted with another writer.
     #[error("{0}")]
     GaveUp(String),
+    /// The shopper's request ended before the order began; nothing was done.
+    #[error("the request ended before the order began")]
+    Abandoned,
     #[error("{backend}: {detail}")]
     LockBackend {
         backend: &'static str,
@@ -137,6 +148,70 @@ pub enum OrderError {
     },
     #[error(transparent)]
     Store(StoreError),
+}
+
+/// How an order ended, named once: the API answers these codes, the metrics count
+/// orders by them, and the dashboard's timeline colours sections by them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Created,
+    SoldOut,
+    /// The lock was not free in time.
+    LockTimeout,
+    /// optimistic: every attempt conflicted.
+    TooManyConflicts,
+    /// The lock was lost, or MySQL fenced the write off: nothing was written.
+    LockLost,
+    /// An admin changed the sale meanwhile: nothing was written, retry.
+    SaleChanged,
+    NotFound,
+    /// Redis lost the SKU's stock; an admin must reconcile.
+    Unavailable,
+    BackendUnavailable,
+    /// The shopper was gone before the order began (nobody receives this answer).
+    Abandoned,
+    Internal,
+}
+
+impl Outcome {
+    pub fn code(self) -> &'static str {
+        match self {
+            Outcome::Created => "created",
+            Outcome::SoldOut => "sold_out",
+            Outcome::LockTimeout => "lock_timeout",
+            Outcome::TooManyConflicts => "too_many_conflicts",
+            Outcome::LockLost => "lock_lost",
+            Outcome::SaleChanged => "sale_changed",
+            Outcome::NotFound => "not_found",
+            Outcome::Unavailable => "unavailable",
+            Outcome::BackendUnavailable => "backend_unavailable",
+            Outcome::Abandoned => "abandoned",
+            Outcome::Internal => "internal",
+        }
+    }
+}
+
+impl OrderError {
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            OrderError::UnknownSku(_) => Outcome::NotFound,
+            OrderError::StockUnavailable(_) => Outcome::Unavailable,
+            OrderError::SoldOut { .. } => Outcome::SoldOut,
+            OrderError::Busy(_) => Outcome::LockTimeout,
+            OrderError::GaveUp(_) => Outcome::TooManyConflicts,
+            OrderError::LockLost(_) | OrderError::Fenced { .. } | OrderError::StaleRead => {
+                Outcome::LockLost
+            }
+            OrderError::SaleChanged => Outcome::SaleChanged,
+            OrderError::Abandoned => Outcome::Abandoned,
+            OrderError::LockBackend { .. } => Outcome::BackendUnavailable,
+            OrderError::Store(error) => match error.unavailable_backend() {
+                Some(_) => Outcome::BackendUnavailable,
+                None => Outcome::Internal,
+            },
+        }
+    }
 }
 
 impl From<StoreError> for OrderError {
@@ -182,9 +257,9 @@ pub struct Backends {
 }
 
 /// Every strategy this build knows, in the order the report and dashboard show them.
-pub fn registry(backends: &Backends) -> Vec<Arc<dyn Strategy>> {
+pub fn registry(backends: &Backends) -> Registry {
     let owner = &backends.replica_id;
-    vec![
+    Registry::new(vec![
         Arc::new(none::NoCoordination),
         Arc::new(redis_lock::RedisLockStrategy {
             lock: RedisLock::new(
@@ -222,10 +297,5 @@ pub fn registry(backends: &Backends) -> Vec<Arc<dyn Strategy>> {
             ),
         }),
         Arc::new(redis_atomic::RedisAtomicStrategy),
-    ]
-}
-
-/// Looks a strategy up by name.
-pub fn find<'a>(strategies: &'a [Arc<dyn Strategy>], name: &str) -> Option<&'a Arc<dyn Strategy>> {
-    strategies.iter().find(|s| s.name() == name)
+    ])
 }

@@ -39,7 +39,7 @@ impl Strategy for NoCoordination {
         order: &NewOrder,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
-        flow.sell(order, self.name(), None, options).await
+        flow.sell(order, self.name(), None, &options).await
     }
 
     async fn inspect(&self, _flow: &SaleFlow, _sku: &Sku) -> Result<LockView, OrderError> {

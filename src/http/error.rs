@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::store::StoreError;
-use crate::strategy::OrderError;
+use crate::strategy::{OrderError, Outcome, UnknownStrategy};
 
 /// The body of every error answer.
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
@@ -42,14 +42,6 @@ pub enum AppError {
     PayloadTooLarge(String),
     #[error("{0}")]
     UnsupportedMediaType(String),
-    #[error("sold out: {available} left, {requested} requested")]
-    SoldOut { available: i64, requested: i64 },
-    /// Contention: the lock was not free in time, or optimistic retries ran out.
-    #[error("{0}")]
-    Busy(String),
-    /// The holder lost its lock before committing; the order was not recorded.
-    #[error("the lock was lost before the order was committed; nothing was written ({0})")]
-    LockLost(String),
     #[error("this admin call needs Authorization: Bearer <admin token>")]
     Unauthorized,
     #[error("the admin token is not valid")]
@@ -60,20 +52,20 @@ pub enum AppError {
     /// A feature this replica cannot offer right now; the message says why.
     #[error("{0}")]
     Unavailable(String),
-    /// An admin changed the sale while the order was under way; retry.
-    #[error(
-        "the sale changed (strategy, fencing, reset or reconcile) while the order was under way; nothing was written, try again"
-    )]
-    SaleChanged,
-    /// optimistic concurrency gave up after conflicting on every attempt.
-    #[error("{0}")]
-    GaveUp(String),
     /// Too many requests in flight on this replica.
     #[error("this replica is at its limit of requests in flight; try again")]
     Overloaded,
-    /// The request took longer than the replica allows; nothing was committed by it.
-    #[error("the request took longer than {0:?} and was abandoned")]
+    /// The request took longer than the replica allows. An order it had not begun
+    /// never begins; one already in its critical section runs to its end (committed or
+    /// rolled back), so check the orders before buying again.
+    #[error(
+        "the request took longer than {0:?}; an order already under way finishes on its own \
+         (check before retrying), one not yet begun never begins"
+    )]
     TimedOut(std::time::Duration),
+    /// An order that was not placed; its outcome names the code (`Outcome`).
+    #[error("{}", order_message(.0))]
+    Order(OrderError),
     /// Redis or MySQL could not be reached in time.
     #[error("{backend} is unavailable; try again shortly")]
     BackendUnavailable { backend: &'static str },
@@ -93,17 +85,16 @@ impl AppError {
             AppError::UnsupportedMediaType(_) => {
                 (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
             }
-            AppError::SoldOut { .. } => (StatusCode::CONFLICT, "sold_out"),
-            AppError::Busy(_) => (StatusCode::SERVICE_UNAVAILABLE, "lock_timeout"),
+            AppError::Order(error) => {
+                let outcome = error.outcome();
+                (order_status(outcome), outcome.code())
+            }
             AppError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             AppError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
             AppError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             AppError::Overloaded => (StatusCode::SERVICE_UNAVAILABLE, "overloaded"),
-            AppError::SaleChanged => (StatusCode::SERVICE_UNAVAILABLE, "sale_changed"),
-            AppError::GaveUp(_) => (StatusCode::SERVICE_UNAVAILABLE, "too_many_conflicts"),
             AppError::TimedOut(_) => (StatusCode::SERVICE_UNAVAILABLE, "timeout"),
             AppError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
-            AppError::LockLost(_) => (StatusCode::CONFLICT, "lock_lost"),
             AppError::BackendUnavailable { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, "backend_unavailable")
             }
@@ -121,12 +112,14 @@ impl IntoResponse for AppError {
         });
         let mut response = (status, body).into_response();
         let retry_after = match &self {
-            AppError::Busy(_)
-            | AppError::SaleChanged
-            | AppError::GaveUp(_)
-            | AppError::BackendUnavailable { .. }
-            | AppError::Overloaded
-            | AppError::TimedOut(_) => Some("1"),
+            AppError::Order(error)
+                if order_status(error.outcome()) == StatusCode::SERVICE_UNAVAILABLE =>
+            {
+                Some("1")
+            }
+            AppError::BackendUnavailable { .. } | AppError::Overloaded | AppError::TimedOut(_) => {
+                Some("1")
+            }
             _ => None,
         };
         if matches!(self, AppError::Unauthorized) {
@@ -177,36 +170,78 @@ impl From<StoreError> for AppError {
     }
 }
 
+impl From<UnknownStrategy> for AppError {
+    fn from(unknown: UnknownStrategy) -> Self {
+        AppError::Invalid(unknown.to_string())
+    }
+}
+
 impl From<OrderError> for AppError {
     fn from(error: OrderError) -> Self {
-        match error {
-            OrderError::UnknownSku(sku) => AppError::NotFound(format!("unknown SKU '{sku}'")),
-            OrderError::StockUnavailable(sku) => AppError::Unavailable(format!(
-                "Redis holds no stock for '{sku}' (restarted?); an admin must rebuild it from \
-                 MySQL with POST /api/admin/reconcile"
-            )),
-            OrderError::SoldOut {
-                available,
-                requested,
-            } => AppError::SoldOut {
-                available,
-                requested,
-            },
-            OrderError::Busy(message) => AppError::Busy(message),
-            OrderError::LockLost(detail) => AppError::LockLost(detail),
-            OrderError::Fenced { token } => AppError::LockLost(format!(
-                "MySQL refused fencing token {token}: a newer lock holder began since"
-            )),
-            OrderError::StaleRead => AppError::LockLost(
-                "MySQL refused the write: the stock it was computed from had changed".into(),
-            ),
-            OrderError::SaleChanged => AppError::SaleChanged,
-            OrderError::GaveUp(message) => AppError::GaveUp(message),
+        match &error {
             OrderError::LockBackend { backend, detail } => {
                 tracing::warn!(backend, %detail, "lock backend failed");
-                AppError::BackendUnavailable { backend }
             }
-            OrderError::Store(error) => error.into(),
+            OrderError::Store(store) => match store.unavailable_backend() {
+                Some(backend) => tracing::warn!(%store, backend, "backend unavailable"),
+                None => tracing::error!(%store, "backend error"),
+            },
+            _ => {}
         }
+        AppError::Order(error)
+    }
+}
+
+/// The HTTP status of each way an order can end.
+fn order_status(outcome: Outcome) -> StatusCode {
+    match outcome {
+        Outcome::Created => StatusCode::CREATED,
+        Outcome::SoldOut | Outcome::LockLost => StatusCode::CONFLICT,
+        Outcome::NotFound => StatusCode::NOT_FOUND,
+        Outcome::LockTimeout
+        | Outcome::TooManyConflicts
+        | Outcome::SaleChanged
+        | Outcome::Unavailable
+        | Outcome::BackendUnavailable
+        | Outcome::Abandoned => StatusCode::SERVICE_UNAVAILABLE,
+        Outcome::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// The sentence an order's error answers with; backend details stay in the log.
+fn order_message(error: &OrderError) -> String {
+    match error {
+        OrderError::UnknownSku(sku) => format!("unknown SKU '{sku}'"),
+        OrderError::StockUnavailable(sku) => format!(
+            "Redis holds no stock for '{sku}' (restarted, or dropped after a write whose \
+             outcome is unknown); an admin must rebuild it from MySQL with \
+             POST /api/admin/reconcile"
+        ),
+        OrderError::SoldOut {
+            available,
+            requested,
+        } => format!("sold out: {available} left, {requested} requested"),
+        OrderError::Busy(message) | OrderError::GaveUp(message) => message.clone(),
+        OrderError::LockLost(detail) => format!(
+            "the lock was lost before the order was committed; nothing was written ({detail})"
+        ),
+        OrderError::Fenced { token } => format!(
+            "MySQL refused fencing token {token}: a newer lock holder began since; nothing \
+             was written"
+        ),
+        OrderError::StaleRead => "MySQL refused the write: the stock it was computed from \
+             had changed; nothing was written"
+            .into(),
+        OrderError::SaleChanged => "the sale changed (strategy, fencing, reset or \
+             reconcile) while the order was under way; nothing was written, try again"
+            .into(),
+        OrderError::Abandoned => "the request ended before the order began".into(),
+        OrderError::LockBackend { backend, .. } => {
+            format!("{backend} is unavailable; try again shortly")
+        }
+        OrderError::Store(store) => match store.unavailable_backend() {
+            Some(backend) => format!("{backend} is unavailable; try again shortly"),
+            None => "internal error".into(),
+        },
     }
 }
