@@ -1,4 +1,4 @@
-//! The load-test report (SPEC §6): written by the `loadtest` crate, kept by the
+//! The load-test report (`docs/report.md`): written by the `loadtest` crate, kept by the
 //! service under `/api/runs` for the dashboard's history. One definition for both, so
 //! they cannot drift apart.
 

@@ -1,6 +1,6 @@
 //! The flashsale load test: for each strategy, switch the cluster, restock, let a
 //! Goose crowd buy until sold out (plus a grace period) or a time bound, then read the
-//! service's own records and record the run (SPEC §6).
+//! service's own records and record the run (`docs/report.md`).
 
 pub mod crowd;
 pub mod options;

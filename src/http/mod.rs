@@ -1,4 +1,4 @@
-//! The HTTP surface of one replica (SPEC §5): routes, the JSON extractor whose
+//! The HTTP surface of one replica (`docs/api.md`): routes, the JSON extractor whose
 //! rejections become our JSON errors, and the layers around them.
 //!
 //! Handlers translate between HTTP and the domain; they never talk to Redis or MySQL

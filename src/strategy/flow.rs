@@ -1,4 +1,4 @@
-//! The critical section every lock strategy runs (SPEC §4), written once so that the
+//! The critical section every lock strategy runs (`docs/order-flow.md`), written once so that the
 //! only thing that differs between lock strategies is how they coordinate:
 //!
 //! ```text

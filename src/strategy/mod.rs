@@ -41,7 +41,7 @@ pub use crate::store::DEFAULT_STRATEGY;
 
 #[async_trait]
 pub trait Strategy: Send + Sync {
-    /// The name from SPEC §3, used verbatim in the API, reports and dashboard.
+    /// The name from `docs/order-flow.md`, used verbatim in the API, reports and dashboard.
     fn name(&self) -> &'static str;
 
     /// How the mechanism works, for `/api/strategies` and the dashboard.
