@@ -252,7 +252,7 @@ async fn write_order(
         }
     };
     if updated.rows_affected() == 0 {
-        return Ok(Err(diagnose(tx, order, write, &epoch_text, strategy).await?));
+        return Ok(Err(diagnose(tx, order, write, epoch, strategy).await?));
     }
     let version = i64::try_from(updated.last_insert_id()).unwrap_or(i64::MAX);
     let recorded = insert_order(tx, order, strategy, replica).await?;
@@ -267,7 +267,7 @@ async fn diagnose(
     tx: &mut Transaction<'static, MySql>,
     order: &NewOrder,
     write: StockWrite,
-    epoch: &str,
+    epoch: u64,
     strategy: &str,
 ) -> Result<Refusal, StoreError> {
     let row: Option<(i64, i64, String, Option<u64>)> = sqlx::query_as(
@@ -283,21 +283,75 @@ async fn diagnose(
     let Some((stock, version, current_epoch, fence)) = row else {
         return Ok(Refusal::UnknownSku);
     };
-    if current_epoch != epoch {
-        return Ok(Refusal::SaleChanged);
+    let row = ProductRow {
+        stock,
+        version,
+        epoch: current_epoch.parse().unwrap_or(0),
+        fence,
+    };
+    // The row cannot have changed since the update (the transaction holds it); if the
+    // rules would now let the write through, the epoch moved in between.
+    Ok(judge(write, order.quantity, epoch, &row)
+        .err()
+        .unwrap_or(Refusal::SaleChanged))
+}
+
+/// What MySQL holds for a product, as an order's write sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProductRow {
+    pub stock: i64,
+    pub version: i64,
+    /// The sale epoch now.
+    pub epoch: u64,
+    /// The SKU's fence for the order's lock service, if one was ever registered.
+    pub fence: Option<u64>,
+}
+
+/// The rules of an order's write, in one place: the conditions of the `UPDATE`s in
+/// `write_order` say the same in SQL, and `diagnose` asks this function which of them
+/// failed. `Ok` is the stock after the order.
+pub fn judge(
+    write: StockWrite,
+    quantity: i64,
+    epoch: u64,
+    row: &ProductRow,
+) -> Result<i64, Refusal> {
+    if row.epoch != epoch {
+        return Err(Refusal::SaleChanged);
     }
-    Ok(match write {
+    match write {
+        // Unfenced: the absolute write lands whatever happened since the read. With a
+        // lock that held, nothing did; with one that was lost, this is the lost update.
         StockWrite::Set {
-            fence: Some(mine), ..
-        } if fence != Some(mine.token) => Refusal::Fenced { token: mine.token },
-        StockWrite::Set { .. } => Refusal::StaleRead { stock, version },
-        StockWrite::DecrementAtVersion { version: read } if read != version => {
-            Refusal::VersionChanged
+            new_stock,
+            fence: None,
+        } => Ok(new_stock),
+        StockWrite::Set {
+            new_stock,
+            fence: Some(fence),
+        } => {
+            if row.fence != Some(fence.token) {
+                Err(Refusal::Fenced { token: fence.token })
+            } else if row.stock != fence.read_stock {
+                Err(Refusal::StaleRead {
+                    stock: row.stock,
+                    version: row.version,
+                })
+            } else {
+                Ok(new_stock)
+            }
+        }
+        StockWrite::DecrementAtVersion { version } if version != row.version => {
+            Err(Refusal::VersionChanged)
         }
         StockWrite::DecrementAtVersion { .. } | StockWrite::Decrement => {
-            Refusal::NotEnough { stock }
+            if row.stock < quantity {
+                Err(Refusal::NotEnough { stock: row.stock })
+            } else {
+                Ok(row.stock - quantity)
+            }
         }
-    })
+    }
 }
 
 /// A product row locked `FOR UPDATE` inside an open transaction (db-for-update).
@@ -338,5 +392,151 @@ impl LockedProduct {
                 Ok(Err(refusal))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The fence rules against an in-memory product row: registration moves the fence
+    //! forward only, a commit goes through `judge`. Each test is one interleaving of
+    //! two holders; the real-service versions are `tests/integration/fenced_reads.rs`.
+
+    use super::*;
+
+    /// MySQL as the rules see it: one product row and its fence.
+    struct Mysql {
+        row: ProductRow,
+        orders: i64,
+    }
+
+    impl Mysql {
+        fn new(stock: i64) -> Mysql {
+            Mysql {
+                row: ProductRow {
+                    stock,
+                    version: 1,
+                    epoch: 1,
+                    fence: None,
+                },
+                orders: 0,
+            }
+        }
+
+        fn register(&mut self, token: u64) {
+            self.row.fence = Some(self.row.fence.map_or(token, |f| f.max(token)));
+        }
+
+        fn commit(&mut self, token: u64, read_stock: i64) -> Result<(), Refusal> {
+            let write = StockWrite::Set {
+                new_stock: read_stock - 1,
+                fence: Some(Fence { token, read_stock }),
+            };
+            self.row.stock = judge(write, 1, 1, &self.row)?;
+            self.row.version += 1;
+            self.orders += 1;
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_stale_holder_waking_first_is_refused() {
+        let mut mysql = Mysql::new(1);
+        mysql.register(1);
+        let stale_read = mysql.row.stock; // then paused past its lease
+        mysql.register(2);
+        let rival_read = mysql.row.stock;
+        assert_eq!(
+            mysql.commit(1, stale_read),
+            Err(Refusal::Fenced { token: 1 })
+        );
+        assert_eq!(mysql.commit(2, rival_read), Ok(()));
+        assert_eq!((mysql.orders, mysql.row.stock), (1, 0));
+    }
+
+    #[test]
+    fn the_stale_holder_waking_last_is_refused() {
+        let mut mysql = Mysql::new(1);
+        mysql.register(1);
+        let stale_read = mysql.row.stock;
+        mysql.register(2);
+        let rival_read = mysql.row.stock;
+        assert_eq!(mysql.commit(2, rival_read), Ok(()));
+        assert_eq!(
+            mysql.commit(1, stale_read),
+            Err(Refusal::Fenced { token: 1 })
+        );
+        assert_eq!((mysql.orders, mysql.row.stock), (1, 0));
+    }
+
+    #[test]
+    fn a_read_from_a_cache_behind_mysql_is_refused() {
+        // Holder 1 committed but stalled before writing the cache; holder 2 reads the
+        // cache's old value. Its token is newer, so only the stock comparison stops it.
+        let mut mysql = Mysql::new(2);
+        mysql.register(1);
+        let cached = mysql.row.stock;
+        assert_eq!(mysql.commit(1, cached), Ok(()));
+        mysql.register(2);
+        assert_eq!(
+            mysql.commit(2, cached),
+            Err(Refusal::StaleRead {
+                stock: 1,
+                version: 2
+            })
+        );
+        assert_eq!((mysql.orders, mysql.row.stock), (1, 1));
+    }
+
+    #[test]
+    fn a_fence_checked_only_against_the_last_write_oversells() {
+        // What fencing did before it covered the read: the token need only be newer
+        // than the last one *written*. Both holders read 1; both writes land.
+        let (mut last_written, mut orders, mut stock) = (0, 0, 1);
+        let (stale_read, rival_read) = (stock, stock);
+        for (token, read) in [(1, stale_read), (2, rival_read)] {
+            if token > last_written {
+                last_written = token;
+                stock = read - 1;
+                orders += 1;
+            }
+        }
+        assert_eq!((orders, stock), (2, 0), "two orders for one unit");
+    }
+
+    #[test]
+    fn an_order_of_an_older_epoch_is_refused() {
+        let row = ProductRow {
+            stock: 5,
+            version: 3,
+            epoch: 8,
+            fence: None,
+        };
+        assert_eq!(
+            judge(StockWrite::Decrement, 1, 7, &row),
+            Err(Refusal::SaleChanged)
+        );
+        assert_eq!(judge(StockWrite::Decrement, 1, 8, &row), Ok(4));
+    }
+
+    #[test]
+    fn decrements_never_go_below_zero_and_optimistic_needs_its_version() {
+        let row = ProductRow {
+            stock: 1,
+            version: 3,
+            epoch: 1,
+            fence: None,
+        };
+        assert_eq!(
+            judge(StockWrite::Decrement, 2, 1, &row),
+            Err(Refusal::NotEnough { stock: 1 })
+        );
+        assert_eq!(
+            judge(StockWrite::DecrementAtVersion { version: 2 }, 1, 1, &row),
+            Err(Refusal::VersionChanged)
+        );
+        assert_eq!(
+            judge(StockWrite::DecrementAtVersion { version: 3 }, 1, 1, &row),
+            Ok(0)
+        );
     }
 }
