@@ -20,7 +20,7 @@ use crate::config::ServeConfig;
 use crate::http::{AppState, Snapshots};
 use crate::loadtests::LoadTests;
 use crate::replica::Heartbeat;
-use crate::store::{ClusterState, Records, StockCache, Store};
+use crate::store::{ClusterState, Records, StockCache, Store, Timeline};
 use crate::strategy::{self, Backends, SaleFlow};
 
 /// A replica bound to its port, ready to serve.
@@ -58,7 +58,8 @@ impl Server {
         let store = Store {
             cache: StockCache::new(redis.clone(), config.namespace.clone()),
             records,
-            cluster: ClusterState::new(redis, config.namespace.clone()),
+            cluster: ClusterState::new(redis.clone(), config.namespace.clone()),
+            timeline: Timeline::start(redis, config.namespace.clone()),
         };
         let flow = Arc::new(SaleFlow {
             store: store.clone(),

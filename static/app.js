@@ -221,6 +221,66 @@ function onSnapshot(snapshot) {
   renderRate(stats.skus, snapshot.at);
   renderReplicas(stats.replicas, snapshot.at);
   renderLocks(stats.strategy, snapshot.locks, stats.replicas);
+  const busiest = [...stats.skus].sort((a, b) => Date.parse(b.updated_at) - Date.parse(a.updated_at))[0];
+  if (busiest) refreshRace(busiest.sku);
+}
+
+// ---- the race: critical sections per replica ------------------------------------
+
+const RACE_SECTIONS = 60;
+
+async function refreshRace(sku) {
+  try {
+    const timeline = await api("GET", `/api/timeline?sku=${encodeURIComponent(sku)}`);
+    renderRace(timeline.sku, timeline.sections.slice(-RACE_SECTIONS));
+  } catch (error) {
+    document.getElementById("race-legend").textContent = `No timeline: ${error.message}`;
+  }
+}
+
+function renderRace(sku, sections) {
+  document.getElementById("race-sku").textContent = `(${sku}, last ${sections.length} orders)`;
+  const chart = document.getElementById("race-chart");
+  if (!sections.length) {
+    chart.replaceChildren(el("p", { class: "muted" }, "No order yet for this SKU."));
+    return;
+  }
+  const replicas = [...new Set(sections.map((s) => s.replica))].sort();
+  const t0 = Math.min(...sections.map((s) => s.start_ms));
+  const t1 = Math.max(...sections.map((s) => s.end_ms));
+  const span = Math.max(t1 - t0, 1);
+  const [width, label, row] = [1000, 110, 28];
+  const height = replicas.length * row + 24;
+  const x = (t) => label + ((t - t0) / span) * (width - label - 10);
+  const overlapping = sections.map((a, i) => sections.some((b, j) => i !== j && a.start_ms < b.end_ms && b.start_ms < a.end_ms));
+  const ns = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  const add = (tag, attrs, text) => {
+    const node = document.createElementNS(ns, tag);
+    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+    if (text !== undefined) node.textContent = text;
+    svg.appendChild(node);
+    return node;
+  };
+  replicas.forEach((replica, i) => add("text", { x: 4, y: i * row + 18 }, replica));
+  sections.forEach((s, i) => {
+    const known = ["created", "sold_out", "lock_lost"].includes(s.outcome) ? s.outcome : "other";
+    const bar = add("rect", {
+      x: x(s.start_ms), y: replicas.indexOf(s.replica) * row + 4,
+      width: Math.max(x(s.end_ms) - x(s.start_ms), 2), height: row - 8,
+      class: `${known}${overlapping[i] ? " overlap" : ""}`,
+    });
+    const title = document.createElementNS(ns, "title");
+    title.textContent = `${s.replica} ${s.strategy}: ${s.outcome}, ${(s.end_ms - s.start_ms).toFixed(1)} ms` +
+      (s.fence === null ? "" : `, token ${s.fence}`) + (s.order_id === null ? "" : `, order ${s.order_id}`);
+    bar.appendChild(title);
+  });
+  add("text", { x: label, y: height - 6 }, `${span.toFixed(0)} ms from the first section shown to the last`);
+  chart.replaceChildren(svg);
+  const overlaps = overlapping.filter(Boolean).length;
+  document.getElementById("race-legend").textContent =
+    `${overlaps} of ${sections.length} sections overlap another · green: sold · grey: sold out · red: refused (lock lost or fenced)`;
 }
 
 // The SKUs most recently active first; a long tail of old SKUs is summarised.

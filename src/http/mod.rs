@@ -20,6 +20,7 @@ mod runs;
 mod state;
 pub mod stats;
 mod strategies;
+mod timeline;
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -81,6 +82,7 @@ pub fn router(
         .route("/api/orders", post(orders::place_order))
         .route("/api/strategies", get(strategies::list))
         .route("/api/stats", get(stats::stats))
+        .route("/api/timeline", get(timeline::timeline))
         .route("/api/loadtests", get(loadtests::status))
         .route("/api/runs", get(runs::list))
         .route("/api", axum::routing::any(unknown_api_route))

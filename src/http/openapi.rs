@@ -16,7 +16,9 @@ use utoipa::{Modify, OpenApi, PartialSchema};
 
 use super::AppState;
 use super::error::ErrorBody;
-use super::{ApiJson, admin, events, health, loadtests, metrics, orders, runs, stats, strategies};
+use super::{
+    ApiJson, admin, events, health, loadtests, metrics, orders, runs, stats, strategies, timeline,
+};
 use crate::model::StrategyName;
 
 /// Operations with this tag are admin calls: they need the admin token when one is set.
@@ -38,6 +40,7 @@ const ADMIN_TOKEN: &str = "admin_token";
         orders::place_order,
         strategies::list,
         stats::stats,
+        timeline::timeline,
         admin::active_strategy,
         admin::set_strategy,
         admin::reset,

@@ -9,12 +9,14 @@ mod order_commit;
 mod records;
 mod sale;
 mod stock_cache;
+mod timeline;
 
 pub use cluster_state::{ClusterSettings, ClusterState, PauseFault, ReplicaInfo};
 pub use order_commit::{Committed, Fence, LockedProduct, Refusal, StockWrite};
 pub use records::{ProductRecord, Records};
 pub use sale::{SaleChange, SaleSettings, StockAt};
 pub use stock_cache::{StockCache, Taken};
+pub use timeline::{Section, Timeline};
 
 use deadpool_redis::redis::RedisError;
 
@@ -27,6 +29,7 @@ pub struct Store {
     pub cache: StockCache,
     pub records: Records,
     pub cluster: ClusterState,
+    pub timeline: Timeline,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -65,6 +65,7 @@ impl Store {
             SaleChange::Reset { .. } => {
                 for stock in &stocks {
                     self.cache.reset(stock).await?;
+                    self.timeline.clear(&stock.sku).await?;
                 }
                 stocks
             }

@@ -7,6 +7,7 @@ use async_trait::async_trait;
 use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock};
 use crate::lock::local_queue::LocalQueues;
 use crate::model::{NewOrder, Order, Sku};
+use crate::store::LockedProduct;
 
 #[derive(Default)]
 pub struct DbForUpdateStrategy {
@@ -71,6 +72,26 @@ impl Strategy for DbForUpdateStrategy {
         };
         let (_turn, locked) = flow.wait_for_lock(self.name(), &options, acquire).await?;
         let locked = locked.ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
+        let section = flow.section_begins();
+        let placed = self.sell_locked_row(flow, order, &options, locked).await;
+        flow.section_ends(section, order, self.name(), &placed, None);
+        placed
+    }
+
+    async fn inspect(&self, flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
+        inspect_row(flow, sku).await
+    }
+}
+
+impl DbForUpdateStrategy {
+    /// The critical section, holding the row.
+    async fn sell_locked_row(
+        &self,
+        flow: &SaleFlow,
+        order: &NewOrder,
+        options: &OrderOptions,
+        locked: LockedProduct,
+    ) -> Result<Order, OrderError> {
         ensure_in_stock(locked.stock, order)?;
         flow.simulate_work().await;
         let new_stock = locked.stock - order.quantity;
@@ -85,19 +106,19 @@ impl Strategy for DbForUpdateStrategy {
         flow.write_cache(order, new_stock, committed.version).await;
         Ok(committed.order)
     }
+}
 
-    async fn inspect(&self, flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
-        let row = flow.store.records.stock_and_version(sku).await?;
-        let row = row.map_or("no products row".into(), |(stock, version)| {
-            format!("products row sku='{sku}': stock={stock} version={version}")
-        });
-        Ok(LockView {
-            state: vec![
-                "the lock is the row itself, held by an open transaction (SELECT … FOR UPDATE)"
-                    .into(),
-                row,
-            ],
-            ..LockView::default()
-        })
-    }
+/// The row lock as the dashboard shows it.
+async fn inspect_row(flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
+    let row = flow.store.records.stock_and_version(sku).await?;
+    let row = row.map_or("no products row".into(), |(stock, version)| {
+        format!("products row sku='{sku}': stock={stock} version={version}")
+    });
+    Ok(LockView {
+        state: vec![
+            "the lock is the row itself, held by an open transaction (SELECT … FOR UPDATE)".into(),
+            row,
+        ],
+        ..LockView::default()
+    })
 }

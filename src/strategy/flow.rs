@@ -16,10 +16,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{OrderError, OrderOptions};
+use super::{OrderError, OrderOptions, Outcome};
 use crate::lock::{DistributedLock, HeldLock};
 use crate::model::{NewOrder, Order, PausePoint};
-use crate::store::{Committed, Fence, Refusal, StockWrite, Store, StoreError};
+use crate::store::{Committed, Fence, Refusal, Section, StockWrite, Store, StoreError};
 
 /// What one replica needs to run the order flow.
 pub struct SaleFlow {
@@ -51,7 +51,9 @@ impl SaleFlow {
         };
         let guard = self.wait_for_lock(strategy, &options, acquire).await?;
         let holding = Instant::now();
+        let section = self.section_begins();
         let sold = self.sell(order, strategy, Some(&guard), &options).await;
+        self.section_ends(section, order, strategy, &sold, guard.fencing_token());
         if let Err(error) = guard.release().await {
             tracing::warn!(%error, sku = %order.sku, strategy, "lock release failed");
         }
@@ -271,6 +273,38 @@ impl SaleFlow {
         }
     }
 
+    /// Marks the start of an order's critical section for the timeline.
+    pub fn section_begins(&self) -> SectionClock {
+        SectionClock {
+            started_ms: epoch_ms(),
+        }
+    }
+
+    /// Records the order's critical section on the timeline, without waiting.
+    pub fn section_ends(
+        &self,
+        clock: SectionClock,
+        order: &NewOrder,
+        strategy: &str,
+        result: &Result<Order, OrderError>,
+        fence: Option<u64>,
+    ) {
+        let (outcome, order_id) = match result {
+            Ok(placed) => (Outcome::Created, Some(placed.id)),
+            Err(error) => (error.outcome(), None),
+        };
+        let section = Section {
+            replica: self.replica_id.clone(),
+            strategy: strategy.to_owned(),
+            start_ms: clock.started_ms,
+            end_ms: epoch_ms(),
+            outcome: outcome.code().to_owned(),
+            fence,
+            order_id,
+        };
+        self.store.timeline.record(&order.sku, section);
+    }
+
     /// The simulated validation inside the critical section (FLASHSALE_WORK_MS).
     pub async fn simulate_work(&self) {
         if !self.work.is_zero() {
@@ -307,6 +341,19 @@ impl SaleFlow {
         self.store.cluster.count(strategy, "paused_holders").await;
         Ok(())
     }
+}
+
+/// When an order's critical section began (see `section_begins`).
+pub struct SectionClock {
+    started_ms: f64,
+}
+
+/// Now, in Unix epoch milliseconds with sub-millisecond precision: sections of
+/// different replicas on one machine (or on clocks kept in sync) line up.
+fn epoch_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
 }
 
 /// `SoldOut` when `stock` cannot cover the order.

@@ -39,7 +39,10 @@ impl Strategy for NoCoordination {
         order: &NewOrder,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
-        flow.sell(order, self.name(), None, &options).await
+        let section = flow.section_begins();
+        let sold = flow.sell(order, self.name(), None, &options).await;
+        flow.section_ends(section, order, self.name(), &sold, None);
+        sold
     }
 
     async fn inspect(&self, _flow: &SaleFlow, _sku: &Sku) -> Result<LockView, OrderError> {

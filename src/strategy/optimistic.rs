@@ -56,6 +56,35 @@ impl Strategy for OptimisticStrategy {
         order: &NewOrder,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
+        let section = flow.section_begins();
+        let placed = self.buy(flow, order, options).await;
+        flow.section_ends(section, order, self.name(), &placed, None);
+        placed
+    }
+
+    async fn inspect(&self, flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
+        let row = flow.store.records.stock_and_version(sku).await?;
+        let state = match row {
+            Some((stock, version)) => {
+                format!("no lock: products row sku='{sku}' stock={stock} version={version}")
+            }
+            None => format!("no products row for sku='{sku}'"),
+        };
+        Ok(LockView {
+            state: vec![state],
+            ..LockView::default()
+        })
+    }
+}
+
+impl OptimisticStrategy {
+    /// The order itself; `place_order` records it on the timeline.
+    async fn buy(
+        &self,
+        flow: &SaleFlow,
+        order: &NewOrder,
+        options: OrderOptions,
+    ) -> Result<Order, OrderError> {
         let store = &flow.store;
         for attempt in 0..self.max_attempts {
             let (stock, version) = store
@@ -88,19 +117,5 @@ impl Strategy for OptimisticStrategy {
             "{} optimistic attempts all conflicted with other writers; try again",
             self.max_attempts
         )))
-    }
-
-    async fn inspect(&self, flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
-        let row = flow.store.records.stock_and_version(sku).await?;
-        let state = match row {
-            Some((stock, version)) => {
-                format!("no lock: products row sku='{sku}' stock={stock} version={version}")
-            }
-            None => format!("no products row for sku='{sku}'"),
-        };
-        Ok(LockView {
-            state: vec![state],
-            ..LockView::default()
-        })
     }
 }

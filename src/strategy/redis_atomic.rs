@@ -50,6 +50,52 @@ impl Strategy for RedisAtomicStrategy {
         order: &NewOrder,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
+        let section = flow.section_begins();
+        let placed = self.buy(flow, order, options).await;
+        flow.section_ends(section, order, self.name(), &placed, None);
+        placed
+    }
+
+    async fn inspect(&self, flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
+        let stock = flow.store.cache.stock(sku).await?;
+        Ok(LockView {
+            state: vec![
+                "no lock: the Lua script is atomic".into(),
+                format!(
+                    "GET <ns>:stock:{sku} → {}",
+                    stock.map_or("(nil)".into(), |s| s.to_string())
+                ),
+            ],
+            ..LockView::default()
+        })
+    }
+}
+
+impl RedisAtomicStrategy {
+    /// Returns units taken for an order that was provably not recorded, unless the
+    /// stock was rewritten from MySQL since (then they are counted already).
+    async fn give_back(&self, flow: &SaleFlow, order: &NewOrder, generation: &str) {
+        let given = flow
+            .store
+            .cache
+            .give_back(&order.sku, order.quantity, generation)
+            .await;
+        if let Err(error) = given {
+            tracing::error!(%error, sku = %order.sku, quantity = order.quantity,
+                "units taken in Redis could not be given back; reconcile the SKU");
+            flow.forget_stock(order).await;
+        }
+    }
+}
+
+impl RedisAtomicStrategy {
+    /// The order itself; `place_order` records it on the timeline.
+    async fn buy(
+        &self,
+        flow: &SaleFlow,
+        order: &NewOrder,
+        options: OrderOptions,
+    ) -> Result<Order, OrderError> {
         let store = &flow.store;
         let generation = match store.cache.take(&order.sku, order.quantity).await? {
             Taken::UnknownSku => return Err(flow.missing_stock(order).await),
@@ -94,37 +140,6 @@ impl Strategy for RedisAtomicStrategy {
                 self.give_back(flow, order, &generation).await;
                 Err(error.into())
             }
-        }
-    }
-
-    async fn inspect(&self, flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
-        let stock = flow.store.cache.stock(sku).await?;
-        Ok(LockView {
-            state: vec![
-                "no lock: the Lua script is atomic".into(),
-                format!(
-                    "GET <ns>:stock:{sku} → {}",
-                    stock.map_or("(nil)".into(), |s| s.to_string())
-                ),
-            ],
-            ..LockView::default()
-        })
-    }
-}
-
-impl RedisAtomicStrategy {
-    /// Returns units taken for an order that was provably not recorded, unless the
-    /// stock was rewritten from MySQL since (then they are counted already).
-    async fn give_back(&self, flow: &SaleFlow, order: &NewOrder, generation: &str) {
-        let given = flow
-            .store
-            .cache
-            .give_back(&order.sku, order.quantity, generation)
-            .await;
-        if let Err(error) = given {
-            tracing::error!(%error, sku = %order.sku, quantity = order.quantity,
-                "units taken in Redis could not be given back; reconcile the SKU");
-            flow.forget_stock(order).await;
         }
     }
 }

@@ -18,4 +18,5 @@ mod openapi_fuzz;
 mod row_lock_queue;
 mod sale_changes;
 mod support;
+mod timeline;
 mod unknown_commit;

@@ -1,0 +1,76 @@
+//! The lock timeline shows the race: under `none` critical sections of different
+//! replicas overlap; under a lock they never do.
+
+use serde_json::Value;
+
+use crate::support::TestCluster;
+
+/// Pairs of sections that overlap in time.
+fn overlaps(sections: &[Value]) -> usize {
+    let spans: Vec<(f64, f64)> = sections
+        .iter()
+        .map(|s| {
+            (
+                s["start_ms"].as_f64().expect("start"),
+                s["end_ms"].as_f64().expect("end"),
+            )
+        })
+        .collect();
+    let mut count = 0;
+    for (i, a) in spans.iter().enumerate() {
+        for b in &spans[i + 1..] {
+            if a.0 < b.1 && b.0 < a.1 {
+                count += 1;
+            }
+        }
+    }
+    count
+}
+
+async fn timeline_after_a_crowd(strategy: &str) -> Vec<Value> {
+    let cluster = TestCluster::start(2, &["--work-ms", "20", "--lock-wait-ms", "30000"]).await;
+    cluster.set_strategy(strategy).await;
+    let sku = "timeline";
+    cluster.reset(sku, 10).await;
+    cluster.crowd(sku, 16).await;
+    // Sections are written in the background: wait until all 16 are there.
+    for _ in 0..100 {
+        let timeline = cluster
+            .get_json(1, &format!("/api/timeline?sku={sku}"))
+            .await;
+        let sections = timeline["sections"].as_array().cloned().unwrap_or_default();
+        if sections.len() >= 16 {
+            for section in &sections {
+                assert_eq!(section["strategy"], strategy, "{section}");
+                assert!(section["end_ms"].as_f64() >= section["start_ms"].as_f64());
+            }
+            return sections;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("{strategy}: the timeline never showed the 16 orders");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sections_overlap_without_a_lock() {
+    let sections = timeline_after_a_crowd("none").await;
+    assert!(overlaps(&sections) > 0, "{sections:?}");
+    let replicas: std::collections::BTreeSet<_> =
+        sections.iter().map(|s| s["replica"].to_string()).collect();
+    assert_eq!(replicas.len(), 2, "both replicas recorded theirs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sections_line_up_under_a_lock() {
+    let sections = timeline_after_a_crowd("redis-lock").await;
+    assert_eq!(overlaps(&sections), 0, "{sections:?}");
+    assert!(
+        sections.iter().all(|s| s["fence"].as_u64().is_some()),
+        "each holder's token is shown"
+    );
+    let created = sections
+        .iter()
+        .filter(|s| s["outcome"] == "created")
+        .count();
+    assert_eq!(created, 10);
+}
