@@ -13,10 +13,67 @@
 //! | `flashsale_lease_renewals_total` | outcome (`renewed`, `lost`, `error`) | `lock::lease` |
 //! | `flashsale_stock` (gauge) | sku, store (`redis`, `mysql`) | `/metrics`, from the records |
 //! | `flashsale_oversold` (gauge) | sku | `/metrics`, from the records |
+//! | `flashsale_records_up` (gauge) | — | `/metrics`: 0 while the records cannot be read |
+//! | `flashsale_timeline_dropped_total` | — | `store::Timeline`, sections not recorded |
 
 use std::sync::OnceLock;
 
+use std::time::Duration;
+
+use metrics::{describe_counter, describe_gauge, describe_histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_util::MetricKindMask;
+
+/// A gauge not set for this long is dropped from `/metrics`.
+const GAUGE_IDLE: Duration = Duration::from_secs(600);
+
+/// The `# HELP` line of every metric.
+fn describe() {
+    describe_counter!(
+        "flashsale_http_requests_total",
+        "HTTP requests by route template, method and status"
+    );
+    describe_histogram!(
+        "flashsale_http_request_duration_seconds",
+        "HTTP request latency by route template"
+    );
+    describe_counter!(
+        "flashsale_orders_total",
+        "Orders by strategy and outcome (the API's code)"
+    );
+    describe_histogram!(
+        "flashsale_lock_acquire_seconds",
+        "Time spent waiting for a lock, by strategy"
+    );
+    describe_histogram!(
+        "flashsale_lock_hold_seconds",
+        "Time a lock was held, by strategy"
+    );
+    describe_counter!(
+        "flashsale_events_total",
+        "Cluster events counted by this replica: lock timeouts, lost locks, fencing rejections, optimistic conflicts and give-ups, paused holders"
+    );
+    describe_counter!(
+        "flashsale_lease_renewals_total",
+        "Lease renewals by the watchdog, by outcome"
+    );
+    describe_gauge!(
+        "flashsale_stock",
+        "Units left per SKU, in Redis and in MySQL"
+    );
+    describe_gauge!(
+        "flashsale_oversold",
+        "Units sold beyond the initial stock, per SKU"
+    );
+    describe_gauge!(
+        "flashsale_records_up",
+        "1 when the last /metrics could read the records, 0 during an outage"
+    );
+    describe_counter!(
+        "flashsale_timeline_dropped_total",
+        "Critical sections not recorded on the timeline (backlog full)"
+    );
+}
 
 /// Latency buckets in seconds: from sub-millisecond Redis calls to lock waits.
 const BUCKETS: [f64; 14] = [
@@ -30,6 +87,8 @@ pub fn prometheus() -> PrometheusHandle {
     HANDLE
         .get_or_init(|| {
             let builder = PrometheusBuilder::new();
+            // Gauges of SKUs nobody sold for a while are dropped: bounded label sets.
+            let builder = builder.idle_timeout(MetricKindMask::GAUGE, Some(GAUGE_IDLE));
             let recorder = match builder.set_buckets(&BUCKETS) {
                 Ok(builder) => builder.build_recorder(),
                 Err(error) => {
@@ -41,6 +100,7 @@ pub fn prometheus() -> PrometheusHandle {
             if metrics::set_global_recorder(recorder).is_err() {
                 tracing::warn!("a metrics recorder was already installed; /metrics stays empty");
             }
+            describe();
             handle
         })
         .clone()

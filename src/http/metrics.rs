@@ -10,7 +10,6 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use super::AppState;
-use super::error::{AppError, ErrorBody};
 use super::stats;
 
 pub async fn observe(request: Request, next: Next) -> Response {
@@ -30,17 +29,38 @@ pub async fn observe(request: Request, next: Next) -> Response {
     response
 }
 
-/// Refreshes the stock gauges from the records, then renders everything.
+/// Per-SKU gauges are set for this many of the most recently active SKUs; gauges not
+/// set for a while are dropped by the exporter (`telemetry.rs`), so the label set stays
+/// bounded however many SKUs there are.
+const SKU_GAUGES: usize = 50;
+
+/// Refreshes the stock gauges from the records, then renders everything. Answers 200
+/// even while Redis or MySQL is down, so the graphs show the outage:
+/// `flashsale_records_up` is then 0 and the per-SKU gauges are not refreshed.
 #[utoipa::path(get, path = "/metrics", tag = "service",
     responses(
         (status = 200, description = "Prometheus text format", content_type = "text/plain",
             body = String),
-        (status = 503, description = "`backend_unavailable`: the records cannot be read",
-            body = ErrorBody),
     ))]
-pub async fn render(State(state): State<AppState>) -> Result<Response, AppError> {
-    let stats = stats::collect(&state, None).await?;
-    for sku in &stats.skus {
+pub async fn render(State(state): State<AppState>) -> Response {
+    match stats::collect(&state, None).await {
+        Ok(stats) => {
+            metrics::gauge!("flashsale_records_up").set(1.0);
+            set_sku_gauges(&stats.skus);
+        }
+        Err(error) => {
+            tracing::debug!(%error, "metrics without the records");
+            metrics::gauge!("flashsale_records_up").set(0.0);
+        }
+    }
+    let body = state.metrics.render();
+    ([(CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+fn set_sku_gauges(skus: &[stats::SkuStats]) {
+    let mut recent: Vec<&stats::SkuStats> = skus.iter().collect();
+    recent.sort_by_key(|s| std::cmp::Reverse(s.updated_at));
+    for sku in recent.into_iter().take(SKU_GAUGES) {
         let name = sku.sku.to_string();
         metrics::gauge!("flashsale_stock", "sku" => name.clone(), "store" => "mysql")
             .set(sku.stock_mysql as f64);
@@ -50,6 +70,4 @@ pub async fn render(State(state): State<AppState>) -> Result<Response, AppError>
         }
         metrics::gauge!("flashsale_oversold", "sku" => name).set(sku.oversold as f64);
     }
-    let body = state.metrics.render();
-    Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response())
 }

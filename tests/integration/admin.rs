@@ -117,12 +117,41 @@ async fn metrics_are_exposed_in_prometheus_format() {
         "flashsale_orders_total{strategy=\"none\",outcome=\"sold_out\"}",
         "flashsale_oversold{sku=\"measured\"} 0",
         "flashsale_stock{sku=\"measured\",store=\"mysql\"} 0",
+        "# HELP flashsale_orders_total",
+        "# TYPE flashsale_orders_total counter",
     ] {
         assert!(
             text.contains(expected),
             "/metrics lacks {expected}:\n{text}"
         );
     }
+}
+
+/// While Redis is unreachable `/metrics` still answers 200, so the graphs show the
+/// outage, and says the records could not be read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_answer_while_redis_is_down() {
+    let nowhere = format!("redis://127.0.0.1:{}", crate::support::free_port());
+    let cluster = TestCluster::start(1, &["--redis-url", &nowhere]).await;
+    // The recorder is shared by every replica of this test process: another test's
+    // replica may set the gauge back to 1 between our refresh and our render.
+    let mut seen_down = false;
+    for _ in 0..10 {
+        let response = cluster
+            .http
+            .get(cluster.url(0, "/metrics"))
+            .send()
+            .await
+            .expect("GET");
+        assert_eq!(response.status(), StatusCode::OK);
+        let text = response.text().await.expect("body");
+        assert!(text.contains("# HELP flashsale_records_up"), "{text}");
+        if text.contains("flashsale_records_up 0") {
+            seen_down = true;
+            break;
+        }
+    }
+    assert!(seen_down, "flashsale_records_up never said 0");
 }
 
 /// A load test started from the dashboard ends with the replica that started it: it
