@@ -112,19 +112,15 @@ function setUpControls() {
   document.getElementById("buy-form").addEventListener("submit", async (event) => {
     event.preventDefault();
     const sku = document.getElementById("buy-sku").value.trim();
-    const count = Math.min(200, Math.max(1, Number(document.getElementById("buy-count").value) || 1));
-    const tally = new Map();
-    await Promise.all(Array.from({ length: count }, async (_, i) => {
-      let outcome;
-      try {
-        await api("POST", "/api/orders", { sku, user_id: `dashboard-${Date.now()}-${i}`, quantity: 1 });
-        outcome = "ordered";
-      } catch (error) {
-        outcome = error.data && error.data.error ? error.data.error : "failed";
-      }
-      tally.set(outcome, (tally.get(outcome) || 0) + 1);
-    }));
-    say(`${count} shopper(s) on ${sku}: ` + [...tally].map(([k, v]) => `${v} ${k}`).join(", "));
+    const shoppers = Math.min(500, Math.max(1, Number(document.getElementById("buy-count").value) || 1));
+    // The server plays the crowd: a browser could send only five orders at once.
+    try {
+      const done = await api("POST", "/api/admin/crowd", { sku, shoppers });
+      say(`${shoppers} shopper(s) on ${sku}, at once over ${done.replicas.length} replica(s): ` +
+        Object.entries(done.outcomes).map(([code, n]) => `${n} ${code}`).join(", "));
+    } catch (error) {
+      say(`The crowd could not buy: ${error.message}`, true);
+    }
   });
 
   document.getElementById("fencing-toggle").addEventListener("change", async (event) => {

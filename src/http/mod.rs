@@ -7,6 +7,7 @@
 mod admin;
 mod auth;
 mod cors;
+mod crowd;
 mod error;
 mod events;
 mod health;
@@ -60,6 +61,7 @@ pub fn router(
         )
         .route("/api/admin/reset", post(admin::reset))
         .route("/api/admin/reconcile", post(admin::reconcile))
+        .route("/api/admin/crowd", post(crowd::crowd))
         .route(
             "/api/admin/fencing",
             get(admin::fencing).put(admin::set_fencing),

@@ -17,7 +17,8 @@ use utoipa::{Modify, OpenApi, PartialSchema};
 use super::AppState;
 use super::error::ErrorBody;
 use super::{
-    ApiJson, admin, events, health, loadtests, metrics, orders, runs, stats, strategies, timeline,
+    ApiJson, admin, crowd, events, health, loadtests, metrics, orders, runs, stats, strategies,
+    timeline,
 };
 use crate::model::StrategyName;
 
@@ -45,6 +46,7 @@ const ADMIN_TOKEN: &str = "admin_token";
         admin::set_strategy,
         admin::reset,
         admin::reconcile,
+        crowd::crowd,
         admin::fencing,
         admin::set_fencing,
         admin::arm_fault,

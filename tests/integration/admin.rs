@@ -221,3 +221,45 @@ async fn replicas_announce_their_advertised_address() {
     let stats = cluster.get_json(0, "/api/stats").await;
     assert_eq!(stats["replicas"][0]["address"], "app1:8080");
 }
+
+/// The dashboard's crowd is played by the server, over every live replica at once:
+/// under `none` it oversells, under a lock it sells exactly the stock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_plays_a_crowd_over_every_replica() {
+    let cluster = TestCluster::start(2, &["--work-ms", "30", "--lock-wait-ms", "30000"]).await;
+    for (strategy, sku) in [("none", "crowd-none"), ("redis-lock", "crowd-locked")] {
+        cluster.set_strategy(strategy).await;
+        cluster.reset(sku, 5).await;
+        let response = cluster
+            .http
+            .post(cluster.url(0, "/api/admin/crowd"))
+            .json(&serde_json::json!({ "sku": sku, "shoppers": 24 }))
+            .send()
+            .await
+            .expect("crowd");
+        assert_eq!(response.status(), StatusCode::OK);
+        let done: serde_json::Value = response.json().await.expect("JSON");
+        assert_eq!(done["replicas"].as_array().map(Vec::len), Some(2), "{done}");
+        let answered: u64 = done["outcomes"]
+            .as_object()
+            .expect("outcomes")
+            .values()
+            .filter_map(serde_json::Value::as_u64)
+            .sum();
+        assert_eq!(answered, 24, "{done}");
+        let stats = cluster.sku_stats(sku).await;
+        assert_eq!(
+            stats["orders"], done["outcomes"]["created"],
+            "{done} {stats}"
+        );
+        if strategy == "none" {
+            assert!(stats["oversold"].as_i64() > Some(0), "{stats}");
+        } else {
+            assert_eq!(
+                (stats["orders"].as_i64(), stats["consistent"].as_bool()),
+                (Some(5), Some(true)),
+                "{stats}"
+            );
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! `POST /api/admin/crowd`: N shoppers buy at the same moment, spread over every live
+//! replica, played by the server. A browser allows six connections per origin and the
+//! live feed holds one, so a crowd clicked in the page could never be more than five
+//! orders at once; played here, it is the race the lesson needs.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use axum::extract::State;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use utoipa::ToSchema;
+
+use super::error::{AppError, ErrorBody};
+use super::{ApiJson, AppState};
+use crate::model::{Sku, integer_in_range};
+
+/// Largest crowd one call may play.
+pub const MAX_SHOPPERS: i64 = 500;
+/// How long one shopper waits for its order's answer.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct CrowdBody {
+    #[schema(value_type = Sku)]
+    sku: String,
+    /// Shoppers buying one unit each, all at once.
+    #[schema(value_type = i64, minimum = 1, maximum = 500)]
+    shoppers: serde_json::Number,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CrowdDone {
+    sku: Sku,
+    shoppers: i64,
+    /// The replicas the shoppers were spread over, round-robin.
+    replicas: Vec<String>,
+    /// Answers by their code: `created`, `sold_out`, `lock_timeout`, ...
+    outcomes: BTreeMap<String, u64>,
+}
+
+#[utoipa::path(post, path = "/api/admin/crowd", tag = "admin",
+    request_body = CrowdBody,
+    responses(
+        (status = 200, description = "Every shopper's answer, counted by code", body = CrowdDone),
+        (status = 422, description = "`invalid_value`: bad SKU or number of shoppers", body = ErrorBody),
+    ))]
+pub async fn crowd(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<CrowdBody>,
+) -> Result<ApiJson<CrowdDone>, AppError> {
+    let sku = Sku::parse(&body.sku).map_err(AppError::Invalid)?;
+    let shoppers =
+        integer_in_range("shoppers", &body.shoppers, 1, MAX_SHOPPERS).map_err(AppError::Invalid)?;
+    let replicas: Vec<String> = state
+        .store
+        .cluster
+        .live_replicas()
+        .await?
+        .into_iter()
+        .map(|replica| replica.address)
+        .collect();
+    if replicas.is_empty() {
+        return Err(AppError::Unavailable(
+            "no live replica to send shoppers to".into(),
+        ));
+    }
+    let http = reqwest::Client::builder()
+        .timeout(PATIENCE)
+        .build()
+        .map_err(|error| {
+            tracing::error!(%error, "HTTP client for the crowd");
+            AppError::Internal
+        })?;
+    let stamp = chrono::Utc::now().timestamp_millis();
+    let answers = (0..shoppers).map(|i| {
+        let index = usize::try_from(i).unwrap_or(0) % replicas.len();
+        let url = format!("http://{}/api/orders", replicas[index]);
+        let order = json!({ "sku": sku, "user_id": format!("crowd-{stamp}-{i}"), "quantity": 1 });
+        let http = http.clone();
+        async move {
+            match http.post(url).json(&order).send().await {
+                Ok(response) if response.status().is_success() => "created".to_owned(),
+                Ok(response) => response
+                    .json::<ErrorBody>()
+                    .await
+                    .map_or_else(|_| "unreadable".to_owned(), |body| body.error),
+                Err(error) if error.is_timeout() => "no_answer".to_owned(),
+                Err(_) => "unreachable".to_owned(),
+            }
+        }
+    });
+    let mut outcomes = BTreeMap::new();
+    for outcome in futures::future::join_all(answers).await {
+        *outcomes.entry(outcome).or_insert(0) += 1;
+    }
+    Ok(ApiJson(CrowdDone {
+        sku,
+        shoppers,
+        replicas,
+        outcomes,
+    }))
+}
