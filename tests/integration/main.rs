@@ -9,6 +9,7 @@ mod faults;
 mod fencing;
 mod fuzz;
 mod limits;
+mod lock_cancellation;
 mod lock_primitives;
 mod lock_strategies;
 mod none_strategy;
