@@ -8,14 +8,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use deadpool_redis::redis::AsyncCommands;
+use flashsale::lock::fence_floor::MySqlFenceFloor;
 use flashsale::lock::lease::{LeaseGuard, LeaseHold};
 use flashsale::lock::redis::RedisLock;
+use flashsale::lock::redlock::Redlock;
 use flashsale::lock::table::TableLock;
 use flashsale::lock::zookeeper::ZooKeeperLock;
 use flashsale::lock::{DistributedLock, HeldLock, LockError};
 use futures::future::join_all;
 
-use crate::support::{PartitionProxy, TestCluster, redis_client, redis_pool, zookeeper};
+use crate::support::{
+    PartitionProxy, TestCluster, free_port, pool_for, redis_client, redis_pool, redis_url,
+    redlock_urls, zookeeper,
+};
 
 /// Builds one lock service per simulated replica, each with its own clients.
 trait LockFactory: Send + Sync + 'static {
@@ -457,4 +462,274 @@ async fn zookeeper_expired_session_is_detected() {
         .ensure_held()
         .await
         .expect("held with the new session");
+}
+
+/// A release whose delete fails (Redis unreachable for a moment) is not given up: the
+/// guard retries it in the background, so the lock is free long before its lease
+/// (30 s) would run out.
+#[tokio::test]
+async fn failed_release_is_retried_in_the_background() {
+    let (cluster, _factory) = redis_factory().await;
+    let proxy = PartitionProxy::start(&redis_url().replace("redis://", "")).await;
+    let through_proxy = format!("redis://{}", proxy.address);
+    let holder = RedisLock::new(
+        deadpool_redis::redis::Client::open(through_proxy.as_str()).expect("URL"),
+        pool_for(&through_proxy),
+        &cluster.namespace,
+        "holder",
+        LONG,
+    );
+    let rival = RedisLock::new(
+        redis_client(),
+        redis_pool(),
+        &cluster.namespace,
+        "rival",
+        LONG,
+    );
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    proxy.cut();
+    let released = guard.release().await;
+    assert!(
+        matches!(released, Err(LockError::Backend { .. })),
+        "the delete could not reach Redis: {released:?}"
+    );
+    let cut_at = Instant::now();
+    proxy.heal();
+    rival
+        .acquire("item", Duration::from_secs(10))
+        .await
+        .expect("freed by the background release, not the 30 s lease");
+    println!(
+        "redis-lock: freed {:?} after a failed release",
+        cut_at.elapsed()
+    );
+    tasks_end::<Redis>(&holder).await;
+}
+
+/// Fencing counters kept in Redis restart above the fence MySQL has seen when Redis
+/// lost them: the next token is still greater than any token already written.
+#[tokio::test]
+async fn lost_redis_fence_counters_restart_above_mysql() {
+    let (cluster, _factory) = redis_factory().await;
+    let mysql = cluster.mysql().await;
+    let floor = |service: &'static str| Arc::new(MySqlFenceFloor::new(mysql.clone(), service));
+    let redis = RedisLock::new(redis_client(), redis_pool(), &cluster.namespace, "r", LONG)
+        .with_fence_floor(floor("redis-lock"));
+    let nodes = redlock_urls().iter().map(|url| pool_for(url)).collect();
+    let redlock =
+        Redlock::new(nodes, &cluster.namespace, "r", LONG).with_fence_floor(floor("redlock"));
+
+    let first = fence_of(&redis, "sku-1").await;
+    let first_redlock = fence_of(&redlock, "sku-1").await;
+    assert!(fence_of(&redis, "sku-1").await > first, "the counter grows");
+    assert!(
+        fence_of(&redlock, "sku-1").await > first_redlock,
+        "the counter grows"
+    );
+
+    // Fenced writes moved MySQL's fence far ahead; then Redis lost the counters.
+    for service in ["redis-lock", "redlock"] {
+        sqlx::query(
+            "INSERT INTO product_fences (sku, lock_service, fence) VALUES ('sku-1', ?, 1000)",
+        )
+        .bind(service)
+        .execute(&mysql)
+        .await
+        .expect("fence");
+    }
+    let mut conn = redis_pool().get().await.expect("redis");
+    let () = conn
+        .del(format!("{}:fence:sku-1", cluster.namespace))
+        .await
+        .expect("DEL");
+    for url in redlock_urls() {
+        let mut conn = pool_for(&url).get().await.expect("redlock node");
+        let () = conn
+            .del(format!("{}:redlock-fence:sku-1", cluster.namespace))
+            .await
+            .expect("DEL");
+    }
+    let after = fence_of(&redis, "sku-1").await;
+    let after_redlock = fence_of(&redlock, "sku-1").await;
+    assert!(
+        after > 1000,
+        "redis-lock token {after} is above MySQL's fence"
+    );
+    assert!(
+        after_redlock > 1000,
+        "redlock token {after_redlock} is above MySQL's fence"
+    );
+    assert!(
+        fence_of(&redis, "sku-1").await > after,
+        "and grows from there"
+    );
+}
+
+async fn fence_of<L: DistributedLock>(lock: &L, name: &str) -> u64 {
+    let guard = lock.acquire(name, LONG).await.expect("acquired");
+    let fence = guard.fencing_token().expect("a fencing token");
+    guard.release().await.expect("released");
+    fence
+}
+
+/// Redlock's fencing tokens grow across successive acquisitions even when each is
+/// granted by a different majority: A+B, then B+C, then A+C. (Taking the largest of
+/// per-node counters gives 1, 2, then 2 again.)
+#[tokio::test]
+async fn redlock_tokens_grow_across_different_majorities() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let urls = redlock_urls();
+    assert_eq!(urls.len(), 3, "the stack runs three Redlock nodes");
+    let nodes: Vec<_> = urls.iter().map(|url| pool_for(url)).collect();
+    let redlock = Redlock::new(nodes.clone(), &cluster.namespace, "r", LONG);
+    let key = redlock.key("item");
+    let mut tokens = Vec::new();
+    for round in 0..6 {
+        // Another holder's key on one node keeps that node out of the majority.
+        let blocked = &nodes[(round + 2) % 3];
+        let mut conn = blocked.get().await.expect("node");
+        let () = conn.set(&key, "someone-else").await.expect("SET");
+        let guard = redlock
+            .acquire("item", LONG)
+            .await
+            .expect("a majority is free");
+        tokens.push(guard.fencing_token().expect("token"));
+        guard.release().await.expect("released");
+        let () = conn.del(&key).await.expect("DEL");
+    }
+    println!("redlock tokens over rotating majorities: {tokens:?}");
+    assert!(
+        tokens.windows(2).all(|pair| pair[0] < pair[1]),
+        "tokens strictly increase: {tokens:?}"
+    );
+}
+
+/// A redis-server of this test's own, which the test can pause (SIGSTOP: a node that
+/// hangs) or kill.
+struct PrivateRedis {
+    port: u16,
+    child: tokio::process::Child,
+}
+
+impl PrivateRedis {
+    async fn start() -> PrivateRedis {
+        let port = free_port();
+        let child = tokio::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("redis-server from scripts/stack.sh");
+        let redis = PrivateRedis { port, child };
+        for _ in 0..100 {
+            if redis.ping().await {
+                return redis;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("private redis did not start");
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    async fn ping(&self) -> bool {
+        let client = deadpool_redis::redis::Client::open(self.url()).expect("URL");
+        let answer = tokio::time::timeout(Duration::from_millis(500), async {
+            let mut conn = client.get_multiplexed_async_connection().await?;
+            deadpool_redis::redis::cmd("PING")
+                .query_async::<String>(&mut conn)
+                .await
+        })
+        .await;
+        matches!(answer, Ok(Ok(_)))
+    }
+
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = self.child.id().expect("running");
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid"));
+        nix::sys::signal::kill(pid, signal).expect("signal");
+    }
+
+    /// Every key of the test's namespace matching `pattern`.
+    async fn keys(&self, pattern: &str) -> Vec<String> {
+        let mut conn = pool_for(&self.url()).get().await.expect("node");
+        deadpool_redis::redis::cmd("KEYS")
+            .arg(pattern)
+            .query_async(&mut conn)
+            .await
+            .expect("KEYS")
+    }
+}
+
+/// Redlock over three private nodes: with one node hung it still acquires (and its
+/// tokens still grow); with a majority down it times out and leaves no key behind,
+/// neither on the live node nor on the hung one once it runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_with_a_minority_down_acquires_and_with_a_majority_down_holds_nothing() {
+    use nix::sys::signal::Signal;
+    let nodes = [
+        PrivateRedis::start().await,
+        PrivateRedis::start().await,
+        PrivateRedis::start().await,
+    ];
+    let pools = || nodes.iter().map(|node| pool_for(&node.url())).collect();
+    let redlock = Redlock::new(pools(), "rl", "replica", LONG);
+    let before = fence_of(&redlock, "item").await;
+
+    nodes[0].signal(Signal::SIGSTOP);
+    let started = Instant::now();
+    let guard = redlock
+        .acquire("item", Duration::from_secs(5))
+        .await
+        .expect("two of three nodes grant the lock");
+    println!(
+        "redlock: acquired in {:?} with one node hung",
+        started.elapsed()
+    );
+    let during = guard.fencing_token().expect("token");
+    assert!(during > before, "tokens grow: {before} then {during}");
+    guard
+        .release()
+        .await
+        .expect("released on the live majority");
+
+    nodes[1].signal(Signal::SIGKILL);
+    let started = Instant::now();
+    match redlock.acquire("item", Duration::from_secs(1)).await {
+        Err(LockError::Timeout { .. }) => {}
+        other => panic!(
+            "one live node of three must not grant the lock: {:?}",
+            other.map(|g| g.fencing_token())
+        ),
+    }
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(4),
+        "the wait is bounded: {waited:?}"
+    );
+
+    let left = nodes[2].keys("rl:redlock:*").await;
+    assert!(left.is_empty(), "the live node holds nothing: {left:?}");
+    nodes[0].signal(Signal::SIGCONT);
+    assert!(nodes[0].ping().await, "the hung node runs again");
+    let started = Instant::now();
+    loop {
+        let left = nodes[0].keys("rl:redlock:*").await;
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the resumed node holds nothing: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let started = Instant::now();
+    while redlock.background_tasks() > 0 {
+        assert!(started.elapsed() < Duration::from_secs(10), "cleanups end");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
