@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use deadpool_redis::redis::AsyncCommands;
+use flashsale::lock::etcd::EtcdLock;
 use flashsale::lock::fence_floor::MySqlFenceFloor;
 use flashsale::lock::lease::{LeaseGuard, LeaseHold};
 use flashsale::lock::redis::RedisLock;
@@ -18,8 +19,8 @@ use flashsale::lock::{DistributedLock, HeldLock, LockError};
 use futures::future::join_all;
 
 use crate::support::{
-    PartitionProxy, TestCluster, free_port, pool_for, redis_client, redis_pool, redis_url,
-    redlock_urls, zookeeper,
+    PartitionProxy, TestCluster, etcd_endpoints, free_port, pool_for, redis_client, redis_pool,
+    redis_url, redlock_urls, zookeeper,
 };
 
 /// Builds one lock service per simulated replica, each with its own clients.
@@ -730,6 +731,157 @@ async fn redlock_with_a_minority_down_acquires_and_with_a_majority_down_holds_no
     let started = Instant::now();
     while redlock.background_tasks() > 0 {
         assert!(started.elapsed() < Duration::from_secs(10), "cleanups end");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A TCP proxy that can stall: while stalled it forwards nothing either way but keeps
+/// every connection open, as a hung server or a black-holed network does.
+struct StallProxy {
+    address: std::net::SocketAddr,
+    stalled: Arc<std::sync::atomic::AtomicBool>,
+    acceptor: tokio::task::JoinHandle<()>,
+}
+
+impl StallProxy {
+    async fn start(target: &str) -> StallProxy {
+        use std::sync::atomic::AtomicBool;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind proxy");
+        let address = listener.local_addr().expect("proxy address");
+        let stalled = Arc::new(AtomicBool::new(false));
+        let (target, flag) = (target.to_owned(), stalled.clone());
+        let acceptor = tokio::spawn(async move {
+            let mut pipes = tokio::task::JoinSet::new();
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+                    continue;
+                };
+                let (in_read, in_write) = inbound.into_split();
+                let (out_read, out_write) = outbound.into_split();
+                pipes.spawn(pipe(in_read, out_write, flag.clone()));
+                pipes.spawn(pipe(out_read, in_write, flag.clone()));
+            }
+        });
+        StallProxy {
+            address,
+            stalled,
+            acceptor,
+        }
+    }
+
+    fn stall(&self, stalled: bool) {
+        self.stalled
+            .store(stalled, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for StallProxy {
+    fn drop(&mut self) {
+        self.acceptor.abort();
+    }
+}
+
+/// Copies `from` to `to`, holding back whatever arrives while `stalled`.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    stalled: Arc<std::sync::atomic::AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0; 16 * 1024];
+    loop {
+        let Ok(read) = from.read(&mut buffer).await else {
+            return;
+        };
+        if read == 0 {
+            return;
+        }
+        while stalled.load(std::sync::atomic::Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if to.write_all(&buffer[..read]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// etcd's Lock call waits as long as the caller's wait: a waiter whose turn comes
+/// after 6 s (more than any per-call timeout of 5 s) gets the lock.
+#[tokio::test]
+async fn etcd_lock_waits_as_long_as_the_caller_wait() {
+    let namespace = format!("long-wait-{:x}", rand::random::<u32>());
+    let holder = EtcdLock::new(&etcd_endpoints(), &namespace, Duration::from_secs(5));
+    let waiter = Arc::new(EtcdLock::new(
+        &etcd_endpoints(),
+        &namespace,
+        Duration::from_secs(5),
+    ));
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    let waiting = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            waiter
+                .acquire("item", Duration::from_secs(15))
+                .await
+                .map(drop)
+        })
+    };
+    // The waiter's key is queued behind the holder's.
+    let started = Instant::now();
+    while holder.inspect("item").await.expect("keys").0.len() < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the waiter queued"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep_until((started + Duration::from_secs(6)).into()).await;
+    assert!(
+        !waiting.is_finished(),
+        "the waiter is still waiting after 6 s"
+    );
+    guard.release().await.expect("released");
+    waiting
+        .await
+        .expect("waiter finished")
+        .expect("the waiter got the lock after its long wait");
+}
+
+/// A keep-alive stream that stops answering (etcd unreachable, the connection still
+/// open) is noticed while the lease would still be alive: the holder learns it lost
+/// the lock instead of waiting on a silent stream.
+#[tokio::test]
+async fn etcd_stalled_keep_alive_is_noticed() {
+    let proxy = StallProxy::start(&etcd_endpoints().replace("http://", "")).await;
+    let namespace = format!("stall-{:x}", rand::random::<u32>());
+    let ttl = Duration::from_secs(3);
+    let lock = EtcdLock::new(&format!("http://{}", proxy.address), &namespace, ttl);
+    let guard = lock.acquire("item", LONG).await.expect("acquired");
+    guard.ensure_held().await.expect("held");
+    proxy.stall(true);
+    let stalled_at = Instant::now();
+    loop {
+        let checked = tokio::time::timeout(Duration::from_millis(500), guard.ensure_held()).await;
+        if let Ok(Err(LockError::Lost(_))) = checked {
+            break;
+        }
+        assert!(
+            stalled_at.elapsed() < ttl * 2,
+            "a stalled keep-alive was not noticed ({checked:?})"
+        );
+    }
+    let noticed = stalled_at.elapsed();
+    println!("etcd: stalled keep-alive noticed {noticed:?} after the stall (TTL {ttl:?})");
+    proxy.stall(false);
+    drop(guard);
+    let started = Instant::now();
+    while lock.background_tasks() > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "keep-alive and revoke end"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
