@@ -885,3 +885,58 @@ async fn etcd_stalled_keep_alive_is_noticed() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Opening a ZooKeeper session is single-flight and bounded by each caller's wait:
+/// against a server that accepts connections and never answers, ten contenders with a
+/// 300 ms wait all give up within their wait (not after a connection timeout each, in
+/// turn), and they share the one connection attempt in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_session_opening_is_shared_and_bounded_by_the_wait() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let address = listener.local_addr().expect("address");
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let silent = {
+        let accepted = accepted.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((connection, _)) = listener.accept().await {
+                accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                held.push(connection);
+            }
+        })
+    };
+    let lock = Arc::new(ZooKeeperLock::new(
+        &address.to_string(),
+        Duration::from_secs(4),
+        "black-hole",
+        "replica",
+    ));
+    let wait = Duration::from_millis(300);
+    let contenders = (0..10).map(|_| {
+        let lock = lock.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let outcome = lock.acquire("item", wait).await.map(drop);
+            (started.elapsed(), outcome)
+        })
+    });
+    for contender in join_all(contenders).await {
+        let (took, outcome) = contender.expect("contender finished");
+        assert!(
+            matches!(outcome, Err(LockError::Timeout { .. })),
+            "no session, no lock: {outcome:?}"
+        );
+        assert!(
+            took < Duration::from_secs(2),
+            "gave up within its wait: {took:?}"
+        );
+    }
+    let attempts = accepted.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        attempts <= 1,
+        "{attempts} connection attempts for one session"
+    );
+    silent.abort();
+}
