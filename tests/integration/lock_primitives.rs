@@ -940,3 +940,71 @@ async fn zookeeper_session_opening_is_shared_and_bounded_by_the_wait() {
     );
     silent.abort();
 }
+
+/// A MySQL pool whose sessions run in time zone `zone`, as a replica on a server
+/// configured elsewhere would.
+async fn pool_in_zone(url: &str, zone: &'static str) -> sqlx::MySqlPool {
+    sqlx::mysql::MySqlPoolOptions::new()
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(
+                    &mut *conn,
+                    sqlx::AssertSqlSafe(format!("SET time_zone = '{zone}'")),
+                )
+                .await?;
+                Ok(())
+            })
+        })
+        .connect(url)
+        .await
+        .expect("MySQL")
+}
+
+/// Replicas whose MySQL sessions differ in time zone agree on the lock table's
+/// leases: one in UTC+9 holds, one in UTC-7 sees the lease with its real time left,
+/// does not take it over early, and does take it over once it ran out.
+#[tokio::test]
+async fn table_lock_leases_agree_across_session_time_zones() {
+    let (cluster, _factory) = table_factory().await;
+    let east = TableLock::new(
+        pool_in_zone(&cluster.database_url, "+09:00").await,
+        "east",
+        LONG,
+    );
+    let west = TableLock::new(
+        pool_in_zone(&cluster.database_url, "-07:00").await,
+        "west",
+        SHORT_LEASE,
+    );
+    let guard = east.acquire("item", LONG).await.expect("acquired");
+    for (side, lock) in [("east", &east), ("west", &west)] {
+        let (_, _, left) = lock.inspect("item").await.expect("inspect").expect("held");
+        assert!(
+            (20_000..=30_000).contains(&left),
+            "{side} sees {left} ms left of a 30 s lease"
+        );
+    }
+    assert_timeout(
+        west.acquire("item", Duration::from_millis(300)).await,
+        "a live lease in another time zone",
+    );
+    guard.release().await.expect("released");
+
+    let short = TableLock::new(
+        pool_in_zone(&cluster.database_url, "+09:00").await,
+        "east",
+        SHORT_LEASE,
+    );
+    let crashed = short.acquire("item", LONG).await.expect("acquired");
+    let acquired_at = Instant::now();
+    crashed.suspend_renewal();
+    std::mem::forget(crashed);
+    west.acquire("item", LONG)
+        .await
+        .expect("taken over after expiry");
+    let waited = acquired_at.elapsed();
+    assert!(
+        waited >= SHORT_LEASE * 9 / 10 && waited < SHORT_LEASE + Duration::from_secs(5),
+        "taken over when the lease ran out, not hours off: {waited:?}"
+    );
+}
