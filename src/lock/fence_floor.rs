@@ -10,10 +10,22 @@
 //! floor of a lock name, and whoever builds the lock supplies one. [`MySqlFenceFloor`]
 //! reads the fence the order flow keeps per SKU and lock service in MySQL.
 
+use std::time::Duration;
+
 use async_trait::async_trait;
 use sqlx::MySqlPool;
 
 use super::LockError;
+
+/// Bound on asking for a floor: the lock is held meanwhile.
+pub const FLOOR_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `floor`'s answer for `name`, bounded by `FLOOR_TIMEOUT`.
+pub async fn bounded_floor(floor: &dyn FenceFloor, name: &str) -> Result<u64, LockError> {
+    tokio::time::timeout(FLOOR_TIMEOUT, floor.floor(name))
+        .await
+        .map_err(|_| LockError::backend("fence floor", "no answer in time"))?
+}
 
 /// The largest fencing token already used for a lock name, wherever it is recorded.
 #[async_trait]

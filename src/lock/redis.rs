@@ -34,7 +34,7 @@ use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::fence_floor::FenceFloor;
+use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
 use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, LockError, acquisition_token};
@@ -222,7 +222,7 @@ impl RedisLock {
             _ => {
                 // Redis has no counter for this lock (new, or lost in a restart).
                 let floor = match &self.fence_floor {
-                    Some(source) => source.floor(name).await?,
+                    Some(source) => bounded_floor(&**source, name).await?,
                     None => 0,
                 };
                 let seeded: i64 = SEED_FENCE

@@ -48,7 +48,7 @@ use futures::future::join_all;
 use tokio::sync::OwnedMutexGuard;
 use tokio::time::{Instant, timeout};
 
-use super::fence_floor::FenceFloor;
+use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
 use super::redis::{PendingSet, SEED_FENCE, Target, delete_on, millis, redis_error, renew_on};
 use super::task::Tasks;
@@ -57,8 +57,6 @@ use super::{DistributedLock, LockError, acquisition_token};
 /// Bound on one node's answer: far below the lease, so a dead node cannot eat the
 /// validity time.
 const NODE_TIMEOUT: Duration = Duration::from_millis(50);
-/// Bound on asking the fence floor (MySQL) for a counter a node lost.
-const FLOOR_TIMEOUT: Duration = Duration::from_secs(2);
 const RETRY_DELAY_MS: std::ops::RangeInclusive<u64> = 5..=50;
 
 pub struct Redlock {
@@ -219,10 +217,7 @@ impl Redlock {
         if counters.iter().any(Option::is_none)
             && let Some(source) = &self.fence_floor
         {
-            let below = timeout(FLOOR_TIMEOUT, source.floor(name))
-                .await
-                .map_err(|_| LockError::backend("mysql", "fence floor query timed out"))??;
-            floor = floor.max(below);
+            floor = floor.max(bounded_floor(&**source, name).await?);
         }
         let written = join_all(
             attempts
@@ -344,31 +339,53 @@ pub struct RedlockHold {
     _turn: Arc<OwnedMutexGuard<()>>,
 }
 
+impl RedlockHold {
+    /// From the nodes' answers to a renewal or release (`Some(yes)` per node that
+    /// answered): `true` if a majority said yes; `false` if too few can say yes even
+    /// counting the silent ones; otherwise unknown, an error naming `what`.
+    fn verdict(&self, answers: &[Option<bool>], what: &str) -> Result<bool, LockError> {
+        let yes = answers.iter().filter(|a| **a == Some(true)).count();
+        let silent = answers.iter().filter(|a| a.is_none()).count();
+        if yes >= self.quorum {
+            Ok(true)
+        } else if yes + silent >= self.quorum {
+            Err(LockError::backend(
+                "redis",
+                format!(
+                    "redlock {what}: {silent} of {} nodes did not answer",
+                    answers.len()
+                ),
+            ))
+        } else {
+            Ok(false)
+        }
+    }
+}
+
 #[async_trait]
 impl LeaseHold for RedlockHold {
-    /// Held while a majority still holds our token and extended it.
+    /// Held while a majority still holds our token and extended it; not held once too
+    /// many nodes answered that it is not ours; unknown (an error: the watchdog
+    /// retries, the holder must not commit) while nodes are silent.
     async fn renew(&self, lease: Duration) -> Result<bool, LockError> {
-        let renewed = join_all(
-            self.nodes
-                .iter()
-                .map(|node| timeout(NODE_TIMEOUT, renew_on(node, &self.key, &self.token, lease))),
-        )
-        .await;
-        let majority = renewed.iter().filter(|r| matches!(r, Ok(Ok(true)))).count() >= self.quorum;
-        Ok(majority)
-    }
-
-    /// Releases on every node; `true` if a majority still held it.
-    async fn delete(&self) -> Result<bool, LockError> {
-        let channel = released_channel(&self.key);
-        let deleted = join_all(self.nodes.iter().map(|node| {
-            timeout(
-                NODE_TIMEOUT,
-                delete_on(node, &self.key, &channel, &self.token),
-            )
+        let answers = join_all(self.nodes.iter().map(|node| async {
+            let renewal = renew_on(node, &self.key, &self.token, lease);
+            timeout(NODE_TIMEOUT, renewal).await.ok()?.ok()
         }))
         .await;
-        Ok(deleted.iter().filter(|d| matches!(d, Ok(Ok(true)))).count() >= self.quorum)
+        self.verdict(&answers, "renewal")
+    }
+
+    /// Releases on every node; `true` if a majority still held it. Unknown while nodes
+    /// are silent: the guard then retries the release in the background.
+    async fn delete(&self) -> Result<bool, LockError> {
+        let channel = released_channel(&self.key);
+        let answers = join_all(self.nodes.iter().map(|node| async {
+            let release = delete_on(node, &self.key, &channel, &self.token);
+            timeout(NODE_TIMEOUT, release).await.ok()?.ok()
+        }))
+        .await;
+        self.verdict(&answers, "release")
     }
 
     fn describe(&self) -> String {
