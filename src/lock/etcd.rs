@@ -4,31 +4,56 @@
 //!
 //! - The lock key is attached to the lease: if the replica dies, keep-alives stop, the
 //!   lease expires after its TTL and etcd deletes the key, waking the next contender.
-//! - A holder checks its lease before committing; a lease that is gone means the lock
-//!   may be someone else's and the order must not be written.
-//! - Release unlocks the key and revokes the lease. A wait that times out revokes the
-//!   lease too, which withdraws the queued key.
+//! - A holder checks its lease before committing; a lease that is gone, or whose
+//!   keep-alives stopped being answered, means the lock may be someone else's and the
+//!   order must not be written. Each keep-alive answer is awaited at most a third of
+//!   the TTL: a stalled stream is noticed while the lease is still alive.
+//! - The blocking Lock call waits as long as the caller's wait and no longer; every
+//!   other call is bounded by `CALL_TIMEOUT`. (A per-call timeout on the client would
+//!   cut a Lock call that waits its turn longer than that.)
+//! - Release revokes the lease, which deletes the key with it.
+//! - **Cancellation**: the lease id is chosen here, before the grant is sent, so an
+//!   acquisition dropped at any point (even while its grant is in flight) knows what
+//!   to revoke. Its keep-alive task dies with it, and its cleanup revokes the lease,
+//!   taking any key the Lock call created. Nothing of a dropped acquisition is kept
+//!   alive; at worst a grant that lands after its revoke expires after its TTL.
 //! - The fencing token is the revision at which the lock was granted: it only grows.
+//!
+//! One lease per acquisition, not one per replica: etcd's Lock names the key after
+//! the lease (`<name>/<lease id>`), so two contenders of one replica sharing a lease
+//! would share a key and both be granted the lock; and a key granted to a dropped
+//! acquisition would live as long as the replica's lease. Per acquisition, revoking
+//! the lease is a complete cleanup.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{Client, ConnectOptions, GetOptions, LockOptions, SortOrder, SortTarget};
-use tokio::sync::RwLock;
-use tokio::task::JoinHandle;
-use tokio::time::Instant;
+use etcd_client::{
+    Client, ConnectOptions, GetOptions, LeaseGrantOptions, LockOptions, SortOrder, SortTarget,
+};
+use tokio::sync::OnceCell;
+use tokio::time::{Instant, timeout, timeout_at};
 
+use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, HeldLock, LockError};
+
+/// Bound on every call but Lock.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Tries of a background revoke, spread over about a second: a revoke that overtook
+/// its own grant finds no lease, and the grant may still land.
+const REVOKE_TRIES: u32 = 4;
 
 pub struct EtcdLock {
     endpoints: Vec<String>,
     prefix: String,
     /// Lease time-to-live in whole seconds, as etcd counts it.
     lease_ttl: i64,
-    /// Connected on first use: a replica starts even while etcd is down.
-    client: RwLock<Option<Client>>,
+    /// Made on first use, without a network round trip (the channel connects lazily):
+    /// a replica starts even while etcd is down.
+    client: OnceCell<Client>,
+    tasks: Tasks,
 }
 
 impl EtcdLock {
@@ -37,8 +62,15 @@ impl EtcdLock {
             endpoints: endpoints.split(',').map(|e| e.trim().to_owned()).collect(),
             prefix: format!("/flashsale/{namespace}/locks"),
             lease_ttl: i64::try_from(lease.as_secs().max(2)).unwrap_or(2),
-            client: RwLock::new(None),
+            client: OnceCell::new(),
+            tasks: Tasks::default(),
         }
+    }
+
+    /// Background tasks running now: keep-alives of acquisitions and revokes of
+    /// dropped ones.
+    pub fn background_tasks(&self) -> usize {
+        self.tasks.live()
     }
 
     pub fn lock_name(&self, name: &str) -> String {
@@ -46,21 +78,15 @@ impl EtcdLock {
     }
 
     async fn client(&self) -> Result<Client, LockError> {
-        if let Some(client) = self.client.read().await.as_ref() {
-            return Ok(client.clone());
-        }
-        let mut slot = self.client.write().await;
-        if let Some(client) = slot.as_ref() {
-            return Ok(client.clone());
-        }
-        let options = ConnectOptions::new()
-            .with_connect_timeout(Duration::from_secs(3))
-            .with_timeout(Duration::from_secs(5));
-        let client = Client::connect(&self.endpoints, Some(options))
+        let client = self
+            .client
+            .get_or_try_init(|| async {
+                let options = ConnectOptions::new().with_connect_timeout(Duration::from_secs(3));
+                Client::connect(&self.endpoints, Some(options)).await
+            })
             .await
             .map_err(etcd_error)?;
-        *slot = Some(client.clone());
-        Ok(client)
+        Ok(client.clone())
     }
 
     /// The lock's keys in queue order (create revision), each with its lease; the
@@ -73,10 +99,8 @@ impl EtcdLock {
         let options = GetOptions::new()
             .with_prefix()
             .with_sort(SortTarget::Create, SortOrder::Ascend);
-        let response = client
-            .get(format!("{}/", self.lock_name(name)), Some(options))
-            .await
-            .map_err(etcd_error)?;
+        let response =
+            bounded(client.get(format!("{}/", self.lock_name(name)), Some(options))).await?;
         let keys: Vec<(String, i64, i64)> = response
             .kvs()
             .iter()
@@ -90,10 +114,8 @@ impl EtcdLock {
             .collect();
         let ttl = match keys.first() {
             Some((_, _, lease)) => Some(
-                client
-                    .lease_time_to_live(*lease, None)
-                    .await
-                    .map_err(etcd_error)?
+                bounded(client.lease_time_to_live(*lease, None))
+                    .await?
                     .ttl(),
             ),
             None => None,
@@ -108,93 +130,139 @@ impl DistributedLock for EtcdLock {
 
     async fn acquire(&self, name: &str, wait: Duration) -> Result<EtcdGuard, LockError> {
         let deadline = Instant::now() + wait;
-        let mut client = self.client().await?;
-        let lease = client
-            .lease_grant(self.lease_ttl, None)
+        let too_late = || LockError::Timeout { waited: wait };
+        let mut client = timeout_at(deadline, self.client())
             .await
-            .map_err(etcd_error)?
-            .id();
+            .map_err(|_| too_late())??;
+        // Positive and not 0 (0 asks etcd to choose).
+        let lease = rand::random_range(1..i64::MAX);
+        // From here on a drop revokes the lease, whatever was sent.
+        let mut pending = Revoker {
+            client: client.clone(),
+            lease,
+            tasks: self.tasks.clone(),
+            armed: true,
+        };
+        let grant = client.lease_grant(
+            self.lease_ttl,
+            Some(LeaseGrantOptions::new().with_id(lease)),
+        );
+        timeout_at(deadline.min(Instant::now() + CALL_TIMEOUT), grant)
+            .await
+            .map_err(|_| too_late())?
+            .map_err(etcd_error)?;
         let lost = Arc::new(AtomicBool::new(false));
         // Kept alive while waiting too: a wait may outlast the TTL.
-        let keep_alive = match keep_alive(client.clone(), lease, self.lease_ttl, lost.clone()).await
-        {
-            Ok(task) => task,
-            Err(error) => {
-                revoke_in_background(client, lease);
-                return Err(error);
-            }
-        };
+        let open = client.lease_keep_alive(lease);
+        let (keeper, responses) = timeout_at(deadline.min(Instant::now() + CALL_TIMEOUT), open)
+            .await
+            .map_err(|_| too_late())?
+            .map_err(etcd_error)?;
+        let keep_alive = self.tasks.spawn_owned(keep_alive(
+            keeper,
+            responses,
+            lease,
+            self.lease_ttl,
+            lost.clone(),
+        ));
         let options = LockOptions::new().with_lease(lease);
-        let locked =
-            tokio::time::timeout_at(deadline, client.lock(self.lock_name(name), Some(options)))
-                .await;
-        let response = match locked {
-            Ok(Ok(response)) => response,
-            outcome => {
-                keep_alive.abort();
-                revoke_in_background(client, lease);
-                return Err(match outcome {
-                    Ok(Err(error)) => etcd_error(error),
-                    _ => LockError::Timeout { waited: wait },
-                });
-            }
-        };
+        let response = timeout_at(deadline, client.lock(self.lock_name(name), Some(options)))
+            .await
+            .map_err(|_| too_late())?
+            .map_err(etcd_error)?;
+        pending.armed = false;
         let revision = response.header().map_or(0, |h| h.revision());
         Ok(EtcdGuard {
             client,
-            key: response.key().to_vec(),
             lease,
             revision: u64::try_from(revision).unwrap_or(0),
             lost,
             keep_alive,
-            released: AtomicBool::new(false),
+            released: false,
+            tasks: self.tasks.clone(),
         })
     }
 }
 
-/// Sends a keep-alive every third of the TTL; marks the hold lost when etcd says the
-/// lease is gone or the stream breaks.
+/// Bounds a short etcd call by `CALL_TIMEOUT`.
+async fn bounded<T>(
+    call: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, LockError> {
+    timeout(CALL_TIMEOUT, call)
+        .await
+        .map_err(|_| LockError::backend("etcd", format!("no answer within {CALL_TIMEOUT:?}")))?
+        .map_err(etcd_error)
+}
+
+/// Sends a keep-alive every third of the TTL and waits at most a third for its
+/// answer; marks the hold lost when etcd says the lease is gone, the stream breaks or
+/// stalls. The lease then still has a third of its TTL to run: the holder learns of
+/// the loss before anyone else can take the lock.
 async fn keep_alive(
-    mut client: Client,
+    mut keeper: etcd_client::LeaseKeeper,
+    mut responses: etcd_client::LeaseKeepAliveStream,
     lease: i64,
     ttl: i64,
     lost: Arc<AtomicBool>,
-) -> Result<JoinHandle<()>, LockError> {
-    let (mut keeper, mut responses) = client.lease_keep_alive(lease).await.map_err(etcd_error)?;
+) {
     let period = Duration::from_millis(u64::try_from(ttl * 1000 / 3).unwrap_or(500));
-    Ok(tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(period).await;
-            let alive = match keeper.keep_alive().await {
-                Ok(()) => matches!(responses.message().await, Ok(Some(r)) if r.ttl() > 0),
-                Err(_) => false,
-            };
-            if !alive {
-                tracing::warn!(lease, "etcd lease keep-alive failed; the lock may be lost");
-                lost.store(true, Ordering::SeqCst);
-                return;
+    loop {
+        tokio::time::sleep(period).await;
+        let answered = timeout(period, async {
+            keeper.keep_alive().await?;
+            responses.message().await
+        })
+        .await;
+        let alive = matches!(answered, Ok(Ok(Some(ref r))) if r.ttl() > 0);
+        if !alive {
+            tracing::warn!(
+                lease,
+                "etcd lease keep-alive failed or stalled; the lock may be lost"
+            );
+            lost.store(true, Ordering::SeqCst);
+            return;
+        }
+    }
+}
+
+/// Revokes a lease when dropped while armed, in the background and bounded.
+struct Revoker {
+    client: Client,
+    lease: i64,
+    tasks: Tasks,
+    armed: bool,
+}
+
+impl Drop for Revoker {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (mut client, lease) = (self.client.clone(), self.lease);
+        self.tasks.spawn_detached(async move {
+            for attempt in 0..REVOKE_TRIES {
+                match bounded(client.lease_revoke(lease)).await {
+                    Ok(_) => return,
+                    Err(error) if attempt + 1 == REVOKE_TRIES => {
+                        tracing::debug!(%error, lease, "lease revoke failed; it will expire");
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(300)).await,
+                }
             }
-        }
-    }))
+        });
+    }
 }
 
-fn revoke_in_background(mut client: Client, lease: i64) {
-    tokio::spawn(async move {
-        if let Err(error) = client.lease_revoke(lease).await {
-            tracing::warn!(%error, lease, "lease revoke failed; it will expire");
-        }
-    });
-}
-
-/// A held etcd lock: the lock key and the lease it lives on.
+/// A held etcd lock: the lease its key lives on.
 pub struct EtcdGuard {
     client: Client,
-    key: Vec<u8>,
     lease: i64,
     revision: u64,
     lost: Arc<AtomicBool>,
-    keep_alive: JoinHandle<()>,
-    released: AtomicBool,
+    keep_alive: AbortOnDrop,
+    /// Set once etcd confirmed the revoke: nothing left to release.
+    released: bool,
+    tasks: Tasks,
 }
 
 #[async_trait]
@@ -206,12 +274,8 @@ impl HeldLock for EtcdGuard {
                 self.lease
             )));
         }
-        let ttl = self
-            .client
-            .clone()
-            .lease_time_to_live(self.lease, None)
-            .await
-            .map_err(etcd_error)?
+        let ttl = bounded(self.client.clone().lease_time_to_live(self.lease, None))
+            .await?
             .ttl();
         if ttl > 0 {
             Ok(())
@@ -229,26 +293,40 @@ impl HeldLock for EtcdGuard {
         self.keep_alive.abort();
     }
 
-    async fn release(self) -> Result<(), LockError> {
-        self.released.store(true, Ordering::SeqCst);
+    /// Revoking the lease deletes the lock key with it. If the revoke fails, the drop
+    /// retries it in the background; the lease otherwise expires, unrenewed.
+    async fn release(mut self) -> Result<(), LockError> {
         self.keep_alive.abort();
-        let mut client = self.client.clone();
-        let unlocked = client.unlock(self.key.clone()).await;
-        let revoked = client.lease_revoke(self.lease).await;
-        unlocked.map_err(etcd_error)?;
-        revoked.map_err(etcd_error)?;
-        Ok(())
+        match bounded(self.client.clone().lease_revoke(self.lease)).await {
+            Ok(_) => {
+                self.released = true;
+                Ok(())
+            }
+            Err(error) if error.to_string().contains("lease not found") => {
+                self.released = true;
+                tracing::warn!(
+                    lease = self.lease,
+                    "released a lock whose lease had expired"
+                );
+                Err(LockError::Lost(format!(
+                    "lease {:x} had expired before release",
+                    self.lease
+                )))
+            }
+            Err(error) => Err(error),
+        }
     }
 }
 
 impl Drop for EtcdGuard {
     fn drop(&mut self) {
         self.keep_alive.abort();
-        if !self.released.swap(true, Ordering::SeqCst)
-            && tokio::runtime::Handle::try_current().is_ok()
-        {
-            revoke_in_background(self.client.clone(), self.lease);
-        }
+        drop(Revoker {
+            client: self.client.clone(),
+            lease: self.lease,
+            tasks: self.tasks.clone(),
+            armed: !self.released,
+        });
     }
 }
 

@@ -1,20 +1,28 @@
 //! The holder's side of a lease lock, shared by every lease-based backend (Redis,
-//! the lock table): a watchdog that renews the lease while the holder works, a check
-//! the holder makes before committing, re-entrancy, and a release that also happens
-//! when the guard is dropped (a cancelled request must not keep the lock for a whole
-//! lease).
+//! Redlock, the lock table): a watchdog that renews the lease while the holder works,
+//! a check the holder makes before committing, and a release that also happens when
+//! the guard is dropped (a cancelled request must not keep the lock for a whole lease).
 //!
 //! A backend provides only the two operations on its storage, both conditional on the
 //! hold still being ours: `renew` and `delete`.
+//!
+//! The release is only done once the backend said so. If the delete fails (a Redis or
+//! MySQL blip) or the release itself is dropped halfway, the guard's drop retries it in
+//! the background a few times; after that the lease runs out on its own.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::task::JoinHandle;
 
-use super::{HeldLock, LockError};
+use super::task::{AbortOnDrop, Tasks};
+use super::{HeldLock, LockError, jittered_backoff};
+
+/// Tries of a background release before leaving the hold to its lease, and the
+/// bound on each.
+const RELEASE_TRIES: u32 = 5;
+const RELEASE_TRY_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One acquisition as stored by a backend (its key or row and its token).
 #[async_trait]
@@ -29,64 +37,31 @@ pub trait LeaseHold: Clone + Send + Sync + 'static {
     fn fencing_token(&self) -> u64;
 }
 
-struct HoldState {
-    lost: AtomicBool,
-    released: AtomicBool,
-    /// 1 + the re-entries not yet left.
-    holds: AtomicU32,
-}
-
 /// A held lease lock.
 pub struct LeaseGuard<H: LeaseHold> {
     hold: H,
     lease: Duration,
-    state: Arc<HoldState>,
-    watchdog: JoinHandle<()>,
+    lost: Arc<AtomicBool>,
+    /// Set once the backend answered the delete: nothing left to release.
+    released: bool,
+    watchdog: AbortOnDrop,
+    tasks: Tasks,
 }
 
 impl<H: LeaseHold> LeaseGuard<H> {
-    /// Wraps a fresh acquisition and starts its watchdog (renewal every `lease / 3`).
-    pub fn start(hold: H, lease: Duration) -> Self {
-        let state = Arc::new(HoldState {
-            lost: AtomicBool::new(false),
-            released: AtomicBool::new(false),
-            holds: AtomicU32::new(1),
-        });
-        let watchdog = tokio::spawn(watchdog(hold.clone(), lease, state.clone()));
+    /// Wraps a fresh acquisition and starts its watchdog (renewal every `lease / 3`),
+    /// counted among `tasks`. Synchronous, so that nothing can cut in between the
+    /// backend granting the hold and the guard owning it.
+    pub fn start(hold: H, lease: Duration, tasks: &Tasks) -> Self {
+        let lost = Arc::new(AtomicBool::new(false));
+        let watchdog = tasks.spawn_owned(watchdog(hold.clone(), lease, lost.clone()));
         LeaseGuard {
             hold,
             lease,
-            state,
+            lost,
+            released: false,
             watchdog,
-        }
-    }
-
-    /// Behaves like a holder that crashed: stops renewing and never releases. The
-    /// lock frees itself when its lease runs out.
-    pub fn abandon(self) {
-        self.watchdog.abort();
-        self.state.released.store(true, Ordering::SeqCst);
-    }
-
-    /// Takes the lock again as the same owner (a nested critical section), verified
-    /// on the server. Returns the number of holds now.
-    pub async fn reenter(&self) -> Result<u32, LockError> {
-        self.ensure_held().await?;
-        Ok(self.state.holds.fetch_add(1, Ordering::SeqCst) + 1)
-    }
-
-    /// Leaves one re-entry; the outermost hold stays until `release`. Returns the
-    /// holds left.
-    pub fn leave(&self) -> u32 {
-        let left = self
-            .state
-            .holds
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |h| {
-                (h > 1).then(|| h - 1)
-            });
-        match left {
-            Ok(before) => before - 1,
-            Err(current) => current,
+            tasks: tasks.clone(),
         }
     }
 }
@@ -95,10 +70,10 @@ impl<H: LeaseHold> LeaseGuard<H> {
 impl<H: LeaseHold> HeldLock for LeaseGuard<H> {
     /// Renews on the server, so the answer is the backend's, not a local guess.
     async fn ensure_held(&self) -> Result<(), LockError> {
-        if !self.state.lost.load(Ordering::SeqCst) && self.hold.renew(self.lease).await? {
+        if !self.lost.load(Ordering::SeqCst) && self.hold.renew(self.lease).await? {
             return Ok(());
         }
-        self.state.lost.store(true, Ordering::SeqCst);
+        self.lost.store(true, Ordering::SeqCst);
         Err(LockError::Lost(format!(
             "{} expired or was taken over",
             self.hold.describe()
@@ -114,10 +89,12 @@ impl<H: LeaseHold> HeldLock for LeaseGuard<H> {
         self.watchdog.abort();
     }
 
-    async fn release(self) -> Result<(), LockError> {
-        self.state.released.store(true, Ordering::SeqCst);
+    async fn release(mut self) -> Result<(), LockError> {
         self.watchdog.abort();
-        if self.hold.delete().await? {
+        let deleted = self.hold.delete().await;
+        // A failed delete leaves `released` unset: the drop below retries it.
+        self.released = deleted.is_ok();
+        if deleted? {
             Ok(())
         } else {
             let what = self.hold.describe();
@@ -132,43 +109,53 @@ impl<H: LeaseHold> HeldLock for LeaseGuard<H> {
 impl<H: LeaseHold> Drop for LeaseGuard<H> {
     fn drop(&mut self) {
         self.watchdog.abort();
-        if self.state.released.swap(true, Ordering::SeqCst) {
+        if self.released {
             return;
         }
         let hold = self.hold.clone();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                if let Err(error) = hold.delete().await {
-                    tracing::warn!(%error, lock = %hold.describe(), "background release failed; the lease will expire");
+        self.tasks.spawn_detached(async move {
+            for attempt in 0..RELEASE_TRIES {
+                match tokio::time::timeout(RELEASE_TRY_TIMEOUT, hold.delete()).await {
+                    Ok(Ok(_)) => return,
+                    Ok(Err(error)) => {
+                        tracing::warn!(%error, lock = %hold.describe(), attempt, "background release failed")
+                    }
+                    Err(_) => {
+                        tracing::warn!(lock = %hold.describe(), attempt, "background release timed out")
+                    }
                 }
-            });
-        }
+                let base = Duration::from_millis(50);
+                tokio::time::sleep(jittered_backoff(attempt, base, base * 16)).await;
+            }
+            tracing::warn!(lock = %hold.describe(), "release given up; the lease will expire");
+        });
     }
 }
 
 /// Renews every `lease / 3` until aborted; marks the hold lost when it is no longer
 /// ours. Transient backend errors are retried: the lease itself bounds the damage.
-async fn watchdog<H: LeaseHold>(hold: H, lease: Duration, state: Arc<HoldState>) {
+async fn watchdog<H: LeaseHold>(hold: H, lease: Duration, lost: Arc<AtomicBool>) {
     let period = lease / 3;
     loop {
         tokio::time::sleep(period).await;
-        let renewed = hold.renew(lease).await;
+        let renewed = tokio::time::timeout(period, hold.renew(lease)).await;
         let outcome = match &renewed {
-            Ok(true) => "renewed",
-            Ok(false) => "lost",
-            Err(_) => "error",
+            Ok(Ok(true)) => "renewed",
+            Ok(Ok(false)) => "lost",
+            _ => "error",
         };
         metrics::counter!("flashsale_lease_renewals_total", "outcome" => outcome).increment(1);
         match renewed {
-            Ok(true) => {}
-            Ok(false) => {
-                state.lost.store(true, Ordering::SeqCst);
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => {
+                lost.store(true, Ordering::SeqCst);
                 tracing::warn!(lock = %hold.describe(), "lock lost: lease expired or taken over");
                 return;
             }
-            Err(error) => {
+            Ok(Err(error)) => {
                 tracing::warn!(%error, lock = %hold.describe(), "lease renewal failed; retrying")
             }
+            Err(_) => tracing::warn!(lock = %hold.describe(), "lease renewal timed out; retrying"),
         }
     }
 }

@@ -8,13 +8,21 @@
 //! (an expired lease, an expired session). A holder checks `ensure_held` right before
 //! its irreversible write and aborts if the lock is gone. That narrows the window but
 //! cannot close it: only a fencing token checked by the storage itself does.
+//!
+//! Every `acquire` may be dropped at any await point (a shopper hangs up, a request
+//! times out) and every guard may be dropped instead of released. Neither may leave a
+//! key, row, znode or lease that nobody owns, nor a watchdog or keep-alive running:
+//! each backend undoes a dropped attempt from a cleanup that owns what the attempt
+//! sent (`task` counts them, and tests check they end).
 
 pub mod etcd;
+pub mod fence_floor;
 pub mod lease;
 pub mod local_queue;
 pub mod redis;
 pub mod redlock;
 pub mod table;
+pub mod task;
 pub mod zookeeper;
 
 use std::time::Duration;

@@ -11,38 +11,67 @@
 //!   messages and wakes one local waiter of that lock (FIFO), like Redisson's
 //!   semaphore per lock entry. A crashed holder publishes nothing, so each waiter
 //!   also retries when the lock's remaining TTL runs out.
-//! - **Re-entrancy**: the holder may `reenter` (verified on the server by the token)
-//!   and `leave` any number of times; the key is deleted only by the final release.
-//!   Redisson keeps this count in a hash field because one lock object is shared by
-//!   many threads; here the count lives with the one guard that owns the token.
+//! - **Cancellation**: an acquisition dropped while its `SET` is in flight (a
+//!   shopper hung up) may still have taken the key. The attempt holds the connection
+//!   it sent the `SET` on and, if dropped, sends the compare-and-delete on that same
+//!   connection: Redis answers one connection in order, so the delete runs after the
+//!   `SET`, whatever the caller saw.
+//! - **Fencing**: `INCR <ns>:fence:<name>` in the acquiring script. A counter that is
+//!   missing (Redis lost it) restarts above the floor a [`FenceFloor`] reports (the
+//!   fence MySQL checks), not at 1.
 //!
-//! Watchdog, re-entrancy and release-on-drop are the shared `lease::LeaseGuard`; this
-//! module provides the Redis commands.
+//! Watchdog and release-on-drop are the shared `lease::LeaseGuard`; this module
+//! provides the Redis commands.
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use deadpool_redis::Pool;
 use deadpool_redis::redis::{self, Script};
+use deadpool_redis::{Connection, Pool};
 use futures::StreamExt;
 use tokio::sync::Notify;
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
+use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, LockError, acquisition_token};
 
 /// `SET NX PX`; on success the next fencing token (`INCR`), otherwise the remaining
-/// TTL (to know when to retry).
+/// TTL (to know when to retry). With a fence floor to consult (`ARGV[3]` = 1) and no
+/// counter, answers 2: the caller seeds the counter while holding the key.
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if ARGV[3] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then
+    return {2, 0}
+  end
   return {1, redis.call('INCR', KEYS[2])}
 end
 return {0, redis.call('PTTL', KEYS[1])}
+",
+    )
+});
+
+/// While `KEYS[1]` still holds our token: the fencing counter `KEYS[2]` becomes
+/// max(counter, floor) + 1 and is returned; -1 if the hold is gone.
+pub(super) static SEED_FENCE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return -1
+end
+local counter = tonumber(redis.call('GET', KEYS[2]) or '0')
+local floor = tonumber(ARGV[2])
+if floor > counter then
+  counter = floor
+end
+counter = counter + 1
+redis.call('SET', KEYS[2], string.format('%d', counter))
+return counter
 ",
     )
 });
@@ -76,6 +105,8 @@ return 0
 /// How long a waiter sleeps when the lock exists but has no TTL (set by hand?) or
 /// vanished between the SET and the PTTL.
 const NO_TTL_RETRY: Duration = Duration::from_millis(50);
+/// Bound on one undo of a dropped attempt.
+const UNDO_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Redis lock service of one replica: its pool, its pub/sub listener, its waiters.
 pub struct RedisLock {
@@ -84,13 +115,16 @@ pub struct RedisLock {
     owner: String,
     lease: Duration,
     waiters: Arc<Waiters>,
-    listener: JoinHandle<()>,
+    fence_floor: Option<Arc<dyn FenceFloor>>,
+    tasks: Tasks,
+    _listener: AbortOnDrop,
 }
 
-impl Drop for RedisLock {
-    fn drop(&mut self) {
-        self.listener.abort();
-    }
+/// What one `SET NX` attempt found.
+enum Attempt {
+    Acquired(LeaseGuard<RedisHold>),
+    /// Held by someone else for this many more milliseconds.
+    Held(i64),
 }
 
 impl RedisLock {
@@ -104,15 +138,29 @@ impl RedisLock {
     ) -> RedisLock {
         let waiters = Arc::new(Waiters::default());
         let pattern = format!("{namespace}:lock-released:*");
-        let listener = tokio::spawn(listen_for_releases(client, pattern, waiters.clone()));
+        let listener = AbortOnDrop::spawn(listen_for_releases(client, pattern, waiters.clone()));
         RedisLock {
             pool,
             namespace: namespace.to_owned(),
             owner: owner.to_owned(),
             lease,
             waiters,
-            listener,
+            fence_floor: None,
+            tasks: Tasks::default(),
+            _listener: listener,
         }
+    }
+
+    /// Where a lost fencing counter restarts: above `floor`'s answer for the lock name.
+    pub fn with_fence_floor(mut self, floor: Arc<dyn FenceFloor>) -> RedisLock {
+        self.fence_floor = Some(floor);
+        self
+    }
+
+    /// Background tasks running now: watchdogs of holds and cleanups of dropped
+    /// acquisitions and releases.
+    pub fn background_tasks(&self) -> usize {
+        self.tasks.live()
     }
 
     pub fn key(&self, name: &str) -> String {
@@ -139,23 +187,72 @@ impl RedisLock {
         format!("{}:fence:{name}", self.namespace)
     }
 
-    /// One `SET NX PX` attempt: `Ok(fencing token)` when acquired, `Err(remaining
-    /// TTL)` when held by someone else.
-    async fn try_acquire(&self, name: &str, token: &str) -> Result<Result<u64, i64>, LockError> {
-        let mut conn = self.pool.get().await.map_err(redis_error)?;
+    /// One `SET NX PX` attempt. Until it returns, a drop undoes whatever it took.
+    async fn try_acquire(&self, name: &str, token: &str) -> Result<Attempt, LockError> {
+        let conn = self.pool.get().await.map_err(redis_error)?;
+        let hold = RedisHold {
+            pool: self.pool.clone(),
+            key: self.key(name),
+            channel: self.channel(name),
+            token: token.to_owned(),
+            fence: 0,
+        };
+        let target = Target {
+            pool: hold.pool.clone(),
+            key: hold.key.clone(),
+            channel: hold.channel.clone(),
+            token: hold.token.clone(),
+        };
+        let mut pending = PendingSet::new(conn, target, &self.tasks);
         let (acquired, value): (i64, i64) = ACQUIRE
-            .key(self.key(name))
+            .key(&hold.key)
             .key(self.fence_key(name))
             .arg(token)
             .arg(millis(self.lease))
-            .invoke_async(&mut conn)
+            .arg(if self.fence_floor.is_some() { "1" } else { "0" })
+            .invoke_async(pending.conn()?)
             .await
             .map_err(redis_error)?;
-        Ok(if acquired == 1 {
-            Ok(u64::try_from(value).unwrap_or(0))
-        } else {
-            Err(value)
-        })
+        let fence = match acquired {
+            0 => {
+                pending.disarm();
+                return Ok(Attempt::Held(value));
+            }
+            1 => value,
+            _ => {
+                // Redis has no counter for this lock (new, or lost in a restart).
+                let floor = match &self.fence_floor {
+                    Some(source) => bounded_floor(&**source, name).await?,
+                    None => 0,
+                };
+                let seeded: i64 = SEED_FENCE
+                    .key(&hold.key)
+                    .key(self.fence_key(name))
+                    .arg(token)
+                    .arg(floor)
+                    .invoke_async(pending.conn()?)
+                    .await
+                    .map_err(redis_error)?;
+                if seeded < 0 {
+                    pending.disarm();
+                    return Err(LockError::Lost(format!(
+                        "{} expired while its fencing counter was seeded",
+                        hold.key
+                    )));
+                }
+                seeded
+            }
+        };
+        pending.disarm();
+        let hold = RedisHold {
+            fence: u64::try_from(fence).unwrap_or(0),
+            ..hold
+        };
+        Ok(Attempt::Acquired(LeaseGuard::start(
+            hold,
+            self.lease,
+            &self.tasks,
+        )))
     }
 }
 
@@ -164,7 +261,6 @@ impl DistributedLock for RedisLock {
     type Guard = LeaseGuard<RedisHold>;
 
     async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
-        let key = self.key(name);
         let channel = self.channel(name);
         let token = acquisition_token(&self.owner);
         let deadline = Instant::now() + wait;
@@ -176,17 +272,8 @@ impl DistributedLock for RedisLock {
             released.as_mut().enable();
 
             let ttl = match self.try_acquire(name, &token).await? {
-                Ok(fence) => {
-                    let hold = RedisHold {
-                        pool: self.pool.clone(),
-                        key,
-                        channel,
-                        token,
-                        fence,
-                    };
-                    return Ok(LeaseGuard::start(hold, self.lease));
-                }
-                Err(ttl) => ttl,
+                Attempt::Acquired(guard) => return Ok(guard),
+                Attempt::Held(ttl) => ttl,
             };
             let now = Instant::now();
             if now >= deadline {
@@ -208,6 +295,98 @@ impl DistributedLock for RedisLock {
                 }
             }
         }
+    }
+}
+
+/// A `SET NX` sent on `conn` whose outcome its caller may never see. Unless disarmed,
+/// dropping it sends the compare-and-delete of its token on the same connection, so
+/// that Redis runs the delete after the `SET`; if that connection fails, on fresh ones
+/// (by then the `SET` has either run or never will).
+pub(super) struct PendingSet {
+    conn: Option<Connection>,
+    target: Target,
+    tasks: Tasks,
+}
+
+/// The key a `SET` went to, the channel its release publishes on, and its token.
+#[derive(Clone)]
+pub(super) struct Target {
+    pub pool: Pool,
+    pub key: String,
+    pub channel: String,
+    pub token: String,
+}
+
+impl PendingSet {
+    pub(super) fn new(conn: Connection, target: Target, tasks: &Tasks) -> PendingSet {
+        PendingSet {
+            conn: Some(conn),
+            target,
+            tasks: tasks.clone(),
+        }
+    }
+
+    pub(super) fn conn(&mut self) -> Result<&mut Connection, LockError> {
+        self.conn
+            .as_mut()
+            .ok_or_else(|| LockError::backend("redis", "attempt already settled"))
+    }
+
+    /// The attempt's outcome is known to the caller: nothing to undo.
+    pub(super) fn disarm(&mut self) {
+        self.conn = None;
+    }
+
+    /// Undoes the attempt now, on its connection, waiting at most `bound`. A delete
+    /// still unanswered then is queued behind the `SET` and will run after it; one
+    /// that failed leaves the attempt armed, for the drop to retry on fresh
+    /// connections.
+    pub(super) async fn undo(&mut self, bound: Duration) {
+        let Some(conn) = self.conn.as_mut() else {
+            return;
+        };
+        let Target {
+            key,
+            channel,
+            token,
+            ..
+        } = &self.target;
+        let undone = tokio::time::timeout(bound, release_with(conn, key, channel, token)).await;
+        if !matches!(undone, Ok(Err(_))) {
+            self.conn = None;
+        }
+    }
+}
+
+impl Drop for PendingSet {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        let Target {
+            pool,
+            key,
+            channel,
+            token,
+        } = self.target.clone();
+        self.tasks.spawn_detached(async move {
+            let same_connection = release_with(&mut conn, &key, &channel, &token);
+            match tokio::time::timeout(UNDO_TIMEOUT, same_connection).await {
+                Ok(Ok(_)) => return,
+                // Sent behind the SET on a live but slow connection: it runs after it.
+                Err(_) => return,
+                Ok(Err(_)) => {}
+            }
+            drop(conn);
+            for _ in 0..3 {
+                let fresh = delete_on(&pool, &key, &channel, &token);
+                if let Ok(Ok(_)) = tokio::time::timeout(UNDO_TIMEOUT, fresh).await {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            tracing::warn!(lock = %key, "could not undo a dropped acquisition; its lease will expire");
+        });
     }
 }
 
@@ -295,11 +474,21 @@ pub(super) async fn delete_on(
     token: &str,
 ) -> Result<bool, LockError> {
     let mut conn = pool.get().await.map_err(redis_error)?;
+    release_with(&mut conn, key, channel, token).await
+}
+
+/// The same on a given connection.
+pub(super) async fn release_with(
+    conn: &mut Connection,
+    key: &str,
+    channel: &str,
+    token: &str,
+) -> Result<bool, LockError> {
     let deleted: i64 = RELEASE
         .key(key)
         .arg(token)
         .arg(channel)
-        .invoke_async(&mut conn)
+        .invoke_async(conn)
         .await
         .map_err(redis_error)?;
     Ok(deleted == 1)

@@ -9,9 +9,22 @@
 //! - **Holding and release**: renewal and release are the single-node compare-and-
 //!   PEXPIRE / compare-and-delete scripts, run on every node, and count only with a
 //!   majority; the shared lease guard runs the watchdog.
-//! - **Fencing**: Redlock has no natural fencing token. Each granting node `INCR`s a
-//!   counter and the holder takes the largest; it only grows as long as no node loses
-//!   its data, which is exactly the assumption Redlock's critics point at.
+//! - **Cancellation**: each node's `SET` is sent on a connection its attempt keeps; a
+//!   round dropped midway (or a node that answered too late) is undone by a
+//!   compare-and-delete on that same connection, which Redis runs after the `SET`.
+//!   Unsettled late answers of a successful round stay with the hold and are undone
+//!   on their connection when it ends.
+//!
+//! - **Fencing**: Redlock has no natural fencing token. A counter per node would not
+//!   do: the largest of the granting nodes' `INCR`s can repeat or go back when the next
+//!   majority is a different set of nodes (A and B at 5, then B and C give 6 and 1,
+//!   then A and C give 6 again). So a holder, still holding on the granting nodes,
+//!   reads their counters, takes the largest as the floor, and writes floor + 1 to each
+//!   of them (a script that writes only while the node still holds our token); the
+//!   token counts only if a majority took the write. Any two majorities share a node,
+//!   so the next holder reads at least this token and goes above it. A node that lost
+//!   its data has no counter: then the floor also comes from the fence MySQL checks
+//!   (`fence_floor`). This rests, like the lock itself, on holders not overlapping.
 //!
 //! - **Local queue**: within one replica, contenders for the same key wait their turn
 //!   on a local FIFO mutex and only the first runs the algorithm (Redisson does the
@@ -35,8 +48,10 @@ use futures::future::join_all;
 use tokio::sync::OwnedMutexGuard;
 use tokio::time::{Instant, timeout};
 
+use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
-use super::redis::{delete_on, millis, redis_error, renew_on};
+use super::redis::{PendingSet, SEED_FENCE, Target, delete_on, millis, redis_error, renew_on};
+use super::task::Tasks;
 use super::{DistributedLock, LockError, acquisition_token};
 
 /// Bound on one node's answer: far below the lease, so a dead node cannot eat the
@@ -51,6 +66,16 @@ pub struct Redlock {
     lease: Duration,
     /// This replica's queue per lock key; weak, so finished keys leave nothing behind.
     local_queues: Mutex<HashMap<String, Weak<tokio::sync::Mutex<()>>>>,
+    fence_floor: Option<Arc<dyn FenceFloor>>,
+    tasks: Tasks,
+}
+
+/// One node's part in a round: the attempt on it, if a connection was had, and
+/// whether it granted the lock.
+#[derive(Default)]
+struct NodeAttempt {
+    pending: Option<PendingSet>,
+    granted: bool,
 }
 
 impl Redlock {
@@ -61,7 +86,21 @@ impl Redlock {
             owner: owner.to_owned(),
             lease,
             local_queues: Mutex::default(),
+            fence_floor: None,
+            tasks: Tasks::default(),
         }
+    }
+
+    /// Where lost fencing counters restart: above `floor`'s answer for the lock name.
+    pub fn with_fence_floor(mut self, floor: Arc<dyn FenceFloor>) -> Redlock {
+        self.fence_floor = Some(floor);
+        self
+    }
+
+    /// Background tasks running now: watchdogs of holds and cleanups of dropped
+    /// acquisitions and releases.
+    pub fn background_tasks(&self) -> usize {
+        self.tasks.live()
     }
 
     /// This replica's FIFO queue for `key`.
@@ -105,52 +144,101 @@ impl Redlock {
         .await
     }
 
-    /// One round of the algorithm: the indexes of the nodes that granted the lock.
-    async fn try_all(&self, key: &str, token: &str) -> Vec<usize> {
-        let attempts = join_all(self.nodes.iter().map(|node| {
-            timeout(NODE_TIMEOUT, async move {
-                let mut conn = node.get().await.map_err(redis_error)?;
-                let set: Option<String> = redis::cmd("SET")
-                    .arg(key)
-                    .arg(token)
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(millis(self.lease))
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(redis_error)?;
-                Ok::<_, LockError>(set.is_some())
-            })
-        }))
+    /// `SET NX PX` on every node, each bounded by `NODE_TIMEOUT`. Every attempt that
+    /// got a connection is returned, granted or not, so that it can be undone there.
+    async fn set_everywhere(&self, key: &str, token: &str) -> Vec<NodeAttempt> {
+        let mut attempts: Vec<NodeAttempt> =
+            self.nodes.iter().map(|_| NodeAttempt::default()).collect();
+        let lease = millis(self.lease);
+        join_all(
+            attempts
+                .iter_mut()
+                .zip(self.nodes.iter())
+                .map(|(attempt, node)| async move {
+                    let _ = timeout(NODE_TIMEOUT, async {
+                        let conn = node.get().await.map_err(redis_error)?;
+                        let target = Target {
+                            pool: node.clone(),
+                            key: key.to_owned(),
+                            channel: released_channel(key),
+                            token: token.to_owned(),
+                        };
+                        let pending =
+                            attempt
+                                .pending
+                                .insert(PendingSet::new(conn, target, &self.tasks));
+                        let set: Option<String> = redis::cmd("SET")
+                            .arg(key)
+                            .arg(token)
+                            .arg("NX")
+                            .arg("PX")
+                            .arg(lease)
+                            .query_async(pending.conn()?)
+                            .await
+                            .map_err(redis_error)?;
+                        attempt.granted = set.is_some();
+                        Ok::<_, LockError>(())
+                    })
+                    .await;
+                }),
+        )
         .await;
         attempts
-            .into_iter()
-            .enumerate()
-            .filter_map(|(index, attempt)| matches!(attempt, Ok(Ok(true))).then_some(index))
-            .collect()
     }
 
-    /// The largest of the fencing counters incremented on the granting nodes.
-    async fn next_fence(&self, name: &str, granted: &[usize]) -> u64 {
-        let key = self.fence_key(name);
-        let counters = join_all(granted.iter().map(|&index| {
-            let key = &key;
-            let node = &self.nodes[index];
-            timeout(NODE_TIMEOUT, async move {
-                let mut conn = node.get().await.map_err(redis_error)?;
-                redis::cmd("INCR")
-                    .arg(key)
-                    .query_async::<u64>(&mut conn)
-                    .await
-                    .map_err(redis_error)
-            })
-        }))
+    /// The next fencing token, written to a majority of the granting nodes (see the
+    /// module comment); `None` if the nodes did not answer in time.
+    async fn next_fence(
+        &self,
+        name: &str,
+        token: &str,
+        attempts: &mut [NodeAttempt],
+    ) -> Result<Option<u64>, LockError> {
+        let (key, fence_key) = (self.key(name), self.fence_key(name));
+        let read = join_all(
+            attempts
+                .iter_mut()
+                .filter(|a| a.granted)
+                .map(|attempt| async {
+                    let conn = attempt.pending.as_mut()?.conn().ok()?;
+                    let mut get = redis::cmd("GET");
+                    get.arg(&fence_key);
+                    timeout(NODE_TIMEOUT, get.query_async::<Option<u64>>(conn))
+                        .await
+                        .ok()?
+                        .ok()
+                }),
+        )
         .await;
-        counters
-            .into_iter()
-            .filter_map(|c| c.ok().and_then(Result::ok))
-            .max()
-            .unwrap_or(0)
+        let Some(counters) = read.into_iter().collect::<Option<Vec<_>>>() else {
+            return Ok(None);
+        };
+        let mut floor = counters.iter().flatten().copied().max().unwrap_or(0);
+        if counters.iter().any(Option::is_none)
+            && let Some(source) = &self.fence_floor
+        {
+            floor = floor.max(bounded_floor(&**source, name).await?);
+        }
+        let written = join_all(
+            attempts
+                .iter_mut()
+                .filter(|a| a.granted)
+                .map(|attempt| async {
+                    let conn = attempt.pending.as_mut()?.conn().ok()?;
+                    let mut seed = SEED_FENCE.prepare_invoke();
+                    seed.key(&key).key(&fence_key).arg(token).arg(floor);
+                    let fence = timeout(NODE_TIMEOUT, seed.invoke_async::<i64>(conn))
+                        .await
+                        .ok()?
+                        .ok()?;
+                    u64::try_from(fence).ok()
+                }),
+        )
+        .await;
+        let fences: Vec<u64> = written.into_iter().flatten().collect();
+        Ok((fences.len() >= self.quorum())
+            .then(|| fences.into_iter().max())
+            .flatten())
     }
 }
 
@@ -181,22 +269,46 @@ impl DistributedLock for Redlock {
         loop {
             let token = acquisition_token(&self.owner);
             let started = Instant::now();
-            let granted = self.try_all(&key, &token).await;
-            let spent = started.elapsed() + drift;
-            let hold = RedlockHold {
-                nodes: self.nodes.clone(),
-                quorum: self.quorum(),
-                key: key.clone(),
-                token,
-                fence: 0,
-                _turn: turn.clone(),
-            };
-            if granted.len() >= self.quorum() && spent < self.lease {
-                let fence = self.next_fence(name, &granted).await;
-                return Ok(LeaseGuard::start(RedlockHold { fence, ..hold }, self.lease));
+            let mut attempts = self.set_everywhere(&key, &token).await;
+            let granted = attempts.iter().filter(|a| a.granted).count();
+            if granted >= self.quorum() && started.elapsed() + drift < self.lease {
+                let fence = self.next_fence(name, &token, &mut attempts).await?;
+                if let Some(fence) = fence
+                    && started.elapsed() + drift < self.lease
+                {
+                    // Granted attempts are settled; late ones stay armed with the hold.
+                    let late = attempts
+                        .into_iter()
+                        .filter_map(|mut attempt| {
+                            if attempt.granted
+                                && let Some(pending) = attempt.pending.as_mut()
+                            {
+                                pending.disarm();
+                            }
+                            attempt.pending
+                        })
+                        .collect();
+                    let hold = RedlockHold {
+                        nodes: self.nodes.clone(),
+                        quorum: self.quorum(),
+                        key: key.clone(),
+                        token,
+                        fence,
+                        _late: Arc::new(late),
+                        _turn: turn.clone(),
+                    };
+                    return Ok(LeaseGuard::start(hold, self.lease, &self.tasks));
+                }
             }
             // Not acquired: undo everywhere, also on nodes that answered too late.
-            let _ = hold.delete().await;
+            join_all(
+                attempts
+                    .iter_mut()
+                    .filter_map(|attempt| attempt.pending.as_mut())
+                    .map(|pending| pending.undo(NODE_TIMEOUT)),
+            )
+            .await;
+            drop(attempts);
             let now = Instant::now();
             if now >= deadline {
                 return Err(LockError::Timeout { waited: wait });
@@ -207,6 +319,10 @@ impl DistributedLock for Redlock {
     }
 }
 
+fn released_channel(key: &str) -> String {
+    format!("{key}:released")
+}
+
 /// One Redlock acquisition: the same key and token on every node.
 #[derive(Clone)]
 pub struct RedlockHold {
@@ -215,42 +331,61 @@ pub struct RedlockHold {
     key: String,
     token: String,
     fence: u64,
+    /// Nodes whose `SET` had not answered when the lock was taken: undone on their
+    /// own connections once the last copy of the hold is gone.
+    _late: Arc<Vec<PendingSet>>,
     /// This replica's turn in the local queue: given up when the last copy of the hold
     /// is gone, that is after the release on the nodes.
     _turn: Arc<OwnedMutexGuard<()>>,
 }
 
 impl RedlockHold {
-    fn channel(&self) -> String {
-        format!("{}:released", self.key)
+    /// From the nodes' answers to a renewal or release (`Some(yes)` per node that
+    /// answered): `true` if a majority said yes; `false` if too few can say yes even
+    /// counting the silent ones; otherwise unknown, an error naming `what`.
+    fn verdict(&self, answers: &[Option<bool>], what: &str) -> Result<bool, LockError> {
+        let yes = answers.iter().filter(|a| **a == Some(true)).count();
+        let silent = answers.iter().filter(|a| a.is_none()).count();
+        if yes >= self.quorum {
+            Ok(true)
+        } else if yes + silent >= self.quorum {
+            Err(LockError::backend(
+                "redis",
+                format!(
+                    "redlock {what}: {silent} of {} nodes did not answer",
+                    answers.len()
+                ),
+            ))
+        } else {
+            Ok(false)
+        }
     }
 }
 
 #[async_trait]
 impl LeaseHold for RedlockHold {
-    /// Held while a majority still holds our token and extended it.
+    /// Held while a majority still holds our token and extended it; not held once too
+    /// many nodes answered that it is not ours; unknown (an error: the watchdog
+    /// retries, the holder must not commit) while nodes are silent.
     async fn renew(&self, lease: Duration) -> Result<bool, LockError> {
-        let renewed = join_all(
-            self.nodes
-                .iter()
-                .map(|node| timeout(NODE_TIMEOUT, renew_on(node, &self.key, &self.token, lease))),
-        )
-        .await;
-        let majority = renewed.iter().filter(|r| matches!(r, Ok(Ok(true)))).count() >= self.quorum;
-        Ok(majority)
-    }
-
-    /// Releases on every node; `true` if a majority still held it.
-    async fn delete(&self) -> Result<bool, LockError> {
-        let channel = self.channel();
-        let deleted = join_all(self.nodes.iter().map(|node| {
-            timeout(
-                NODE_TIMEOUT,
-                delete_on(node, &self.key, &channel, &self.token),
-            )
+        let answers = join_all(self.nodes.iter().map(|node| async {
+            let renewal = renew_on(node, &self.key, &self.token, lease);
+            timeout(NODE_TIMEOUT, renewal).await.ok()?.ok()
         }))
         .await;
-        Ok(deleted.iter().filter(|d| matches!(d, Ok(Ok(true)))).count() >= self.quorum)
+        self.verdict(&answers, "renewal")
+    }
+
+    /// Releases on every node; `true` if a majority still held it. Unknown while nodes
+    /// are silent: the guard then retries the release in the background.
+    async fn delete(&self) -> Result<bool, LockError> {
+        let channel = released_channel(&self.key);
+        let answers = join_all(self.nodes.iter().map(|node| async {
+            let release = delete_on(node, &self.key, &channel, &self.token);
+            timeout(NODE_TIMEOUT, release).await.ok()?.ok()
+        }))
+        .await;
+        self.verdict(&answers, "release")
     }
 
     fn describe(&self) -> String {

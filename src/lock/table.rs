@@ -14,15 +14,23 @@
 //! - **Waiting**: nothing wakes a waiter, so it polls with jittered exponential
 //!   backoff, bounded by the caller's wait.
 //!
-//! All times are the database's own (`NOW(6)`), so replicas' clocks do not matter.
+//! - **Cancellation**: an INSERT whose caller was dropped may still commit. The attempt
+//!   holds the connection it sent the INSERT on and, if dropped, deletes its row (by
+//!   its unique owner token) on that same connection, which answers the INSERT first.
+//!
+//! All times are the database's own, in UTC (`UTC_TIMESTAMP(6)` into `DATETIME(6)`
+//! columns), so neither replicas' clocks nor their sessions' time zones matter.
 
 use std::time::Duration;
 
 use async_trait::async_trait;
+use sqlx::MySql;
 use sqlx::mysql::{MySqlDatabaseError, MySqlPool};
+use sqlx::pool::PoolConnection;
 use tokio::time::Instant;
 
 use super::lease::{LeaseGuard, LeaseHold};
+use super::task::Tasks;
 use super::{DistributedLock, LockError, acquisition_token, jittered_backoff};
 
 /// MySQL error numbers that mean "someone else holds it" for a lock-row INSERT.
@@ -33,11 +41,16 @@ const DEADLOCK_RETRIES: u32 = 20;
 
 const BACKOFF_BASE: Duration = Duration::from_millis(2);
 const BACKOFF_CAP: Duration = Duration::from_millis(50);
+/// Bound on one undo of a dropped INSERT.
+const UNDO_TIMEOUT: Duration = Duration::from_secs(5);
+
+const DELETE_OWN_ROW: &str = "DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?";
 
 pub struct TableLock {
     pool: MySqlPool,
     owner: String,
     lease: Duration,
+    tasks: Tasks,
 }
 
 impl TableLock {
@@ -46,14 +59,21 @@ impl TableLock {
             pool,
             owner: owner.to_owned(),
             lease,
+            tasks: Tasks::default(),
         }
+    }
+
+    /// Background tasks running now: watchdogs of holds and cleanups of dropped
+    /// acquisitions and releases.
+    pub fn background_tasks(&self) -> usize {
+        self.tasks.live()
     }
 
     /// The row holding `name`, if any: its id, owner and milliseconds to expiry
     /// (negative once expired and not yet taken over).
     pub async fn inspect(&self, name: &str) -> Result<Option<(i64, String, i64)>, LockError> {
         sqlx::query_as(
-            "SELECT id, owner, CAST(TIMESTAMPDIFF(MICROSECOND, NOW(6), expires_at) DIV 1000 AS SIGNED)
+            "SELECT id, owner, CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) DIV 1000 AS SIGNED)
              FROM distributed_locks WHERE lock_name = ?",
         )
         .bind(name)
@@ -62,33 +82,48 @@ impl TableLock {
         .map_err(mysql_error)
     }
 
-    /// One INSERT attempt: the new row's id, or `None` when the name is taken.
+    /// One INSERT attempt: the new row's id, or `None` when the name is taken. Until
+    /// it returns, a drop deletes whatever row it may have inserted.
     async fn try_insert(&self, name: &str, owner: &str) -> Result<Option<u64>, LockError> {
+        let conn = self.pool.acquire().await.map_err(mysql_error)?;
+        let mut pending = PendingInsert {
+            conn: Some(conn),
+            pool: self.pool.clone(),
+            name: name.to_owned(),
+            owner: owner.to_owned(),
+            tasks: self.tasks.clone(),
+        };
+        let Some(conn) = pending.conn.as_mut() else {
+            return Err(LockError::backend("mysql", "attempt already settled"));
+        };
         let inserted = sqlx::query(
             "INSERT INTO distributed_locks (lock_name, owner, expires_at)
-             VALUES (?, ?, NOW(6) + INTERVAL ? MICROSECOND)",
+             VALUES (?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)",
         )
         .bind(name)
         .bind(owner)
         .bind(micros(self.lease))
-        .execute(&self.pool)
+        .execute(&mut **conn)
         .await;
-        match inserted {
+        let outcome = match inserted {
             Ok(result) => Ok(Some(result.last_insert_id())),
             Err(sqlx::Error::Database(error))
                 if matches!(mysql_number(&*error), Some(DUPLICATE_KEY | DEADLOCK)) =>
             {
                 Ok(None)
             }
-            Err(error) => Err(mysql_error(error)),
-        }
+            // Whether the row went in is unknown: leave the undo armed.
+            Err(error) => return Err(mysql_error(error)),
+        };
+        pending.conn = None;
+        outcome
     }
 
     /// Deletes the row holding `name` if it has expired, by its id. Returns whether a
     /// row was taken over.
     async fn take_over_expired(&self, name: &str) -> Result<bool, LockError> {
         let expired: Option<(i64, String)> = sqlx::query_as(
-            "SELECT id, owner FROM distributed_locks WHERE lock_name = ? AND expires_at < NOW(6)",
+            "SELECT id, owner FROM distributed_locks WHERE lock_name = ? AND expires_at < UTC_TIMESTAMP(6)",
         )
         .bind(name)
         .fetch_optional(&self.pool)
@@ -98,9 +133,11 @@ impl TableLock {
             return Ok(false);
         };
         let deleted = retry_deadlocks(|| {
-            sqlx::query("DELETE FROM distributed_locks WHERE id = ? AND expires_at < NOW(6)")
-                .bind(id)
-                .execute(&self.pool)
+            sqlx::query(
+                "DELETE FROM distributed_locks WHERE id = ? AND expires_at < UTC_TIMESTAMP(6)",
+            )
+            .bind(id)
+            .execute(&self.pool)
         })
         .await?
         .rows_affected();
@@ -127,7 +164,7 @@ impl DistributedLock for TableLock {
                     name: name.to_owned(),
                     owner,
                 };
-                return Ok(LeaseGuard::start(hold, self.lease));
+                return Ok(LeaseGuard::start(hold, self.lease, &self.tasks));
             }
             if self.take_over_expired(name).await? {
                 continue;
@@ -157,8 +194,8 @@ impl LeaseHold for TableHold {
     async fn renew(&self, lease: Duration) -> Result<bool, LockError> {
         let updated = retry_deadlocks(|| {
             sqlx::query(
-                "UPDATE distributed_locks SET expires_at = NOW(6) + INTERVAL ? MICROSECOND
-                 WHERE id = ? AND owner = ? AND expires_at >= NOW(6)",
+                "UPDATE distributed_locks SET expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
+                 WHERE id = ? AND owner = ? AND expires_at >= UTC_TIMESTAMP(6)",
             )
             .bind(micros(lease))
             .bind(self.id)
@@ -172,7 +209,7 @@ impl LeaseHold for TableHold {
             return Ok(true);
         }
         let still_ours: Option<i64> = sqlx::query_scalar(
-            "SELECT id FROM distributed_locks WHERE id = ? AND owner = ? AND expires_at >= NOW(6)",
+            "SELECT id FROM distributed_locks WHERE id = ? AND owner = ? AND expires_at >= UTC_TIMESTAMP(6)",
         )
         .bind(self.id)
         .bind(&self.owner)
@@ -184,7 +221,7 @@ impl LeaseHold for TableHold {
 
     async fn delete(&self) -> Result<bool, LockError> {
         let deleted = retry_deadlocks(|| {
-            sqlx::query("DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?")
+            sqlx::query(DELETE_OWN_ROW)
                 .bind(&self.name)
                 .bind(&self.owner)
                 .execute(&self.pool)
@@ -201,6 +238,50 @@ impl LeaseHold for TableHold {
     /// The row's auto-increment id: it only grows.
     fn fencing_token(&self) -> u64 {
         self.id
+    }
+}
+
+/// An INSERT sent on `conn` whose outcome its caller may never see. Dropped while
+/// armed, it deletes its row on the same connection: that connection first drains the
+/// INSERT's answer (sqlx waits for an abandoned statement before the next), so the
+/// delete runs after the INSERT. If the connection is broken, the delete is retried on
+/// fresh ones (the server may still be finishing the INSERT), then left to the lease.
+struct PendingInsert {
+    conn: Option<PoolConnection<MySql>>,
+    pool: MySqlPool,
+    name: String,
+    owner: String,
+    tasks: Tasks,
+}
+
+impl Drop for PendingInsert {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        let (pool, name, owner) = (self.pool.clone(), self.name.clone(), self.owner.clone());
+        self.tasks.spawn_detached(async move {
+            let delete = sqlx::query(DELETE_OWN_ROW).bind(&name).bind(&owner);
+            if let Ok(Ok(_)) = tokio::time::timeout(UNDO_TIMEOUT, delete.execute(&mut *conn)).await {
+                return;
+            }
+            // A connection that failed mid-statement is not to be reused.
+            conn.close_on_drop();
+            drop(conn);
+            for _ in 0..3 {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let delete = retry_deadlocks(|| {
+                    sqlx::query(DELETE_OWN_ROW)
+                        .bind(&name)
+                        .bind(&owner)
+                        .execute(&pool)
+                });
+                if let Ok(Ok(_)) = tokio::time::timeout(UNDO_TIMEOUT, delete).await {
+                    return;
+                }
+            }
+            tracing::warn!(lock = %name, "could not undo a dropped lock-row INSERT; its lease will expire");
+        });
     }
 }
 

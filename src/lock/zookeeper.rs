@@ -1,5 +1,5 @@
-//! A ZooKeeper lock: the recipe of Apache Curator's `InterProcessMutex`, through the
-//! zookeeper-client crate's Curator-compatible implementation.
+//! A ZooKeeper lock: the recipe of Apache Curator's `InterProcessMutex`, written here
+//! on the zookeeper-client crate's primitives.
 //!
 //! - Each contender creates an ephemeral sequential node
 //!   `<root>/<name>/_c_<uuid>-lock-<seq>`; the lowest sequence holds the lock.
@@ -11,15 +11,45 @@
 //! - A holder checks, before committing, that its session is connected and its node
 //!   still exists; after a session expiry it must not commit. An expired session is
 //!   terminal, so the next acquisition opens a new one.
+//!
+//! **Cancellation.** The session is the replica's and lives on, so a node left by a
+//! dropped acquisition would block the lock until the replica stops. An acquisition
+//! dropped at any point deletes its node from a cleanup task: by its path once the
+//! create answered, otherwise by finding the child with its `_c_<uuid>` prefix. The
+//! create was sent before the cleanup's listing, and ZooKeeper answers one session in
+//! order, so the listing sees the node if it was made. (The crate's own recipe,
+//! 0.11.2, deletes the bare child name when cancelled during the create; that fails
+//! path validation and the node outlives the request.)
+//!
+//! **Session.** One per replica, opened in the background at start and again after it
+//! expired. Opening is single-flight: contenders that need a session share one attempt,
+//! and each waits for it no longer than its own lock wait.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::sync::RwLock;
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
+use tokio::time::{Instant, timeout, timeout_at};
 use zookeeper_client as zk;
 
+use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, HeldLock, LockError};
+
+/// Bound on a background cleanup (the delete of a dropped acquisition's node).
+const CLEANUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Tries of an operation that lost its connection before giving up to the caller.
+const CONNECTION_RETRIES: u32 = 5;
+
+/// A session attempt that every contender waiting for it shares.
+type Opening = Shared<BoxFuture<'static, Result<zk::Client, String>>>;
+
+enum Slot {
+    Empty,
+    Open(zk::Client),
+    Opening(Opening),
+}
 
 pub struct ZooKeeperLock {
     servers: String,
@@ -27,16 +57,17 @@ pub struct ZooKeeperLock {
     owner: String,
     session_timeout: Duration,
     root: String,
-    /// Opened in the background at start, and again on use after an expiry or a
-    /// failed start: a replica starts (and its other strategies work) even while
-    /// ZooKeeper is down.
-    client: Arc<RwLock<Option<zk::Client>>>,
+    slot: Arc<Mutex<Slot>>,
+    /// The latest session attempt, stopped if the lock service is dropped first.
+    connecting: Mutex<Option<AbortOnDrop>>,
+    tasks: Tasks,
 }
 
 impl ZooKeeperLock {
     /// One session per replica, shared by all its contenders (the Curator prefix keeps
     /// their nodes apart). Starts connecting at once, in the background, so the first
-    /// orders do not queue behind other replicas while this one connects. Must be
+    /// orders do not queue behind other replicas while this one connects; a replica
+    /// starts (and its other strategies work) even while ZooKeeper is down. Must be
     /// called within the Tokio runtime.
     pub fn new(
         servers: &str,
@@ -44,106 +75,102 @@ impl ZooKeeperLock {
         namespace: &str,
         owner: &str,
     ) -> ZooKeeperLock {
-        let client: Arc<RwLock<Option<zk::Client>>> = Arc::default();
-        let (slot, address) = (client.clone(), servers.to_owned());
-        tokio::spawn(async move {
-            let mut slot = slot.write().await;
-            match connect(&address, session_timeout).await {
-                Ok(session) => *slot = Some(session),
-                Err(error) => {
-                    tracing::warn!(%error, "ZooKeeper not reachable at start; will retry on use")
-                }
-            }
-        });
-        ZooKeeperLock {
+        let lock = ZooKeeperLock {
             servers: servers.to_owned(),
             owner: owner.to_owned(),
             session_timeout,
             root: format!("/flashsale/{namespace}/locks"),
-            client,
-        }
+            slot: Arc::new(Mutex::new(Slot::Empty)),
+            connecting: Mutex::new(None),
+            tasks: Tasks::default(),
+        };
+        drop(lock.open(&mut lock.slot()));
+        lock
     }
 
     pub fn lock_dir(&self, name: &str) -> String {
         format!("{}/{name}", self.root)
     }
 
-    /// The current session, or a new one if there is none yet or it ended.
-    async fn session(&self) -> Result<zk::Client, LockError> {
-        let usable = |client: &Option<zk::Client>| {
-            client
-                .as_ref()
-                .filter(|c| !c.state().is_terminated())
-                .cloned()
-        };
-        if let Some(client) = usable(&*self.client.read().await) {
-            return Ok(client);
-        }
-        let mut slot = self.client.write().await;
-        if let Some(client) = usable(&slot) {
-            return Ok(client);
-        }
-        if let Some(ended) = slot.as_ref() {
-            tracing::warn!(state = ?ended.state(), "ZooKeeper session ended; opening a new one");
-        }
-        let client = connect(&self.servers, self.session_timeout).await?;
-        *slot = Some(client.clone());
-        Ok(client)
+    /// Background tasks running now: cleanups of dropped acquisitions and guards.
+    pub fn background_tasks(&self) -> usize {
+        self.tasks.live()
     }
-}
 
-async fn connect(servers: &str, session_timeout: Duration) -> Result<zk::Client, LockError> {
-    zk::Client::connector()
-        .with_session_timeout(session_timeout)
-        .with_connection_timeout(Duration::from_secs(3))
-        .connect(servers)
-        .await
-        .map_err(zk_error)
-}
+    fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
 
-#[async_trait]
-impl DistributedLock for ZooKeeperLock {
-    type Guard = ZooKeeperGuard;
-
-    async fn acquire(&self, name: &str, wait: Duration) -> Result<ZooKeeperGuard, LockError> {
-        let deadline = tokio::time::Instant::now() + wait;
-        let dir = self.lock_dir(name);
-        // A session can turn out expired only when used; then one retry on a new one.
-        for _ in 0..2 {
-            let client = self.session().await?;
-            let prefix = zk::LockPrefix::new_curator(&dir, "lock-").map_err(zk_error)?;
-            let options = zk::LockOptions::new(zk::Acls::anyone_all())
-                .with_ancestor_options(zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all()))
-                .map_err(zk_error)?;
-            // The recipe is cancellation safe: on timeout it deletes the node it created.
-            let contended = tokio::time::timeout_at(
-                deadline,
-                client.lock(prefix, self.owner.as_bytes(), options),
-            )
-            .await;
-            match contended {
-                Err(_) => return Err(LockError::Timeout { waited: wait }),
-                Ok(Ok(lock)) => {
-                    return Ok(ZooKeeperGuard {
-                        lock: lock.into_owned(),
-                    });
+    /// Starts a session attempt in the background and puts it in `slot` (held locked
+    /// by the caller); the attempt records its outcome there.
+    fn open(&self, slot_now: &mut Slot) -> Opening {
+        let (servers, session_timeout) = (self.servers.clone(), self.session_timeout);
+        let slot = self.slot.clone();
+        let (done, outcome) = tokio::sync::oneshot::channel();
+        let attempt = AbortOnDrop::spawn(async move {
+            let connected = connect(&servers, session_timeout).await;
+            let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+            *slot = match &connected {
+                Ok(client) => Slot::Open(client.clone()),
+                Err(error) => {
+                    tracing::warn!(%error, "ZooKeeper not reachable; will retry on use");
+                    Slot::Empty
                 }
-                Ok(Err(zk::Error::SessionExpired)) => self.discard(&client).await,
-                Ok(Err(error)) => return Err(zk_error(error)),
-            }
+            };
+            drop(slot);
+            let _ = done.send(connected.map_err(|error| error.to_string()));
+        });
+        let opening = async move {
+            outcome
+                .await
+                .unwrap_or_else(|_| Err("session attempt stopped".to_owned()))
         }
-        Err(LockError::backend(
-            "zookeeper",
-            "session expired twice in a row",
-        ))
+        .boxed()
+        .shared();
+        *slot_now = Slot::Opening(opening.clone());
+        *self.connecting.lock().unwrap_or_else(|e| e.into_inner()) = Some(attempt);
+        opening
     }
-}
 
-impl ZooKeeperLock {
+    /// The current session, or the one being opened, or a new attempt: waits at most
+    /// until `deadline`.
+    async fn session(&self, deadline: Instant, wait: Duration) -> Result<zk::Client, LockError> {
+        let opening = {
+            let mut slot = self.slot();
+            match &*slot {
+                Slot::Open(client) if !client.state().is_terminated() => {
+                    return Ok(client.clone());
+                }
+                Slot::Opening(opening) => opening.clone(),
+                ended => {
+                    if let Slot::Open(client) = ended {
+                        tracing::warn!(state = ?client.state(), "ZooKeeper session ended; opening a new one");
+                    }
+                    self.open(&mut slot)
+                }
+            }
+        };
+        match timeout_at(deadline, opening).await {
+            Err(_) => Err(LockError::Timeout { waited: wait }),
+            Ok(Ok(client)) => Ok(client),
+            Ok(Err(error)) => Err(LockError::backend("zookeeper", error)),
+        }
+    }
+
+    /// Forgets `ended` so the next use opens a new session.
+    fn discard(&self, ended: &zk::Client) {
+        let mut slot = self.slot();
+        if matches!(&*slot, Slot::Open(c) if c.session_id() == ended.session_id()) {
+            tracing::warn!("ZooKeeper session expired; opening a new one");
+            *slot = Slot::Empty;
+        }
+    }
+
     /// The lock's nodes in queue order (the first holds the lock), each with the owner
     /// written in it.
     pub async fn inspect(&self, name: &str) -> Result<Vec<(String, String)>, LockError> {
-        let client = self.session().await?;
+        let wait = Duration::from_secs(5);
+        let client = self.session(Instant::now() + wait, wait).await?;
         let dir = self.lock_dir(name);
         let children = match client.list_children(&dir).await {
             Ok(children) => children,
@@ -163,27 +190,208 @@ impl ZooKeeperLock {
         Ok(nodes)
     }
 
-    /// Forgets `ended` so the next use opens a new session.
-    async fn discard(&self, ended: &zk::Client) {
-        let mut slot = self.client.write().await;
-        if slot
-            .as_ref()
-            .is_some_and(|c| c.session_id() == ended.session_id())
-        {
-            tracing::warn!("ZooKeeper session expired; opening a new one");
-            *slot = None;
+    /// The recipe on one session: create our node, then wait until it is the lowest.
+    async fn contend(&self, client: &zk::Client, dir: &str) -> Result<ZooKeeperGuard, zk::Error> {
+        let marker = format!("_c_{}-", uuid());
+        let prefix = format!("{dir}/{marker}lock-");
+        let mut pending = PendingNode {
+            client: client.clone(),
+            dir: dir.to_owned(),
+            marker: marker.clone(),
+            path: None,
+            tasks: self.tasks.clone(),
+            armed: true,
+        };
+        let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
+        let mut losses = 0;
+        let path = loop {
+            match client
+                .create(&prefix, self.owner.as_bytes(), &ephemeral)
+                .await
+            {
+                Ok((_, sequence)) => break format!("{prefix}{sequence}"),
+                Err(zk::Error::NoNode) => {
+                    let directory = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+                    retrying(|| client.mkdir(dir, &directory)).await?;
+                }
+                // The node may have been made: look for it before creating another.
+                Err(zk::Error::ConnectionLoss) if losses < CONNECTION_RETRIES => {
+                    losses += 1;
+                    if let Some(child) = find_own(client, dir, &marker).await? {
+                        break format!("{dir}/{child}");
+                    }
+                }
+                Err(error) => return Err(error),
+            }
+        };
+        pending.path = Some(path.clone());
+        let own = path.rsplit('/').next().unwrap_or_default().to_owned();
+        loop {
+            let mut children = retrying(|| client.list_children(dir)).await?;
+            children.retain(|child| child.contains("-lock-") && sequence_of(child).is_some());
+            children.sort_by_key(|child| sequence_of(child));
+            let Some(position) = children.iter().position(|child| *child == own) else {
+                // Our ephemeral node is gone: the session ended under us.
+                return Err(zk::Error::SessionExpired);
+            };
+            if position == 0 {
+                pending.armed = false;
+                return Ok(ZooKeeperGuard {
+                    client: client.clone(),
+                    path,
+                    released: false,
+                    tasks: self.tasks.clone(),
+                });
+            }
+            let predecessor = format!("{dir}/{}", children[position - 1]);
+            let (stat, watcher) = retrying(|| client.check_and_watch_stat(&predecessor)).await?;
+            if stat.is_some() {
+                watcher.changed().await;
+            }
         }
+    }
+}
+
+async fn connect(servers: &str, session_timeout: Duration) -> Result<zk::Client, LockError> {
+    zk::Client::connector()
+        .with_session_timeout(session_timeout)
+        .with_connection_timeout(Duration::from_secs(3))
+        .connect(servers)
+        .await
+        .map_err(zk_error)
+}
+
+/// Runs `operation` again after a connection loss, a few times.
+async fn retrying<T, F, Fut>(operation: F) -> Result<T, zk::Error>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<T, zk::Error>>,
+{
+    let mut losses = 0;
+    loop {
+        match operation().await {
+            Err(zk::Error::ConnectionLoss) if losses < CONNECTION_RETRIES => {
+                losses += 1;
+                tokio::time::sleep(Duration::from_millis(50) * losses).await;
+            }
+            outcome => return outcome,
+        }
+    }
+}
+
+/// The child of `dir` this session created with the `marker` prefix, if any.
+async fn find_own(
+    client: &zk::Client,
+    dir: &str,
+    marker: &str,
+) -> Result<Option<String>, zk::Error> {
+    let children = retrying(|| client.list_children(dir)).await?;
+    Ok(children.into_iter().find(|child| child.starts_with(marker)))
+}
+
+/// A random UUID (version 4 layout) for the Curator prefix.
+fn uuid() -> String {
+    let bits = rand::random::<u128>() & !(0xf << 76) & !(0x3 << 62) | (0x4 << 76) | (0x2 << 62);
+    let hex = format!("{bits:032x}");
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
+/// A node this acquisition created or may have created. Dropped while armed (the
+/// acquisition was cut short), it deletes the node in the background.
+struct PendingNode {
+    client: zk::Client,
+    dir: String,
+    marker: String,
+    /// Known once the create answered.
+    path: Option<String>,
+    tasks: Tasks,
+    armed: bool,
+}
+
+impl Drop for PendingNode {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (client, dir, marker, path) = (
+            self.client.clone(),
+            self.dir.clone(),
+            self.marker.clone(),
+            self.path.take(),
+        );
+        self.tasks.spawn_detached(async move {
+            let cleanup = async {
+                let path = match path {
+                    Some(path) => path,
+                    None => match find_own(&client, &dir, &marker).await? {
+                        Some(child) => format!("{dir}/{child}"),
+                        None => return Ok(()),
+                    },
+                };
+                delete_node(&client, &path).await
+            };
+            match timeout(CLEANUP_TIMEOUT, cleanup).await {
+                Ok(Ok(())) | Ok(Err(zk::Error::NoNode | zk::Error::SessionExpired)) => {}
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, %dir, "could not delete a dropped acquisition's node")
+                }
+                Err(_) => tracing::warn!(%dir, "deleting a dropped acquisition's node timed out"),
+            }
+        });
+    }
+}
+
+/// Deletes `path`, retrying over connection losses; an absent node is deleted.
+async fn delete_node(client: &zk::Client, path: &str) -> Result<(), zk::Error> {
+    match retrying(|| client.delete(path, None)).await {
+        Ok(()) | Err(zk::Error::NoNode) => Ok(()),
+        Err(error) => Err(error),
+    }
+}
+
+#[async_trait]
+impl DistributedLock for ZooKeeperLock {
+    type Guard = ZooKeeperGuard;
+
+    async fn acquire(&self, name: &str, wait: Duration) -> Result<ZooKeeperGuard, LockError> {
+        let deadline = Instant::now() + wait;
+        let dir = self.lock_dir(name);
+        // A session can turn out expired only when used; then one retry on a new one.
+        for _ in 0..2 {
+            let client = self.session(deadline, wait).await?;
+            match timeout_at(deadline, self.contend(&client, &dir)).await {
+                Err(_) => return Err(LockError::Timeout { waited: wait }),
+                Ok(Ok(guard)) => return Ok(guard),
+                Ok(Err(zk::Error::SessionExpired)) => self.discard(&client),
+                Ok(Err(error)) => return Err(zk_error(error)),
+            }
+        }
+        Err(LockError::backend(
+            "zookeeper",
+            "session expired twice in a row",
+        ))
     }
 }
 
 /// A held ZooKeeper lock: our ephemeral node. Dropping it deletes the node.
 pub struct ZooKeeperGuard {
-    lock: zk::OwnedLockClient,
+    client: zk::Client,
+    path: String,
+    /// Set once the node's deletion was confirmed.
+    released: bool,
+    tasks: Tasks,
 }
 
 impl ZooKeeperGuard {
     pub fn path(&self) -> &str {
-        self.lock.lock_path()
+        &self.path
     }
 
     /// The node's sequence number: it only grows under the lock's directory, so it
@@ -196,13 +404,12 @@ impl ZooKeeperGuard {
 #[async_trait]
 impl HeldLock for ZooKeeperGuard {
     async fn ensure_held(&self) -> Result<(), LockError> {
-        let client = self.lock.client();
-        let state = client.state();
+        let state = self.client.state();
         if state != zk::SessionState::SyncConnected {
             return Err(LockError::Lost(format!("ZooKeeper session is {state:?}")));
         }
-        match client.check_stat(self.path()).await {
-            Ok(Some(stat)) if stat.ephemeral_owner == client.session_id().0 => Ok(()),
+        match self.client.check_stat(self.path()).await {
+            Ok(Some(stat)) if stat.ephemeral_owner == self.client.session_id().0 => Ok(()),
             Ok(_) => Err(LockError::Lost(format!(
                 "lock node {} is gone",
                 self.path()
@@ -220,11 +427,38 @@ impl HeldLock for ZooKeeperGuard {
         self.sequence().map(|sequence| sequence + 1)
     }
 
-    /// Dropping the owned lock deletes the node (retrying over connection loss); the
-    /// successor's watch fires and it takes over.
-    async fn release(self) -> Result<(), LockError> {
-        drop(self.lock);
-        Ok(())
+    /// Deletes the node; the successor's watch fires and it takes over. If the delete
+    /// fails, the drop retries it in the background.
+    async fn release(mut self) -> Result<(), LockError> {
+        match delete_node(&self.client, &self.path).await {
+            Ok(()) => {
+                self.released = true;
+                Ok(())
+            }
+            Err(zk::Error::SessionExpired) => {
+                self.released = true;
+                Err(LockError::Lost(
+                    "ZooKeeper session expired before release".into(),
+                ))
+            }
+            Err(error) => Err(zk_error(error)),
+        }
+    }
+}
+
+impl Drop for ZooKeeperGuard {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        let (client, path) = (self.client.clone(), self.path.clone());
+        self.tasks.spawn_detached(async move {
+            match timeout(CLEANUP_TIMEOUT, delete_node(&client, &path)).await {
+                Ok(Ok(()) | Err(zk::Error::SessionExpired)) => {}
+                Ok(Err(error)) => tracing::warn!(%error, %path, "could not delete a lock node"),
+                Err(_) => tracing::warn!(%path, "deleting a lock node timed out"),
+            }
+        });
     }
 }
 
@@ -236,4 +470,26 @@ fn sequence_of(node: &str) -> Option<u64> {
 
 fn zk_error(error: zk::Error) -> LockError {
     LockError::backend("zookeeper", error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn curator_prefixes_are_version_4_uuids() {
+        let id = uuid();
+        let groups: Vec<usize> = id.split('-').map(str::len).collect();
+        assert_eq!(groups, [8, 4, 4, 4, 12]);
+        assert_eq!(&id[14..15], "4");
+        assert!(matches!(&id[19..20], "8" | "9" | "a" | "b"), "{id}");
+        assert_ne!(uuid(), id);
+    }
+
+    #[test]
+    fn sequences_are_read_from_the_end() {
+        assert_eq!(sequence_of("_c_x-lock-0000000042"), Some(42));
+        assert_eq!(sequence_of("/a/b/_c_x-lock-0000000000"), Some(0));
+        assert_eq!(sequence_of("lock-"), None);
+    }
 }

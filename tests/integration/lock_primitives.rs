@@ -1,24 +1,48 @@
 //! The lock primitives on their own, against the real Redis, MariaDB and ZooKeeper:
 //! mutual exclusion across separate clients, ownership, leases that expire or are kept
-//! alive, re-entrancy, and how fast a waiter wakes after a release.
+//! alive, releases that survive a backend blip, and how fast a waiter wakes after a
+//! release. Tests wait for the state they need (a lease renewed, a waiter queued), and
+//! their bounds leave room for a loaded 2-core machine.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use deadpool_redis::redis::AsyncCommands;
+use flashsale::lock::etcd::EtcdLock;
+use flashsale::lock::fence_floor::MySqlFenceFloor;
 use flashsale::lock::lease::{LeaseGuard, LeaseHold};
 use flashsale::lock::redis::RedisLock;
+use flashsale::lock::redlock::Redlock;
 use flashsale::lock::table::TableLock;
 use flashsale::lock::zookeeper::ZooKeeperLock;
 use flashsale::lock::{DistributedLock, HeldLock, LockError};
 use futures::future::join_all;
 
-use crate::support::{PartitionProxy, TestCluster, redis_client, redis_pool, zookeeper};
+use crate::support::{
+    PartitionProxy, TestCluster, etcd_endpoints, free_port, pool_for, redis_client, redis_pool,
+    redis_url, redlock_urls, zookeeper,
+};
 
 /// Builds one lock service per simulated replica, each with its own clients.
 trait LockFactory: Send + Sync + 'static {
     type Lock: DistributedLock + 'static;
     fn make(&self, owner: &str, lease: Duration) -> impl Future<Output = Self::Lock> + Send;
+    /// Milliseconds left on the lease of `name` as the backend stores it, if held.
+    fn lease_left(lock: &Self::Lock, name: &str) -> impl Future<Output = Option<i64>> + Send;
+    /// The lock service's background tasks running now.
+    fn tasks(lock: &Self::Lock) -> usize;
+}
+
+/// Waits (at most 5 s) until `lock` runs no background task.
+async fn tasks_end<F: LockFactory>(lock: &F::Lock) {
+    let started = Instant::now();
+    while F::tasks(lock) > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "background tasks outlived their holds"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 struct Redis {
@@ -29,6 +53,15 @@ impl LockFactory for Redis {
     type Lock = RedisLock;
     async fn make(&self, owner: &str, lease: Duration) -> RedisLock {
         RedisLock::new(redis_client(), redis_pool(), &self.namespace, owner, lease)
+    }
+    async fn lease_left(lock: &RedisLock, name: &str) -> Option<i64> {
+        lock.inspect(name)
+            .await
+            .expect("inspect")
+            .map(|(_, ttl)| ttl)
+    }
+    fn tasks(lock: &RedisLock) -> usize {
+        lock.background_tasks()
     }
 }
 
@@ -44,6 +77,15 @@ impl LockFactory for Table {
             .expect("MySQL");
         TableLock::new(pool, owner, lease)
     }
+    async fn lease_left(lock: &TableLock, name: &str) -> Option<i64> {
+        lock.inspect(name)
+            .await
+            .expect("inspect")
+            .map(|(_, _, ms)| ms)
+    }
+    fn tasks(lock: &TableLock) -> usize {
+        lock.background_tasks()
+    }
 }
 
 struct ZooKeeper {
@@ -54,6 +96,14 @@ impl LockFactory for ZooKeeper {
     type Lock = ZooKeeperLock;
     async fn make(&self, owner: &str, _lease: Duration) -> ZooKeeperLock {
         ZooKeeperLock::new(&zookeeper(), Duration::from_secs(4), &self.namespace, owner)
+    }
+    /// No lease: the node lives with the session.
+    async fn lease_left(lock: &ZooKeeperLock, name: &str) -> Option<i64> {
+        let nodes = lock.inspect(name).await.expect("inspect");
+        (!nodes.is_empty()).then_some(i64::MAX)
+    }
+    fn tasks(lock: &ZooKeeperLock) -> usize {
+        lock.background_tasks()
     }
 }
 
@@ -141,24 +191,63 @@ fn assert_timeout<T>(result: Result<T, LockError>, why: &str) {
     }
 }
 
-/// The watchdog keeps a lock held well past its lease while the holder lives.
+/// A lease short enough for tests to outlive it, long enough that a watchdog renewing
+/// every third of it does not miss on a loaded machine.
+const SHORT_LEASE: Duration = Duration::from_millis(1500);
+
+/// Waits (at most `within`) until the lease of `name` reads more than `above` ms.
+async fn lease_renewed_above<F: LockFactory>(
+    lock: &F::Lock,
+    name: &str,
+    above: i64,
+    within: Duration,
+) {
+    let started = Instant::now();
+    loop {
+        let left = F::lease_left(lock, name).await.expect("still held");
+        if left > above {
+            return;
+        }
+        assert!(
+            started.elapsed() < within,
+            "lease of {name} not renewed in {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The watchdog keeps a lock held well past its lease while the holder lives: the
+/// test watches the stored lease being pushed forward, again and again, for more than
+/// two leases.
 async fn watchdog_keeps_the_lease<F, H>(factory: F)
 where
     F: LockFactory,
     F::Lock: DistributedLock<Guard = LeaseGuard<H>>,
     H: LeaseHold,
 {
-    let lease = Duration::from_millis(300);
+    let lease = SHORT_LEASE;
     let holder = factory.make("holder", lease).await;
     let rival = factory.make("rival", lease).await;
     let guard = holder.acquire("item", LONG).await.expect("acquired");
-    tokio::time::sleep(lease * 4).await;
+    let started = Instant::now();
+    let lease_ms = i64::try_from(lease.as_millis()).expect("ms");
+    let mut renewals = 0;
+    while renewals < 4 || started.elapsed() < lease * 2 {
+        // Wait until the lease has run down by a third, then until it is pushed back up.
+        let mut left = F::lease_left(&holder, "item").await.expect("still held");
+        while left > lease_ms * 3 / 4 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            left = F::lease_left(&holder, "item").await.expect("still held");
+        }
+        lease_renewed_above::<F>(&holder, "item", lease_ms * 3 / 4, lease * 4).await;
+        renewals += 1;
+    }
     guard
         .ensure_held()
         .await
-        .expect("still held after 4 leases");
+        .expect("still held after more than two leases");
     assert_timeout(
-        rival.acquire("item", lease / 3).await,
+        rival.acquire("item", Duration::from_millis(200)).await,
         "held by a live holder",
     );
     guard.release().await.expect("released");
@@ -166,6 +255,7 @@ where
         .acquire("item", LONG)
         .await
         .expect("free after release");
+    tasks_end::<F>(&holder).await;
 }
 
 /// A holder that stalls past its lease loses the lock to a rival; it then knows it
@@ -176,7 +266,7 @@ where
     F::Lock: DistributedLock<Guard = LeaseGuard<H>>,
     H: LeaseHold,
 {
-    let lease = Duration::from_millis(300);
+    let lease = SHORT_LEASE;
     let slow = factory.make("slow", lease).await;
     let rival = factory.make("rival", lease).await;
     let third = factory.make("third", lease).await;
@@ -196,74 +286,54 @@ where
     );
     taken.ensure_held().await.expect("the rival still holds it");
     assert_timeout(
-        third.acquire("item", lease / 3).await,
+        third.acquire("item", Duration::from_millis(200)).await,
         "the rival's hold survived",
     );
     taken.release().await.expect("released");
 }
 
-/// A holder that vanishes without releasing (a crash) frees the lock when its lease
-/// runs out, not before.
+/// A holder that vanishes without releasing (a crash: renewal stopped, the guard
+/// never dropped) frees the lock when its lease runs out, not before, and not much
+/// after.
 async fn abandoned_hold_expires<F, H>(factory: F)
 where
     F: LockFactory,
     F::Lock: DistributedLock<Guard = LeaseGuard<H>>,
     H: LeaseHold,
 {
-    let lease = Duration::from_millis(600);
+    let lease = SHORT_LEASE;
     let crashed = factory.make("crashed", lease).await;
     let next = factory.make("next", lease).await;
-    crashed
-        .acquire("item", LONG)
-        .await
-        .expect("acquired")
-        .abandon();
-    let started = Instant::now();
+    let guard = crashed.acquire("item", LONG).await.expect("acquired");
+    let acquired_at = Instant::now();
+    guard.suspend_renewal();
+    std::mem::forget(guard);
     next.acquire("item", LONG)
         .await
         .expect("acquired after expiry");
-    let waited = started.elapsed();
-    println!("abandoned lock with a {lease:?} lease taken over after {waited:?}");
+    let waited = acquired_at.elapsed();
+    println!("abandoned lock with a {lease:?} lease taken over {waited:?} after it was taken");
     assert!(
-        waited >= lease / 2,
+        waited >= lease * 9 / 10,
         "the lock was held until its lease ran out ({waited:?})"
     );
-}
-
-/// The same owner can take its lock again; the lock stays held until the last hold.
-async fn reentrant<F, H>(factory: F)
-where
-    F: LockFactory,
-    F::Lock: DistributedLock<Guard = LeaseGuard<H>>,
-    H: LeaseHold,
-{
-    let owner = factory.make("owner", LONG).await;
-    let rival = factory.make("rival", LONG).await;
-    let guard = owner.acquire("item", LONG).await.expect("acquired");
-    assert_eq!(guard.reenter().await.expect("re-entered"), 2);
-    assert_eq!(guard.reenter().await.expect("re-entered"), 3);
-    assert_eq!(guard.leave(), 2);
-    assert_eq!(guard.leave(), 1);
-    assert_eq!(guard.leave(), 1, "the outermost hold is left by release");
-    assert_timeout(
-        rival.acquire("item", Duration::from_millis(100)).await,
-        "still held",
+    assert!(
+        waited < lease + Duration::from_secs(5),
+        "taken over soon after the lease ran out ({waited:?})"
     );
-    guard.release().await.expect("released");
-    rival
-        .acquire("item", LONG)
-        .await
-        .expect("free after the last release");
 }
 
-/// How long after a release a waiting contender holds the lock.
-async fn wake_after_release<F: LockFactory>(factory: F, what: &str) -> Duration {
+/// How long after a release a waiting contender holds the lock. The holder keeps the
+/// lock for `hold` after the waiter started waiting.
+async fn wake_after_release<F: LockFactory>(factory: F, what: &str, hold: Duration) -> Duration {
     let holder = factory.make("holder", LONG).await;
     let waiter = Arc::new(factory.make("waiter", LONG).await);
     let guard = holder.acquire("item", LONG).await.expect("acquired");
+    let (started_tx, started) = tokio::sync::oneshot::channel();
     let waiting = {
         let waiter = waiter.clone();
         tokio::spawn(async move {
+            let _ = started_tx.send(());
             let guard = waiter
                 .acquire("item", LONG)
                 .await
@@ -273,7 +343,9 @@ async fn wake_after_release<F: LockFactory>(factory: F, what: &str) -> Duration 
             acquired_at
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    started.await.expect("waiter started");
+    tokio::time::sleep(hold).await;
+    assert!(!waiting.is_finished(), "{what}: the waiter got a held lock");
     let released_at = Instant::now();
     guard.release().await.expect("released");
     let acquired_at = waiting.await.expect("waiter finished");
@@ -293,11 +365,7 @@ async fn redis_lock_lease_behaviour() {
         namespace: factory.namespace.clone(),
     })
     .await;
-    abandoned_hold_expires(Redis {
-        namespace: factory.namespace.clone(),
-    })
-    .await;
-    reentrant(factory).await;
+    abandoned_hold_expires(factory).await;
 }
 
 #[tokio::test]
@@ -312,15 +380,14 @@ async fn table_lock_lease_behaviour() {
         database_url: url.clone(),
     })
     .await;
-    abandoned_hold_expires(Table { database_url: url }).await;
-    reentrant(factory).await;
+    abandoned_hold_expires(factory).await;
 }
 
 /// The waiter is woken by the release's publish, not by the 30 s lease running out.
 #[tokio::test]
 async fn redis_lock_waiter_wakes_on_release() {
     let (_cluster, factory) = redis_factory().await;
-    let wake = wake_after_release(factory, "redis-lock").await;
+    let wake = wake_after_release(factory, "redis-lock", Duration::from_secs(1)).await;
     assert!(
         wake < Duration::from_secs(5),
         "woken by pub/sub, not the TTL: {wake:?}"
@@ -331,18 +398,24 @@ async fn redis_lock_waiter_wakes_on_release() {
 #[tokio::test]
 async fn zookeeper_lock_waiter_wakes_on_release() {
     let (_cluster, factory) = zookeeper_factory().await;
-    let wake = wake_after_release(factory, "zookeeper").await;
+    let wake = wake_after_release(factory, "zookeeper", Duration::from_secs(1)).await;
     assert!(
         wake < Duration::from_secs(3),
         "woken by the watch: {wake:?}"
     );
 }
 
-/// The table lock polls; its backoff is capped, so a waiter notices within a poll.
+/// The table lock polls with a backoff capped at 50 ms: after a 3 s hold, a waiter
+/// still notices the release within a poll (an uncapped doubling backoff would be
+/// sleeping for seconds by then).
 #[tokio::test]
 async fn table_lock_waiter_notices_release() {
     let (_cluster, factory) = table_factory().await;
-    wake_after_release(factory, "db-unique").await;
+    let wake = wake_after_release(factory, "db-unique", Duration::from_secs(3)).await;
+    assert!(
+        wake < Duration::from_secs(1),
+        "noticed within a capped poll: {wake:?}"
+    );
 }
 
 /// A ZooKeeper holder cut off from the ensemble longer than its session timeout loses
@@ -390,4 +463,548 @@ async fn zookeeper_expired_session_is_detected() {
         .ensure_held()
         .await
         .expect("held with the new session");
+}
+
+/// A release whose delete fails (Redis unreachable for a moment) is not given up: the
+/// guard retries it in the background, so the lock is free long before its lease
+/// (30 s) would run out.
+#[tokio::test]
+async fn failed_release_is_retried_in_the_background() {
+    let (cluster, _factory) = redis_factory().await;
+    let proxy = PartitionProxy::start(&redis_url().replace("redis://", "")).await;
+    let through_proxy = format!("redis://{}", proxy.address);
+    let holder = RedisLock::new(
+        deadpool_redis::redis::Client::open(through_proxy.as_str()).expect("URL"),
+        pool_for(&through_proxy),
+        &cluster.namespace,
+        "holder",
+        LONG,
+    );
+    let rival = RedisLock::new(
+        redis_client(),
+        redis_pool(),
+        &cluster.namespace,
+        "rival",
+        LONG,
+    );
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    proxy.cut();
+    let released = guard.release().await;
+    assert!(
+        matches!(released, Err(LockError::Backend { .. })),
+        "the delete could not reach Redis: {released:?}"
+    );
+    let cut_at = Instant::now();
+    proxy.heal();
+    rival
+        .acquire("item", Duration::from_secs(10))
+        .await
+        .expect("freed by the background release, not the 30 s lease");
+    println!(
+        "redis-lock: freed {:?} after a failed release",
+        cut_at.elapsed()
+    );
+    tasks_end::<Redis>(&holder).await;
+}
+
+/// Fencing counters kept in Redis restart above the fence MySQL has seen when Redis
+/// lost them: the next token is still greater than any token already written.
+#[tokio::test]
+async fn lost_redis_fence_counters_restart_above_mysql() {
+    let (cluster, _factory) = redis_factory().await;
+    let mysql = cluster.mysql().await;
+    let floor = |service: &'static str| Arc::new(MySqlFenceFloor::new(mysql.clone(), service));
+    let redis = RedisLock::new(redis_client(), redis_pool(), &cluster.namespace, "r", LONG)
+        .with_fence_floor(floor("redis-lock"));
+    let nodes = redlock_urls().iter().map(|url| pool_for(url)).collect();
+    let redlock =
+        Redlock::new(nodes, &cluster.namespace, "r", LONG).with_fence_floor(floor("redlock"));
+
+    let first = fence_of(&redis, "sku-1").await;
+    let first_redlock = fence_of(&redlock, "sku-1").await;
+    assert!(fence_of(&redis, "sku-1").await > first, "the counter grows");
+    assert!(
+        fence_of(&redlock, "sku-1").await > first_redlock,
+        "the counter grows"
+    );
+
+    // Fenced writes moved MySQL's fence far ahead; then Redis lost the counters.
+    for service in ["redis-lock", "redlock"] {
+        sqlx::query(
+            "INSERT INTO product_fences (sku, lock_service, fence) VALUES ('sku-1', ?, 1000)",
+        )
+        .bind(service)
+        .execute(&mysql)
+        .await
+        .expect("fence");
+    }
+    let mut conn = redis_pool().get().await.expect("redis");
+    let () = conn
+        .del(format!("{}:fence:sku-1", cluster.namespace))
+        .await
+        .expect("DEL");
+    for url in redlock_urls() {
+        let mut conn = pool_for(&url).get().await.expect("redlock node");
+        let () = conn
+            .del(format!("{}:redlock-fence:sku-1", cluster.namespace))
+            .await
+            .expect("DEL");
+    }
+    let after = fence_of(&redis, "sku-1").await;
+    let after_redlock = fence_of(&redlock, "sku-1").await;
+    assert!(
+        after > 1000,
+        "redis-lock token {after} is above MySQL's fence"
+    );
+    assert!(
+        after_redlock > 1000,
+        "redlock token {after_redlock} is above MySQL's fence"
+    );
+    assert!(
+        fence_of(&redis, "sku-1").await > after,
+        "and grows from there"
+    );
+}
+
+async fn fence_of<L: DistributedLock>(lock: &L, name: &str) -> u64 {
+    let guard = lock.acquire(name, LONG).await.expect("acquired");
+    let fence = guard.fencing_token().expect("a fencing token");
+    guard.release().await.expect("released");
+    fence
+}
+
+/// Redlock's fencing tokens grow across successive acquisitions even when each is
+/// granted by a different majority: A+B, then B+C, then A+C. (Taking the largest of
+/// per-node counters gives 1, 2, then 2 again.)
+#[tokio::test]
+async fn redlock_tokens_grow_across_different_majorities() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let urls = redlock_urls();
+    assert_eq!(urls.len(), 3, "the stack runs three Redlock nodes");
+    let nodes: Vec<_> = urls.iter().map(|url| pool_for(url)).collect();
+    let redlock = Redlock::new(nodes.clone(), &cluster.namespace, "r", LONG);
+    let key = redlock.key("item");
+    let mut tokens = Vec::new();
+    for round in 0..6 {
+        // Another holder's key on one node keeps that node out of the majority.
+        let blocked = &nodes[(round + 2) % 3];
+        let mut conn = blocked.get().await.expect("node");
+        let () = conn.set(&key, "someone-else").await.expect("SET");
+        let guard = redlock
+            .acquire("item", LONG)
+            .await
+            .expect("a majority is free");
+        tokens.push(guard.fencing_token().expect("token"));
+        guard.release().await.expect("released");
+        let () = conn.del(&key).await.expect("DEL");
+    }
+    println!("redlock tokens over rotating majorities: {tokens:?}");
+    assert!(
+        tokens.windows(2).all(|pair| pair[0] < pair[1]),
+        "tokens strictly increase: {tokens:?}"
+    );
+}
+
+/// A redis-server of this test's own, which the test can pause (SIGSTOP: a node that
+/// hangs) or kill.
+struct PrivateRedis {
+    port: u16,
+    child: tokio::process::Child,
+}
+
+impl PrivateRedis {
+    async fn start() -> PrivateRedis {
+        let port = free_port();
+        let child = tokio::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("redis-server from scripts/stack.sh");
+        let redis = PrivateRedis { port, child };
+        for _ in 0..100 {
+            if redis.ping().await {
+                return redis;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("private redis did not start");
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    async fn ping(&self) -> bool {
+        let client = deadpool_redis::redis::Client::open(self.url()).expect("URL");
+        let answer = tokio::time::timeout(Duration::from_millis(500), async {
+            let mut conn = client.get_multiplexed_async_connection().await?;
+            deadpool_redis::redis::cmd("PING")
+                .query_async::<String>(&mut conn)
+                .await
+        })
+        .await;
+        matches!(answer, Ok(Ok(_)))
+    }
+
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = self.child.id().expect("running");
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid"));
+        nix::sys::signal::kill(pid, signal).expect("signal");
+    }
+
+    /// Every key of the test's namespace matching `pattern`.
+    async fn keys(&self, pattern: &str) -> Vec<String> {
+        let mut conn = pool_for(&self.url()).get().await.expect("node");
+        deadpool_redis::redis::cmd("KEYS")
+            .arg(pattern)
+            .query_async(&mut conn)
+            .await
+            .expect("KEYS")
+    }
+}
+
+/// Redlock over three private nodes: with one node hung it still acquires (and its
+/// tokens still grow); with a majority down it times out and leaves no key behind,
+/// neither on the live node nor on the hung one once it runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_with_a_minority_down_acquires_and_with_a_majority_down_holds_nothing() {
+    use nix::sys::signal::Signal;
+    let nodes = [
+        PrivateRedis::start().await,
+        PrivateRedis::start().await,
+        PrivateRedis::start().await,
+    ];
+    let pools = || nodes.iter().map(|node| pool_for(&node.url())).collect();
+    let redlock = Redlock::new(pools(), "rl", "replica", LONG);
+    let before = fence_of(&redlock, "item").await;
+
+    nodes[0].signal(Signal::SIGSTOP);
+    let started = Instant::now();
+    let guard = redlock
+        .acquire("item", Duration::from_secs(5))
+        .await
+        .expect("two of three nodes grant the lock");
+    println!(
+        "redlock: acquired in {:?} with one node hung",
+        started.elapsed()
+    );
+    let during = guard.fencing_token().expect("token");
+    assert!(during > before, "tokens grow: {before} then {during}");
+    guard
+        .release()
+        .await
+        .expect("released on the live majority");
+
+    nodes[1].signal(Signal::SIGKILL);
+    let started = Instant::now();
+    match redlock.acquire("item", Duration::from_secs(1)).await {
+        Err(LockError::Timeout { .. }) => {}
+        other => panic!(
+            "one live node of three must not grant the lock: {:?}",
+            other.map(|g| g.fencing_token())
+        ),
+    }
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(4),
+        "the wait is bounded: {waited:?}"
+    );
+
+    let left = nodes[2].keys("rl:redlock:*").await;
+    assert!(left.is_empty(), "the live node holds nothing: {left:?}");
+    nodes[0].signal(Signal::SIGCONT);
+    assert!(nodes[0].ping().await, "the hung node runs again");
+    let started = Instant::now();
+    loop {
+        let left = nodes[0].keys("rl:redlock:*").await;
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the resumed node holds nothing: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let started = Instant::now();
+    while redlock.background_tasks() > 0 {
+        assert!(started.elapsed() < Duration::from_secs(10), "cleanups end");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A TCP proxy that can stall: while stalled it forwards nothing either way but keeps
+/// every connection open, as a hung server or a black-holed network does.
+struct StallProxy {
+    address: std::net::SocketAddr,
+    stalled: Arc<std::sync::atomic::AtomicBool>,
+    acceptor: tokio::task::JoinHandle<()>,
+}
+
+impl StallProxy {
+    async fn start(target: &str) -> StallProxy {
+        use std::sync::atomic::AtomicBool;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind proxy");
+        let address = listener.local_addr().expect("proxy address");
+        let stalled = Arc::new(AtomicBool::new(false));
+        let (target, flag) = (target.to_owned(), stalled.clone());
+        let acceptor = tokio::spawn(async move {
+            let mut pipes = tokio::task::JoinSet::new();
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+                    continue;
+                };
+                let (in_read, in_write) = inbound.into_split();
+                let (out_read, out_write) = outbound.into_split();
+                pipes.spawn(pipe(in_read, out_write, flag.clone()));
+                pipes.spawn(pipe(out_read, in_write, flag.clone()));
+            }
+        });
+        StallProxy {
+            address,
+            stalled,
+            acceptor,
+        }
+    }
+
+    fn stall(&self, stalled: bool) {
+        self.stalled
+            .store(stalled, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for StallProxy {
+    fn drop(&mut self) {
+        self.acceptor.abort();
+    }
+}
+
+/// Copies `from` to `to`, holding back whatever arrives while `stalled`.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    stalled: Arc<std::sync::atomic::AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0; 16 * 1024];
+    loop {
+        let Ok(read) = from.read(&mut buffer).await else {
+            return;
+        };
+        if read == 0 {
+            return;
+        }
+        while stalled.load(std::sync::atomic::Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if to.write_all(&buffer[..read]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// etcd's Lock call waits as long as the caller's wait: a waiter whose turn comes
+/// after 6 s (more than any per-call timeout of 5 s) gets the lock.
+#[tokio::test]
+async fn etcd_lock_waits_as_long_as_the_caller_wait() {
+    let namespace = format!("long-wait-{:x}", rand::random::<u32>());
+    let holder = EtcdLock::new(&etcd_endpoints(), &namespace, Duration::from_secs(5));
+    let waiter = Arc::new(EtcdLock::new(
+        &etcd_endpoints(),
+        &namespace,
+        Duration::from_secs(5),
+    ));
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    let waiting = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            waiter
+                .acquire("item", Duration::from_secs(15))
+                .await
+                .map(drop)
+        })
+    };
+    // The waiter's key is queued behind the holder's.
+    let started = Instant::now();
+    while holder.inspect("item").await.expect("keys").0.len() < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the waiter queued"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep_until((started + Duration::from_secs(6)).into()).await;
+    assert!(
+        !waiting.is_finished(),
+        "the waiter is still waiting after 6 s"
+    );
+    guard.release().await.expect("released");
+    waiting
+        .await
+        .expect("waiter finished")
+        .expect("the waiter got the lock after its long wait");
+}
+
+/// A keep-alive stream that stops answering (etcd unreachable, the connection still
+/// open) is noticed while the lease would still be alive: the holder learns it lost
+/// the lock instead of waiting on a silent stream.
+#[tokio::test]
+async fn etcd_stalled_keep_alive_is_noticed() {
+    let proxy = StallProxy::start(&etcd_endpoints().replace("http://", "")).await;
+    let namespace = format!("stall-{:x}", rand::random::<u32>());
+    let ttl = Duration::from_secs(3);
+    let lock = EtcdLock::new(&format!("http://{}", proxy.address), &namespace, ttl);
+    let guard = lock.acquire("item", LONG).await.expect("acquired");
+    guard.ensure_held().await.expect("held");
+    proxy.stall(true);
+    let stalled_at = Instant::now();
+    loop {
+        let checked = tokio::time::timeout(Duration::from_millis(500), guard.ensure_held()).await;
+        if let Ok(Err(LockError::Lost(_))) = checked {
+            break;
+        }
+        assert!(
+            stalled_at.elapsed() < ttl * 2,
+            "a stalled keep-alive was not noticed ({checked:?})"
+        );
+    }
+    let noticed = stalled_at.elapsed();
+    println!("etcd: stalled keep-alive noticed {noticed:?} after the stall (TTL {ttl:?})");
+    proxy.stall(false);
+    drop(guard);
+    let started = Instant::now();
+    while lock.background_tasks() > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "keep-alive and revoke end"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Opening a ZooKeeper session is single-flight and bounded by each caller's wait:
+/// against a server that accepts connections and never answers, ten contenders with a
+/// 300 ms wait all give up within their wait (not after a connection timeout each, in
+/// turn), and they share the one connection attempt in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_session_opening_is_shared_and_bounded_by_the_wait() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let address = listener.local_addr().expect("address");
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let silent = {
+        let accepted = accepted.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((connection, _)) = listener.accept().await {
+                accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                held.push(connection);
+            }
+        })
+    };
+    let lock = Arc::new(ZooKeeperLock::new(
+        &address.to_string(),
+        Duration::from_secs(4),
+        "black-hole",
+        "replica",
+    ));
+    let wait = Duration::from_millis(300);
+    let contenders = (0..10).map(|_| {
+        let lock = lock.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let outcome = lock.acquire("item", wait).await.map(drop);
+            (started.elapsed(), outcome)
+        })
+    });
+    for contender in join_all(contenders).await {
+        let (took, outcome) = contender.expect("contender finished");
+        assert!(
+            matches!(outcome, Err(LockError::Timeout { .. })),
+            "no session, no lock: {outcome:?}"
+        );
+        assert!(
+            took < Duration::from_secs(2),
+            "gave up within its wait: {took:?}"
+        );
+    }
+    let attempts = accepted.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        attempts <= 1,
+        "{attempts} connection attempts for one session"
+    );
+    silent.abort();
+}
+
+/// A MySQL pool whose sessions run in time zone `zone`, as a replica on a server
+/// configured elsewhere would.
+async fn pool_in_zone(url: &str, zone: &'static str) -> sqlx::MySqlPool {
+    sqlx::mysql::MySqlPoolOptions::new()
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(
+                    &mut *conn,
+                    sqlx::AssertSqlSafe(format!("SET time_zone = '{zone}'")),
+                )
+                .await?;
+                Ok(())
+            })
+        })
+        .connect(url)
+        .await
+        .expect("MySQL")
+}
+
+/// Replicas whose MySQL sessions differ in time zone agree on the lock table's
+/// leases: one in UTC+9 holds, one in UTC-7 sees the lease with its real time left,
+/// does not take it over early, and does take it over once it ran out.
+#[tokio::test]
+async fn table_lock_leases_agree_across_session_time_zones() {
+    let (cluster, _factory) = table_factory().await;
+    let east = TableLock::new(
+        pool_in_zone(&cluster.database_url, "+09:00").await,
+        "east",
+        LONG,
+    );
+    let west = TableLock::new(
+        pool_in_zone(&cluster.database_url, "-07:00").await,
+        "west",
+        SHORT_LEASE,
+    );
+    let guard = east.acquire("item", LONG).await.expect("acquired");
+    for (side, lock) in [("east", &east), ("west", &west)] {
+        let (_, _, left) = lock.inspect("item").await.expect("inspect").expect("held");
+        assert!(
+            (20_000..=30_000).contains(&left),
+            "{side} sees {left} ms left of a 30 s lease"
+        );
+    }
+    assert_timeout(
+        west.acquire("item", Duration::from_millis(300)).await,
+        "a live lease in another time zone",
+    );
+    guard.release().await.expect("released");
+
+    let short = TableLock::new(
+        pool_in_zone(&cluster.database_url, "+09:00").await,
+        "east",
+        SHORT_LEASE,
+    );
+    let crashed = short.acquire("item", LONG).await.expect("acquired");
+    let acquired_at = Instant::now();
+    crashed.suspend_renewal();
+    std::mem::forget(crashed);
+    west.acquire("item", LONG)
+        .await
+        .expect("taken over after expiry");
+    let waited = acquired_at.elapsed();
+    assert!(
+        waited >= SHORT_LEASE * 9 / 10 && waited < SHORT_LEASE + Duration::from_secs(5),
+        "taken over when the lease ran out, not hours off: {waited:?}"
+    );
 }

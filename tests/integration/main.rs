@@ -11,6 +11,7 @@ mod fencing;
 mod fuzz;
 mod hangups;
 mod limits;
+mod lock_cancellation;
 mod lock_primitives;
 mod lock_strategies;
 mod none_strategy;

@@ -1,0 +1,413 @@
+//! Acquisitions cut short at any await point, as a shopper who hangs up cuts them: a
+//! storm of `acquire` calls wrapped in tiny and random timeouts, on several lock
+//! services with their own clients (like replicas), against the real backends. After
+//! the storm a patient contender must get the lock promptly, and the backend must hold
+//! nothing under the test's names: no key, row, znode or lease that nobody owns.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use deadpool_redis::redis;
+use flashsale::lock::etcd::EtcdLock;
+use flashsale::lock::redis::RedisLock;
+use flashsale::lock::redlock::Redlock;
+use flashsale::lock::table::TableLock;
+use flashsale::lock::zookeeper::ZooKeeperLock;
+use flashsale::lock::{DistributedLock, HeldLock};
+use futures::future::join_all;
+
+use crate::support::{
+    TestCluster, free_port, pool_for, redis_client, redis_pool, redlock_urls, zookeeper,
+};
+
+/// A lease far longer than the test: a hold nobody owns would block the patient
+/// contender, not expire under it.
+const LONG_LEASE: Duration = Duration::from_secs(60);
+/// How long the patient contender may take on a loaded 2-core machine.
+const PATIENCE: Duration = Duration::from_secs(10);
+/// How long background cleanups (a release or undo after a drop) may take to land.
+const CLEANUP: Duration = Duration::from_secs(5);
+
+/// A timeout drawn so that cuts land at every await point of an acquisition: most
+/// within a round trip, some mid-wait, a few long enough to acquire.
+fn random_cut() -> Duration {
+    match rand::random_range(0..10) {
+        0..=4 => Duration::from_micros(rand::random_range(0..1500)),
+        5..=7 => Duration::from_micros(rand::random_range(1500..20_000)),
+        _ => Duration::from_millis(rand::random_range(20..120)),
+    }
+}
+
+/// Contenders on every lock service, each trying `rounds` times to take `name` under a
+/// random timeout; what they get they hold briefly and give back in one of three ways
+/// (released, release cut short, dropped). Asserts that no two ever held at once.
+/// Returns how many acquisitions succeeded.
+async fn storm<L>(locks: &[Arc<L>], name: &str, contenders: usize, rounds: usize) -> usize
+where
+    L: DistributedLock + 'static,
+    L::Guard: 'static,
+{
+    let holders = Arc::new(AtomicUsize::new(0));
+    let acquired = Arc::new(AtomicUsize::new(0));
+    let tasks = (0..locks.len() * contenders).map(|i| {
+        let lock = locks[i % locks.len()].clone();
+        let (holders, acquired, name) = (holders.clone(), acquired.clone(), name.to_owned());
+        tokio::spawn(async move {
+            for _ in 0..rounds {
+                let attempt = lock.acquire(&name, Duration::from_secs(2));
+                let Ok(Ok(guard)) = tokio::time::timeout(random_cut(), attempt).await else {
+                    continue;
+                };
+                acquired.fetch_add(1, Ordering::SeqCst);
+                assert_eq!(holders.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                tokio::time::sleep(Duration::from_micros(rand::random_range(0..3000))).await;
+                holders.fetch_sub(1, Ordering::SeqCst);
+                match rand::random_range(0..3) {
+                    0 => drop(guard.release().await),
+                    1 => drop(tokio::time::timeout(random_cut() / 4, guard.release()).await),
+                    _ => drop(guard),
+                }
+            }
+        })
+    });
+    for task in join_all(tasks).await {
+        task.expect("contender finished");
+    }
+    acquired.load(Ordering::SeqCst)
+}
+
+/// After the storm: a patient contender on a fresh lock service holds the lock within
+/// `PATIENCE` and releases it.
+async fn patient<L: DistributedLock>(lock: &L, name: &str) -> Duration {
+    let started = Instant::now();
+    let guard = lock
+        .acquire(name, PATIENCE)
+        .await
+        .expect("the patient contender gets the lock after the storm");
+    let took = started.elapsed();
+    guard.ensure_held().await.expect("held");
+    guard.release().await.expect("released");
+    took
+}
+
+/// Polls `leftovers` until it reports nothing, for at most `CLEANUP`.
+async fn settles<F, Fut>(what: &str, mut leftovers: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Vec<String>>,
+{
+    let started = Instant::now();
+    loop {
+        let left = leftovers().await;
+        if left.is_empty() {
+            println!(
+                "{what}: clean {:?} after the patient release",
+                started.elapsed()
+            );
+            return;
+        }
+        assert!(
+            started.elapsed() < CLEANUP,
+            "{what}: left behind after the storm: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn report(what: &str, acquired: usize, patient: Duration) {
+    println!("{what}: {acquired} acquisitions in the storm; patient contender waited {patient:?}");
+}
+
+async fn redis_keys(pool: &deadpool_redis::Pool, pattern: &str) -> Vec<String> {
+    let mut conn = pool.get().await.expect("redis");
+    redis::cmd("KEYS")
+        .arg(pattern)
+        .query_async(&mut conn)
+        .await
+        .expect("KEYS")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_lock_survives_cancelled_acquisitions() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let ns = cluster.namespace.clone();
+    let make = |owner: &str| {
+        Arc::new(RedisLock::new(
+            redis_client(),
+            redis_pool(),
+            &ns,
+            owner,
+            LONG_LEASE,
+        ))
+    };
+    let locks: Vec<_> = (0..3).map(|r| make(&format!("replica-{r}"))).collect();
+    let acquired = storm(&locks, "hot", 4, 100).await;
+    let waited = patient(&*make("patient"), "hot").await;
+    report("redis-lock", acquired, waited);
+    let (pool, pattern) = (redis_pool(), format!("{ns}:lock:*"));
+    settles("redis-lock", || redis_keys(&pool, &pattern)).await;
+    settles("watchdogs ended with their holds", || async {
+        let live: usize = locks.iter().map(|lock| lock.background_tasks()).sum();
+        if live == 0 {
+            Vec::new()
+        } else {
+            vec![format!("{live} background tasks")]
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn table_lock_survives_cancelled_acquisitions() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let mut locks = Vec::new();
+    for r in 0..3 {
+        let pool = cluster.mysql().await;
+        locks.push(Arc::new(TableLock::new(
+            pool,
+            &format!("replica-{r}"),
+            LONG_LEASE,
+        )));
+    }
+    let acquired = storm(&locks, "hot", 4, 80).await;
+    let waited = patient(
+        &TableLock::new(cluster.mysql().await, "patient", LONG_LEASE),
+        "hot",
+    )
+    .await;
+    report("db-unique", acquired, waited);
+    let mysql = cluster.mysql().await;
+    settles("db-unique", || async {
+        sqlx::query_as::<_, (String, String)>("SELECT lock_name, owner FROM distributed_locks")
+            .fetch_all(&mysql)
+            .await
+            .expect("lock rows")
+            .into_iter()
+            .map(|(name, owner)| format!("{name} held by {owner}"))
+            .collect()
+    })
+    .await;
+    settles("watchdogs ended with their holds", || async {
+        let live: usize = locks.iter().map(|lock| lock.background_tasks()).sum();
+        if live == 0 {
+            Vec::new()
+        } else {
+            vec![format!("{live} background tasks")]
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn zookeeper_lock_survives_cancelled_acquisitions() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let ns = cluster.namespace.clone();
+    let make = |owner: &str| {
+        Arc::new(ZooKeeperLock::new(
+            &zookeeper(),
+            Duration::from_secs(20),
+            &ns,
+            owner,
+        ))
+    };
+    let locks: Vec<_> = (0..3).map(|r| make(&format!("replica-{r}"))).collect();
+    let acquired = storm(&locks, "hot", 4, 100).await;
+    let patient_lock = make("patient");
+    let waited = patient(&*patient_lock, "hot").await;
+    report("zookeeper", acquired, waited);
+    settles("zookeeper", || async {
+        patient_lock
+            .inspect("hot")
+            .await
+            .expect("children")
+            .into_iter()
+            .map(|(node, owner)| format!("{node} of {owner}"))
+            .collect()
+    })
+    .await;
+    settles("cleanups ended", || async {
+        let live: usize = locks.iter().map(|lock| lock.background_tasks()).sum();
+        if live == 0 {
+            Vec::new()
+        } else {
+            vec![format!("{live} background tasks")]
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redlock_survives_cancelled_acquisitions() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let ns = cluster.namespace.clone();
+    let make = |owner: &str| {
+        let nodes = redlock_urls().iter().map(|url| pool_for(url)).collect();
+        Arc::new(Redlock::new(nodes, &ns, owner, LONG_LEASE))
+    };
+    let locks: Vec<_> = (0..3).map(|r| make(&format!("replica-{r}"))).collect();
+    let acquired = storm(&locks, "hot", 4, 80).await;
+    let waited = patient(&*make("patient"), "hot").await;
+    report("redlock", acquired, waited);
+    let pools: Vec<_> = redlock_urls().iter().map(|url| pool_for(url)).collect();
+    settles("redlock", || async {
+        let mut left = Vec::new();
+        for pool in &pools {
+            left.extend(redis_keys(pool, &format!("{ns}:redlock:*")).await);
+        }
+        left
+    })
+    .await;
+    settles("watchdogs ended with their holds", || async {
+        let live: usize = locks.iter().map(|lock| lock.background_tasks()).sum();
+        if live == 0 {
+            Vec::new()
+        } else {
+            vec![format!("{live} background tasks")]
+        }
+    })
+    .await;
+}
+
+/// An etcd server of the test's own, so that every lease on it is this test's.
+pub struct PrivateEtcd {
+    pub endpoint: String,
+    child: tokio::process::Child,
+    _dir: TempDir,
+}
+
+impl PrivateEtcd {
+    pub async fn start() -> PrivateEtcd {
+        let dir = TempDir::new("etcd");
+        let (client, peer) = (free_port(), free_port());
+        let endpoint = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let child = tokio::process::Command::new("etcd")
+            .args(["--name", "private", "--data-dir", &dir.path])
+            .args([
+                "--listen-client-urls",
+                &endpoint,
+                "--advertise-client-urls",
+                &endpoint,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer_url,
+                "--initial-advertise-peer-urls",
+                &peer_url,
+            ])
+            .args(["--initial-cluster", &format!("private={peer_url}")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("etcd from scripts/stack.sh");
+        let etcd = PrivateEtcd {
+            endpoint,
+            child,
+            _dir: dir,
+        };
+        for _ in 0..100 {
+            if let Ok(mut client) = etcd.client().await
+                && client.status().await.is_ok()
+            {
+                return etcd;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("private etcd did not start");
+    }
+
+    pub async fn client(&self) -> Result<etcd_client::Client, etcd_client::Error> {
+        let options = etcd_client::ConnectOptions::new().with_timeout(Duration::from_secs(2));
+        etcd_client::Client::connect([&self.endpoint], Some(options)).await
+    }
+
+    /// Every lease alive on the server, with the keys attached to it.
+    pub async fn leases(&self) -> Vec<String> {
+        let mut client = self.client().await.expect("etcd");
+        let leases = client.leases().await.expect("leases");
+        let mut alive = Vec::new();
+        for lease in leases.leases() {
+            let options = etcd_client::LeaseTimeToLiveOptions::new().with_keys();
+            let Ok(status) = client.lease_time_to_live(lease.id(), Some(options)).await else {
+                continue;
+            };
+            if status.ttl() > 0 {
+                let keys: Vec<_> = status
+                    .keys()
+                    .iter()
+                    .map(|k| String::from_utf8_lossy(k).into_owned())
+                    .collect();
+                alive.push(format!(
+                    "lease {:x} ttl {}s keys {keys:?}",
+                    lease.id(),
+                    status.ttl()
+                ));
+            }
+        }
+        alive
+    }
+}
+
+impl Drop for PrivateEtcd {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}
+
+/// A directory removed when dropped.
+pub struct TempDir {
+    pub path: String,
+}
+
+impl TempDir {
+    pub fn new(what: &str) -> TempDir {
+        let path = std::env::temp_dir().join(format!(
+            "flashsale-{what}-{}-{:x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir_all(&path).expect("temp dir");
+        TempDir {
+            path: path.to_string_lossy().into_owned(),
+        }
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_lock_survives_cancelled_acquisitions() {
+    let etcd = PrivateEtcd::start().await;
+    let ns = format!("storm{:x}", rand::random::<u32>());
+    let lease = Duration::from_secs(20);
+    let make = |owner: &str| {
+        let _ = owner;
+        Arc::new(EtcdLock::new(&etcd.endpoint, &ns, lease))
+    };
+    let locks: Vec<_> = (0..3).map(|r| make(&format!("replica-{r}"))).collect();
+    let acquired = storm(&locks, "hot", 4, 80).await;
+    let patient_lock = make("patient");
+    let waited = patient(&*patient_lock, "hot").await;
+    report("etcd", acquired, waited);
+    settles("etcd keys", || async {
+        let (keys, _) = patient_lock.inspect("hot").await.expect("keys");
+        keys.into_iter().map(|(key, _, _)| key).collect()
+    })
+    .await;
+    settles("etcd leases", || etcd.leases()).await;
+    settles("keep-alives ended with their acquisitions", || async {
+        let live: usize = locks.iter().map(|lock| lock.background_tasks()).sum();
+        if live == 0 {
+            Vec::new()
+        } else {
+            vec![format!("{live} background tasks")]
+        }
+    })
+    .await;
+}
