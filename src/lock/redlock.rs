@@ -37,19 +37,18 @@
 //! clocks that drift by less than the allowance. A pause longer than the validity
 //! breaks it like any lease.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_redis::Pool;
 use deadpool_redis::redis;
 use futures::future::join_all;
-use tokio::sync::OwnedMutexGuard;
 use tokio::time::{Instant, timeout};
 
 use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
+use super::local_queue::{LocalQueues, Turn};
 use super::redis::{PendingSet, SEED_FENCE, Target, delete_on, millis, redis_error, renew_on};
 use super::task::Tasks;
 use super::{DistributedLock, LockError, acquisition_token};
@@ -65,7 +64,7 @@ pub struct Redlock {
     owner: String,
     lease: Duration,
     /// This replica's queue per lock key; weak, so finished keys leave nothing behind.
-    local_queues: Mutex<HashMap<String, Weak<tokio::sync::Mutex<()>>>>,
+    local_queues: LocalQueues,
     fence_floor: Option<Arc<dyn FenceFloor>>,
     tasks: Tasks,
 }
@@ -85,7 +84,7 @@ impl Redlock {
             namespace: namespace.to_owned(),
             owner: owner.to_owned(),
             lease,
-            local_queues: Mutex::default(),
+            local_queues: LocalQueues::default(),
             fence_floor: None,
             tasks: Tasks::default(),
         }
@@ -104,17 +103,6 @@ impl Redlock {
     }
 
     /// This replica's FIFO queue for `key`.
-    fn local_queue(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
-        let mut queues = self.local_queues.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(queue) = queues.get(key).and_then(Weak::upgrade) {
-            return queue;
-        }
-        queues.retain(|_, weak| weak.strong_count() > 0);
-        let queue = Arc::new(tokio::sync::Mutex::new(()));
-        queues.insert(key.to_owned(), Arc::downgrade(&queue));
-        queue
-    }
-
     fn quorum(&self) -> usize {
         self.nodes.len() / 2 + 1
     }
@@ -249,21 +237,18 @@ impl DistributedLock for Redlock {
     async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
         let key = self.key(name);
         let deadline = Instant::now() + wait;
-        let queue = self.local_queue(&key);
-        let turn = match queue.clone().try_lock_owned() {
-            Ok(turn) => turn,
-            Err(_) => {
-                let turn = tokio::time::timeout_at(deadline, queue.lock_owned())
-                    .await
-                    .map_err(|_| LockError::Timeout { waited: wait })?;
-                // Our turn came because a local holder released: start with the same
-                // random delay other replicas' contenders are sleeping, or this replica
-                // would keep the lock to itself.
-                let pause = Duration::from_millis(rand::random_range(RETRY_DELAY_MS));
-                tokio::time::sleep_until(deadline.min(Instant::now() + pause)).await;
-                turn
-            }
-        };
+        let turn = self
+            .local_queues
+            .turn(&key, deadline)
+            .await
+            .ok_or(LockError::Timeout { waited: wait })?;
+        if turn.waited {
+            // Our turn came because a local holder released: start with the same
+            // random delay other replicas' contenders are sleeping, or this replica
+            // would keep the lock to itself.
+            let pause = Duration::from_millis(rand::random_range(RETRY_DELAY_MS));
+            tokio::time::sleep_until(deadline.min(Instant::now() + pause)).await;
+        }
         let turn = Arc::new(turn);
         let drift = self.lease / 100 + Duration::from_millis(2);
         loop {
@@ -336,7 +321,7 @@ pub struct RedlockHold {
     _late: Arc<Vec<PendingSet>>,
     /// This replica's turn in the local queue: given up when the last copy of the hold
     /// is gone, that is after the release on the nodes.
-    _turn: Arc<OwnedMutexGuard<()>>,
+    _turn: Arc<Turn>,
 }
 
 impl RedlockHold {

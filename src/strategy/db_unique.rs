@@ -26,10 +26,10 @@ impl Strategy for DbUniqueStrategy {
                       left by a crashed holder is taken over once expired, by deleting \
                       exactly that row by its id. Waiters poll with jittered backoff.",
             commands: vec![
-                "INSERT INTO distributed_locks (lock_name, owner, expires_at) VALUES (?, ?, NOW(6) + INTERVAL ? MICROSECOND)",
-                "on 1062/1213: SELECT id FROM distributed_locks WHERE lock_name = ? AND expires_at < NOW(6); \
-                 DELETE FROM distributed_locks WHERE id = ? AND expires_at < NOW(6)",
-                "renew: UPDATE distributed_locks SET expires_at = NOW(6) + INTERVAL ? MICROSECOND WHERE id = ? AND owner = ?",
+                "INSERT INTO distributed_locks (lock_name, owner, expires_at) VALUES (?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)",
+                "on 1062/1213: SELECT id FROM distributed_locks WHERE lock_name = ? AND expires_at < UTC_TIMESTAMP(6); \
+                 DELETE FROM distributed_locks WHERE id = ? AND expires_at < UTC_TIMESTAMP(6)",
+                "renew: UPDATE distributed_locks SET expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND WHERE id = ? AND owner = ?",
                 "release: DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?",
             ],
             failure_mode: "A crashed holder's row blocks everyone until it expires. Polling \

@@ -26,10 +26,10 @@ impl Strategy for EtcdStrategy {
                       revision is gone, so contenders are served in order. The key lives on the \
                       lease: if the replica dies, the lease expires and the next one proceeds.",
             commands: vec![
-                "LeaseGrant(ttl) → lease; LeaseKeepAlive(lease) every ttl/3",
+                "LeaseGrant(ttl, id chosen by the replica) → lease; LeaseKeepAlive(lease) every ttl/3",
                 "Lock(name=/flashsale/<ns>/locks/<sku>, lease) → key (waits in revision order)",
                 "before commit: LeaseTimeToLive(lease) > 0",
-                "release: Unlock(key); LeaseRevoke(lease)",
+                "release: LeaseRevoke(lease), which deletes the lock key",
                 "fencing token: the revision at which the lock was granted",
             ],
             failure_mode: "Lease expiry: a holder cut off from etcd, or paused, longer than the \

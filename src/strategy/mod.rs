@@ -30,6 +30,7 @@ pub use registry::{Registry, UnknownStrategy};
 
 use crate::lock::LockError;
 use crate::lock::etcd::EtcdLock;
+use crate::lock::fence_floor::{FenceFloor, MySqlFenceFloor};
 use crate::lock::redis::RedisLock;
 use crate::lock::redlock::Redlock;
 use crate::lock::table::TableLock;
@@ -256,6 +257,12 @@ pub struct Backends {
     pub optimistic_attempts: u32,
 }
 
+/// Where a Redis-backed fencing counter that Redis lost restarts: above the largest
+/// token this strategy ever registered in MySQL for the lock's SKU.
+fn fence_floor(backends: &Backends, strategy: &'static str) -> Arc<dyn FenceFloor> {
+    Arc::new(MySqlFenceFloor::new(backends.mysql.clone(), strategy))
+}
+
 /// Every strategy this build knows, in the order the report and dashboard show them.
 pub fn registry(backends: &Backends) -> Registry {
     let owner = &backends.replica_id;
@@ -268,7 +275,8 @@ pub fn registry(backends: &Backends) -> Registry {
                 &backends.namespace,
                 owner,
                 backends.lease,
-            ),
+            )
+            .with_fence_floor(fence_floor(backends, "redis-lock")),
         }),
         Arc::new(db_unique::DbUniqueStrategy {
             lock: TableLock::new(backends.mysql.clone(), owner, backends.lease),
@@ -294,7 +302,8 @@ pub fn registry(backends: &Backends) -> Registry {
                 &backends.namespace,
                 owner,
                 backends.lease,
-            ),
+            )
+            .with_fence_floor(fence_floor(backends, "redlock")),
         }),
         Arc::new(redis_atomic::RedisAtomicStrategy),
     ])

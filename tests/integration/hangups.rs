@@ -102,8 +102,8 @@ async fn hang_ups_leave_the_sale_whole(strategy: &str) {
     );
 }
 
-/// For each point of the critical section: a holder stalls there for 600 ms while its
-/// client hangs up after 150 ms. The order finishes anyway.
+/// For each point of the critical section: a holder stalls there for 600 ms and its
+/// shopper hangs up meanwhile. The order finishes anyway.
 async fn a_hang_up_at_every_point_leaves_the_sale_whole(strategy: &str) {
     let cluster = TestCluster::start(2, &["--lock-lease-ms", "30000"]).await;
     cluster.set_strategy(strategy).await;
@@ -118,14 +118,25 @@ async fn a_hang_up_at_every_point_leaves_the_sale_whole(strategy: &str) {
             .await
             .expect("arm");
         assert_eq!(armed.status(), StatusCode::OK);
-        let hung_up = cluster
-            .http
-            .post(cluster.url(0, "/api/orders"))
-            .json(&json!({ "sku": sku, "user_id": "gone", "quantity": 1 }))
-            .timeout(Duration::from_millis(150))
-            .send()
-            .await;
-        assert!(hung_up.is_err(), "{strategy} {point}: the client hung up");
+        let shopper = {
+            let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
+            let body = json!({ "sku": sku, "user_id": "gone", "quantity": 1 });
+            tokio::spawn(async move { http.post(url).json(&body).send().await })
+        };
+        // The shopper hangs up (its connection dropped) while the holder is stalled.
+        let started = Instant::now();
+        while !cluster.get_json(0, "/api/stats").await["pause_armed_ms"].is_null() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{strategy} {point}: never stalled"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        shopper.abort();
+        assert!(
+            shopper.await.is_err(),
+            "{strategy} {point}: the shopper hung up first"
+        );
         assert!(wait_until_quiet(&cluster, &sku).await, "{strategy} {point}");
         let stats = cluster.sku_stats(&sku).await;
         assert_eq!(stats["orders"], 1, "{strategy} {point}: {stats}");
