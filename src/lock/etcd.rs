@@ -37,7 +37,7 @@ use tokio::sync::OnceCell;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::task::{AbortOnDrop, Tasks};
-use super::{DistributedLock, HeldLock, LockError};
+use super::{DistributedLock, HeldLock, LockError, LockView};
 
 /// Bound on every call but Lock.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -180,6 +180,25 @@ impl DistributedLock for EtcdLock {
             keep_alive,
             released: false,
             tasks: self.tasks.clone(),
+        })
+    }
+
+    async fn view(&self, name: &str) -> Result<LockView, LockError> {
+        let (keys, ttl) = self.inspect(name).await?;
+        let mut state = vec![format!(
+            "get --prefix {}/ ({} key(s), by create revision)",
+            self.lock_name(name),
+            keys.len()
+        )];
+        state.extend(keys.iter().enumerate().map(|(i, (key, revision, lease))| {
+            let role = if i == 0 { "holds" } else { "waits" };
+            format!("{key}  [create revision {revision}, lease {lease:x}, {role}]")
+        }));
+        Ok(LockView {
+            held: !keys.is_empty(),
+            holder: keys.first().map(|(_, _, lease)| format!("lease {lease:x}")),
+            lease_left_ms: ttl.map(|seconds| seconds * 1000),
+            state,
         })
     }
 }

@@ -28,6 +28,7 @@ pub mod zookeeper;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
@@ -61,6 +62,29 @@ pub trait DistributedLock: Send + Sync {
 
     /// Waits at most `wait` for the lock named `name`.
     async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError>;
+
+    /// The lock named `name` as anyone can see it from outside (the dashboard).
+    async fn view(&self, name: &str) -> Result<LockView, LockError>;
+}
+
+/// A lock as the dashboard shows it, the same shape for every mechanism.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct LockView {
+    pub held: bool,
+    /// The replica holding it, when the mechanism records one.
+    pub holder: Option<String>,
+    pub lease_left_ms: Option<i64>,
+    /// The raw state in the mechanism's own terms: the key and token, the lock row,
+    /// the znodes in order.
+    pub state: Vec<String>,
+}
+
+/// The replica that owns an acquisition token (`<replica>:<random>`).
+pub fn token_owner(token: &str) -> String {
+    token
+        .rsplit_once(':')
+        .map_or(token, |(owner, _)| owner)
+        .to_owned()
 }
 
 /// A lock being held.

@@ -37,7 +37,7 @@ use tokio::time::Instant;
 use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
 use super::task::{AbortOnDrop, Tasks};
-use super::{DistributedLock, LockError, acquisition_token};
+use super::{DistributedLock, LockError, LockView, acquisition_token, token_owner};
 
 /// `SET NX PX`; on success the next fencing token (`INCR`), otherwise the remaining
 /// TTL (to know when to retry). With a fence floor to consult (`ARGV[3]` = 1) and no
@@ -295,6 +295,25 @@ impl DistributedLock for RedisLock {
                 }
             }
         }
+    }
+
+    async fn view(&self, name: &str) -> Result<LockView, LockError> {
+        let key = self.key(name);
+        Ok(match self.inspect(name).await? {
+            Some((token, ttl)) => LockView {
+                held: true,
+                holder: Some(token_owner(&token)),
+                lease_left_ms: Some(ttl),
+                state: vec![
+                    format!("GET {key} → \"{token}\""),
+                    format!("PTTL {key} → {ttl}"),
+                ],
+            },
+            None => LockView {
+                state: vec![format!("GET {key} → (nil): free")],
+                ..LockView::default()
+            },
+        })
     }
 }
 

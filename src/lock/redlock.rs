@@ -51,7 +51,7 @@ use super::lease::{LeaseGuard, LeaseHold};
 use super::local_queue::{LocalQueues, Turn};
 use super::redis::{PendingSet, SEED_FENCE, Target, delete_on, millis, redis_error, renew_on};
 use super::task::Tasks;
-use super::{DistributedLock, LockError, acquisition_token};
+use super::{DistributedLock, LockError, LockView, acquisition_token, token_owner};
 
 /// Bound on one node's answer: far below the lease, so a dead node cannot eat the
 /// validity time.
@@ -301,6 +301,33 @@ impl DistributedLock for Redlock {
             let pause = Duration::from_millis(rand::random_range(RETRY_DELAY_MS));
             tokio::time::sleep_until(deadline.min(now + pause)).await;
         }
+    }
+
+    async fn view(&self, name: &str) -> Result<LockView, LockError> {
+        let key = self.key(name);
+        let nodes = self.inspect(name).await;
+        let mut state = Vec::new();
+        let mut holders = Vec::new();
+        for (index, node) in nodes.iter().enumerate() {
+            state.push(match node {
+                Ok(Some((token, ttl))) => {
+                    holders.push((token.clone(), *ttl));
+                    format!("node {}: GET {key} → \"{token}\" (PTTL {ttl})", index + 1)
+                }
+                Ok(None) => format!("node {}: GET {key} → (nil)", index + 1),
+                Err(error) => format!("node {}: unreachable ({error})", index + 1),
+            });
+        }
+        let quorum = nodes.len() / 2 + 1;
+        let majority = holders
+            .iter()
+            .find(|(token, _)| holders.iter().filter(|(t, _)| t == token).count() >= quorum);
+        Ok(LockView {
+            held: majority.is_some(),
+            holder: majority.map(|(token, _)| token_owner(token)),
+            lease_left_ms: majority.map(|(_, ttl)| *ttl),
+            state,
+        })
     }
 }
 

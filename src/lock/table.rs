@@ -31,7 +31,9 @@ use tokio::time::Instant;
 
 use super::lease::{LeaseGuard, LeaseHold};
 use super::task::Tasks;
-use super::{DistributedLock, LockError, acquisition_token, jittered_backoff};
+use super::{
+    DistributedLock, LockError, LockView, acquisition_token, jittered_backoff, token_owner,
+};
 
 /// MySQL error numbers that mean "someone else holds it" for a lock-row INSERT.
 const DUPLICATE_KEY: u16 = 1062;
@@ -177,6 +179,23 @@ impl DistributedLock for TableLock {
             tokio::time::sleep_until(deadline.min(now + pause)).await;
             attempt += 1;
         }
+    }
+
+    async fn view(&self, name: &str) -> Result<LockView, LockError> {
+        Ok(match self.inspect(name).await? {
+            Some((id, owner, left_ms)) => LockView {
+                held: left_ms > 0,
+                holder: Some(token_owner(&owner)),
+                lease_left_ms: Some(left_ms),
+                state: vec![format!(
+                    "distributed_locks row id={id} lock_name='{name}' owner='{owner}' expires in {left_ms} ms"
+                )],
+            },
+            None => LockView {
+                state: vec![format!("no row for lock_name='{name}': free")],
+                ..LockView::default()
+            },
+        })
     }
 }
 

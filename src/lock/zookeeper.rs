@@ -35,7 +35,7 @@ use tokio::time::{Instant, timeout, timeout_at};
 use zookeeper_client as zk;
 
 use super::task::{AbortOnDrop, Tasks};
-use super::{DistributedLock, HeldLock, LockError};
+use super::{DistributedLock, HeldLock, LockError, LockView};
 
 /// Bound on a background cleanup (the delete of a dropped acquisition's node).
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -377,6 +377,25 @@ impl DistributedLock for ZooKeeperLock {
             "zookeeper",
             "session expired twice in a row",
         ))
+    }
+
+    async fn view(&self, name: &str) -> Result<LockView, LockError> {
+        let nodes = self.inspect(name).await?;
+        let dir = self.lock_dir(name);
+        let mut state = vec![format!(
+            "ls {dir} ({} node(s), in sequence order)",
+            nodes.len()
+        )];
+        state.extend(nodes.iter().enumerate().map(|(i, (node, owner))| {
+            let role = if i == 0 { "holds" } else { "waits" };
+            format!("{node}  [{owner}, {role}]")
+        }));
+        Ok(LockView {
+            held: !nodes.is_empty(),
+            holder: nodes.first().map(|(_, owner)| owner.clone()),
+            lease_left_ms: None,
+            state,
+        })
     }
 }
 

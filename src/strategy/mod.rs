@@ -1,14 +1,17 @@
 //! The coordination strategies, one module each, behind one trait.
 //!
 //! A strategy decides how replicas coordinate around the shared order flow in
-//! `flow.rs`. Adding a strategy means adding a module that implements `Strategy` and
-//! one line in `registry()`; the HTTP layer, the stats and the dashboard pick it up
-//! from there.
+//! `flow.rs`. A lock strategy is data: a lock primitive (`crate::lock`) and its
+//! explanation, served by the one `LockStrategy`; adding one means a module with its
+//! `explanation()` and one entry in `registry()`. Strategies with flows of their own
+//! (`none`, `optimistic`, `db-for-update`, `redis-atomic`) implement `Strategy`. The
+//! HTTP layer, the stats and the dashboard pick them up from the registry.
 
 mod db_for_update;
 mod db_unique;
 mod etcd;
 mod flow;
+mod locked;
 mod none;
 mod optimistic;
 mod redis_atomic;
@@ -25,7 +28,9 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
+pub use crate::lock::LockView;
 pub use flow::{SaleFlow, ensure_in_stock};
+pub use locked::LockStrategy;
 pub use registry::{Registry, UnknownStrategy};
 
 use crate::lock::LockError;
@@ -76,26 +81,6 @@ pub struct OrderOptions {
     /// that gets its lock after that gives it back without selling: nobody is there
     /// to receive the answer. Once the critical section has begun it runs to its end.
     pub client_gone: CancellationToken,
-}
-
-/// A strategy's lock for one SKU as the dashboard shows it.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-pub struct LockView {
-    pub held: bool,
-    /// The replica holding it, when the mechanism records one.
-    pub holder: Option<String>,
-    pub lease_left_ms: Option<i64>,
-    /// The raw state in the mechanism's own terms: the key and token, the lock row,
-    /// the znodes in order.
-    pub state: Vec<String>,
-}
-
-/// The replica that owns an acquisition token (`<replica>:<random>`).
-pub fn token_owner(token: &str) -> String {
-    token
-        .rsplit_once(':')
-        .map_or(token, |(owner, _)| owner)
-        .to_owned()
 }
 
 /// A strategy described for people: what it does, the exact commands, how it fails.
@@ -268,7 +253,8 @@ pub fn registry(backends: &Backends) -> Registry {
     let owner = &backends.replica_id;
     Registry::new(vec![
         Arc::new(none::NoCoordination),
-        Arc::new(redis_lock::RedisLockStrategy {
+        Arc::new(LockStrategy {
+            explanation: redis_lock::explanation(),
             lock: RedisLock::new(
                 backends.redis_client.clone(),
                 backends.redis_pool.clone(),
@@ -278,13 +264,15 @@ pub fn registry(backends: &Backends) -> Registry {
             )
             .with_fence_floor(fence_floor(backends, "redis-lock")),
         }),
-        Arc::new(db_unique::DbUniqueStrategy {
+        Arc::new(LockStrategy {
+            explanation: db_unique::explanation(),
             lock: TableLock::new(backends.mysql.clone(), owner, backends.lease),
         }),
         Arc::new(optimistic::OptimisticStrategy {
             max_attempts: backends.optimistic_attempts,
         }),
-        Arc::new(zookeeper::ZooKeeperStrategy {
+        Arc::new(LockStrategy {
+            explanation: zookeeper::explanation(),
             lock: ZooKeeperLock::new(
                 &backends.zookeeper,
                 backends.zookeeper_session_timeout,
@@ -293,10 +281,12 @@ pub fn registry(backends: &Backends) -> Registry {
             ),
         }),
         Arc::new(db_for_update::DbForUpdateStrategy::default()),
-        Arc::new(etcd::EtcdStrategy {
+        Arc::new(LockStrategy {
+            explanation: etcd::explanation(),
             lock: EtcdLock::new(&backends.etcd, &backends.namespace, backends.lease),
         }),
-        Arc::new(redlock::RedlockStrategy {
+        Arc::new(LockStrategy {
+            explanation: redlock::explanation(),
             lock: Redlock::new(
                 backends.redlock_nodes.clone(),
                 &backends.namespace,
