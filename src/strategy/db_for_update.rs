@@ -72,10 +72,8 @@ impl Strategy for DbForUpdateStrategy {
         };
         let (_turn, locked) = flow.wait_for_lock(self.name(), &options, acquire).await?;
         let locked = locked.ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
-        let section = flow.section_begins();
-        let placed = self.sell_locked_row(flow, order, &options, locked).await;
-        flow.section_ends(section, order, self.name(), &placed, None);
-        placed
+        let critical = self.sell_locked_row(flow, order, &options, locked);
+        flow.section(order, self.name(), None, critical).await
     }
 
     async fn inspect(&self, flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {

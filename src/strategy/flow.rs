@@ -51,9 +51,10 @@ impl SaleFlow {
         };
         let guard = self.wait_for_lock(strategy, &options, acquire).await?;
         let holding = Instant::now();
-        let section = self.section_begins();
-        let sold = self.sell(order, strategy, Some(&guard), &options).await;
-        self.section_ends(section, order, strategy, &sold, guard.fencing_token());
+        let critical = self.sell(order, strategy, Some(&guard), &options);
+        let sold = self
+            .section(order, strategy, guard.fencing_token(), critical)
+            .await;
         if let Err(error) = guard.release().await {
             tracing::warn!(%error, sku = %order.sku, strategy, "lock release failed");
         }
@@ -273,36 +274,32 @@ impl SaleFlow {
         }
     }
 
-    /// Marks the start of an order's critical section for the timeline.
-    pub fn section_begins(&self) -> SectionClock {
-        SectionClock {
-            started_ms: epoch_ms(),
-        }
-    }
-
-    /// Records the order's critical section on the timeline, without waiting.
-    pub fn section_ends(
+    /// Runs an order's critical section and records it on the timeline (without
+    /// waiting): from now, when it begins, to its end; `fence` is the lock's token.
+    pub async fn section(
         &self,
-        clock: SectionClock,
         order: &NewOrder,
         strategy: &str,
-        result: &Result<Order, OrderError>,
         fence: Option<u64>,
-    ) {
-        let (outcome, order_id) = match result {
+        critical: impl Future<Output = Result<Order, OrderError>>,
+    ) -> Result<Order, OrderError> {
+        let start_ms = epoch_ms();
+        let result = critical.await;
+        let (outcome, order_id) = match &result {
             Ok(placed) => (Outcome::Created, Some(placed.id)),
             Err(error) => (error.outcome(), None),
         };
         let section = Section {
             replica: self.replica_id.clone(),
             strategy: strategy.to_owned(),
-            start_ms: clock.started_ms,
+            start_ms,
             end_ms: epoch_ms(),
             outcome: outcome.code().to_owned(),
             fence,
             order_id,
         };
         self.store.timeline.record(&order.sku, section);
+        result
     }
 
     /// The simulated validation inside the critical section (FLASHSALE_WORK_MS).
@@ -341,11 +338,6 @@ impl SaleFlow {
         self.store.cluster.count(strategy, "paused_holders").await;
         Ok(())
     }
-}
-
-/// When an order's critical section began (see `section_begins`).
-pub struct SectionClock {
-    started_ms: f64,
 }
 
 /// Now, in Unix epoch milliseconds with sub-millisecond precision: sections of

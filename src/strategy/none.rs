@@ -39,10 +39,8 @@ impl Strategy for NoCoordination {
         order: &NewOrder,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
-        let section = flow.section_begins();
-        let sold = flow.sell(order, self.name(), None, &options).await;
-        flow.section_ends(section, order, self.name(), &sold, None);
-        sold
+        let critical = flow.sell(order, self.name(), None, &options);
+        flow.section(order, self.name(), None, critical).await
     }
 
     async fn inspect(&self, _flow: &SaleFlow, _sku: &Sku) -> Result<LockView, OrderError> {

@@ -50,10 +50,8 @@ impl Strategy for RedisAtomicStrategy {
         order: &NewOrder,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
-        let section = flow.section_begins();
-        let placed = self.buy(flow, order, options).await;
-        flow.section_ends(section, order, self.name(), &placed, None);
-        placed
+        let critical = self.buy(flow, order, options);
+        flow.section(order, self.name(), None, critical).await
     }
 
     async fn inspect(&self, flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
