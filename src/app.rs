@@ -89,7 +89,13 @@ impl Server {
             .advertise
             .clone()
             .unwrap_or_else(|| address.to_string());
-        let heartbeat = Heartbeat::new(store.cluster, advertised, state.requests.clone(), flow);
+        let heartbeat = Heartbeat::new(
+            store.cluster,
+            advertised,
+            config.restarts,
+            state.requests.clone(),
+            flow,
+        );
         let limits = crate::http::limits::Limits {
             timeout: std::time::Duration::from_millis(config.request_timeout_ms),
             in_flight: Arc::new(tokio::sync::Semaphore::new(

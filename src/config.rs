@@ -52,6 +52,11 @@ pub struct ServeConfig {
     #[arg(long, env = "FLASHSALE_ADVERTISE", value_parser = parse_host_port)]
     pub advertise: Option<String>,
 
+    /// How often `flashsale cluster` has restarted this replica (it sets this), shown
+    /// in /api/stats and on the dashboard.
+    #[arg(long, env = "FLASHSALE_RESTARTS", default_value_t = 0, hide = true)]
+    pub restarts: u32,
+
     /// Redis holding the stock cache, the active strategy and the replica registry.
     #[arg(
         long,

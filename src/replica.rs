@@ -32,6 +32,7 @@ impl Heartbeat {
     pub fn new(
         cluster: ClusterState,
         address: String,
+        restarts: u32,
         requests: Arc<AtomicU64>,
         flow: Arc<SaleFlow>,
     ) -> Self {
@@ -43,6 +44,7 @@ impl Heartbeat {
             started_at: now,
             requests: 0,
             lock_waiters: 0,
+            restarts,
             last_seen: now,
         };
         Heartbeat {

@@ -331,7 +331,10 @@ function renderReplicas(replicas, at) {
     state.lastRequests.set(r.id, { requests: r.requests, at: now });
     return el("tr", { dataset: { replica: r.id } },
       el("td", {}, r.id), el("td", {}, r.address), el("td", {}, fmt(rate)),
-      el("td", {}, r.lock_waiters), el("td", {}, r.requests));
+      el("td", {}, r.lock_waiters), el("td", {}, r.requests),
+      el("td", { class: r.restarts ? "bad" : "" }, r.restarts
+        ? `restarted ${r.restarts}×, up ${fmt(Math.max(0, now - Date.parse(r.started_at) / 1000))} s`
+        : "–"));
   });
   document.querySelector("#replicas tbody").replaceChildren(...rows);
 }

@@ -114,6 +114,9 @@ pub struct ReplicaInfo {
     /// Orders of this replica waiting for a lock at the last heartbeat.
     #[serde(default)]
     pub lock_waiters: u64,
+    /// How often the supervisor (`flashsale cluster`) has restarted this replica.
+    #[serde(default)]
+    pub restarts: u32,
     pub last_seen: DateTime<Utc>,
 }
 

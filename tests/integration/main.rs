@@ -18,6 +18,7 @@ mod none_strategy;
 mod openapi_fuzz;
 mod row_lock_queue;
 mod sale_changes;
+mod supervisor;
 mod support;
 mod timeline;
 mod unknown_commit;

@@ -88,6 +88,28 @@ fn unique_name() -> String {
     )
 }
 
+/// A new, empty database on the MySQL server of `base` (a URL of any database on it),
+/// and a name for it that also serves as the test's Redis namespace.
+pub async fn fresh_database(base: &str) -> (String, String) {
+    let name = unique_name();
+    let admin = MySqlPool::connect(base)
+        .await
+        .expect("MySQL from scripts/stack.sh");
+    // The name is generated from digits and underscores, never from input.
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE `{name}`")))
+        .execute(&admin)
+        .await
+        .expect("create test database");
+    admin.close().await;
+    let (server_url, _) = base.rsplit_once('/').expect("database URL has a path");
+    (format!("{server_url}/{name}"), name)
+}
+
+/// The stack's MySQL, as `FLASHSALE_DATABASE_URL` or the default says.
+pub fn base_database_url() -> String {
+    std::env::var("FLASHSALE_DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
+}
+
 /// One replica running inside the test process, with its own pools.
 pub struct Replica {
     pub base_url: String,
@@ -121,9 +143,7 @@ pub struct TestCluster {
 impl TestCluster {
     /// Starts `count` replicas; `extra` are `serve` flags such as `--work-ms 50`.
     pub async fn start(count: usize, extra: &[&str]) -> TestCluster {
-        let base = std::env::var("FLASHSALE_DATABASE_URL")
-            .unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
-        TestCluster::start_on(&base, count, extra).await
+        TestCluster::start_on(&base_database_url(), count, extra).await
     }
 
     /// The same on another MySQL server (`base` is a URL of any database on it).
@@ -136,18 +156,7 @@ impl TestCluster {
             )
             .with_test_writer()
             .try_init();
-        let name = unique_name();
-        let admin = MySqlPool::connect(base)
-            .await
-            .expect("MySQL from scripts/stack.sh");
-        // The name is generated above from digits and underscores, never from input.
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE `{name}`")))
-            .execute(&admin)
-            .await
-            .expect("create test database");
-        admin.close().await;
-        let (server_url, _) = base.rsplit_once('/').expect("database URL has a path");
-        let database_url = format!("{server_url}/{name}");
+        let (database_url, name) = fresh_database(base).await;
 
         let mut replicas = Vec::new();
         for index in 0..count {
