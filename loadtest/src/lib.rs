@@ -3,6 +3,7 @@
 //! service's own records and record the run (`docs/report.md`).
 
 pub mod crowd;
+pub mod explore;
 pub mod options;
 pub mod report;
 pub mod service;
