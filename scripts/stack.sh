@@ -5,6 +5,8 @@
 #   scripts/stack.sh down     stop what `up` started (by the PIDs it recorded)
 #   scripts/stack.sh status   one line per service
 #   scripts/stack.sh env      the FLASHSALE_* variables pointing at this stack
+#   scripts/stack.sh restart redis|mariadb|zookeeper|etcd
+#                             kill -9 one service and start it again (fault injection)
 #
 # Ports are not the defaults so a system Redis/MySQL does not clash. Data, logs and
 # pidfiles live under .stack/ (git-ignored). `up` is idempotent.
@@ -230,6 +232,32 @@ cmd_down() {
   stop_pidfile etcd "$STACK/etcd/etcd.pid"
 }
 
+# kill -9 one service and start it again: a backend restarted mid-sale, for the fault
+# explorer (`explore --nemesis 'redis-restart=scripts/stack.sh restart redis'`). Redis
+# comes back empty (no persistence): the sale needs a reconcile, as after a real one.
+cmd_restart() {
+  local pidfile
+  case "${1:-}" in
+    redis) pidfile="$STACK/redis-${REDIS_PORTS[0]}/redis.pid" ;;
+    mariadb) pidfile="$STACK/mariadb/mariadb.pid" ;;
+    zookeeper) pidfile="$STACK/zookeeper/zookeeper.pid" ;;
+    etcd) pidfile="$STACK/etcd/etcd.pid" ;;
+    *) echo "usage: $0 restart redis|mariadb|zookeeper|etcd" >&2; exit 2 ;;
+  esac
+  if [ -f "$pidfile" ] && pid_alive "$(cat "$pidfile")"; then
+    kill -9 "$(cat "$pidfile")"
+    log "killed $1 (pid $(cat "$pidfile"))"
+    while pid_alive "$(cat "$pidfile")"; do sleep 0.05; done
+    rm -f "$pidfile"
+  fi
+  case "$1" in
+    redis) redis_up "${REDIS_PORTS[0]}" ;;
+    mariadb) mariadb_up ;;
+    zookeeper) zookeeper_up ;;
+    etcd) etcd_up ;;
+  esac
+}
+
 status_line() {
   local name=$1 pidfile=$2; shift 2
   if pidfile_alive "$pidfile" && "$@" >/dev/null 2>&1; then
@@ -265,5 +293,6 @@ case "${1:-}" in
   down) cmd_down ;;
   status) cmd_status ;;
   env) cmd_env ;;
-  *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
+  restart) cmd_restart "${2:-}" ;;
+  *) echo "usage: $0 up|down|status|env|restart SERVICE" >&2; exit 2 ;;
 esac
