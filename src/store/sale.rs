@@ -75,6 +75,14 @@ impl Store {
         Ok(rewritten)
     }
 
+    /// Publishes MySQL's settings to Redis if they are newer than Redis's: an order
+    /// refused for an epoch it never saw calls this, so a change whose publication
+    /// failed (the admin call died after its MySQL commit) cannot stall the sale.
+    pub async fn resync_settings(&self) -> Result<(), StoreError> {
+        let durable = self.records.sale_settings().await?;
+        self.cluster.publish_settings(&durable).await
+    }
+
     /// The settings an order needs: one Redis round trip. If Redis lost them (a
     /// restart), they are read from MySQL's durable copy and published again rather
     /// than silently falling back to a default.

@@ -219,7 +219,12 @@ impl SaleFlow {
     pub async fn refused(&self, order: &NewOrder, refusal: Refusal) -> OrderError {
         match refusal {
             Refusal::UnknownSku => OrderError::UnknownSku(order.sku.to_string()),
-            Refusal::SaleChanged => OrderError::SaleChanged,
+            Refusal::SaleChanged => {
+                if let Err(error) = self.store.resync_settings().await {
+                    tracing::warn!(%error, "could not republish the sale's settings");
+                }
+                OrderError::SaleChanged
+            }
             Refusal::Fenced { token } => OrderError::Fenced { token },
             Refusal::StaleRead { stock, version } => {
                 self.write_cache(order, stock, version).await;

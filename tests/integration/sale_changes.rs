@@ -195,3 +195,29 @@ async fn admin_changes_during_a_crowd_keep_the_sale_whole() {
     assert_eq!(stats["orders"], 40, "{stats}");
     assert_eq!(stats["consistent"], true, "{stats}");
 }
+
+/// If an admin change reached MySQL but its publication to Redis was lost (the call
+/// died in between), orders see an old epoch: the first refused order republishes the
+/// settings from MySQL, so the sale does not stall.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_publication_heals_itself() {
+    use deadpool_redis::redis::AsyncCommands;
+    let cluster = TestCluster::start(1, &[]).await;
+    cluster.set_strategy("redis-lock").await;
+    let sku = "healing";
+    cluster.reset(sku, 5).await;
+    let mut redis = crate::support::redis_pool().get().await.expect("redis");
+    let () = redis
+        .set(format!("{}:epoch", cluster.namespace), 1)
+        .await
+        .expect("SET");
+    let first = cluster.order(0, sku, "first", 1).await.status();
+    assert_eq!(
+        first,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "refused: stale epoch"
+    );
+    let second = cluster.order(0, sku, "second", 1).await.status();
+    assert_eq!(second, StatusCode::CREATED, "the settings were republished");
+    assert_eq!(cluster.sku_stats(sku).await["consistent"], true);
+}
