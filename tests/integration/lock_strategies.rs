@@ -115,14 +115,145 @@ async fn redis_atomic_sells_exactly_the_stock() {
     sells_exactly_the_stock("redis-atomic").await;
 }
 
+/// The doomed replica's lease (Redis, lock table, Redlock; etcd rounds it up to whole
+/// seconds, at least 2) and ZooKeeper session.
+const DOOMED_LEASE: Duration = Duration::from_millis(1500);
+const DOOMED_SESSION: Duration = Duration::from_millis(2000);
+
+/// How long a dead holder may block its lock: until its lease or session runs out
+/// (db-for-update: MariaDB rolls the dead connection's transaction back at once), plus
+/// 3 s for the waiter to notice and sell on a loaded 2-core machine.
+fn recovery_bound(strategy: &str) -> Duration {
+    let expiry = match strategy {
+        "zookeeper" => DOOMED_SESSION,
+        "etcd" => Duration::from_secs(DOOMED_LEASE.as_secs().max(2)),
+        "db-for-update" => Duration::ZERO,
+        _ => DOOMED_LEASE,
+    };
+    expiry + Duration::from_secs(3)
+}
+
+/// Reads a strategy's lock straight from its backend, as the test sees it: not through
+/// the service, which could be wrong about it.
+// One per test: the size of the larger variant does not matter.
+#[allow(clippy::large_enum_variant)]
+enum LockProbe {
+    Redis(RedisLock),
+    Table(TableLock),
+    ZooKeeper(ZooKeeperLock),
+    Etcd(EtcdLock),
+    Redlock(Redlock),
+    /// db-for-update: the lock is the product row, held by an open transaction.
+    Row(sqlx::MySqlPool),
+}
+
+impl LockProbe {
+    async fn new(cluster: &TestCluster, strategy: &str) -> LockProbe {
+        let (namespace, lease) = (cluster.namespace.as_str(), Duration::from_secs(30));
+        match strategy {
+            "redis-lock" => LockProbe::Redis(RedisLock::new(
+                redis_client(),
+                redis_pool(),
+                namespace,
+                "probe",
+                lease,
+            )),
+            "db-unique" => LockProbe::Table(TableLock::new(cluster.mysql().await, "probe", lease)),
+            "zookeeper" => LockProbe::ZooKeeper(ZooKeeperLock::new(
+                &zookeeper(),
+                Duration::from_secs(4),
+                namespace,
+                "probe",
+            )),
+            "etcd" => LockProbe::Etcd(EtcdLock::new(&etcd_endpoints(), namespace, lease)),
+            "redlock" => {
+                let nodes = redlock_urls().iter().map(|url| pool_for(url)).collect();
+                LockProbe::Redlock(Redlock::new(nodes, namespace, "probe", lease))
+            }
+            "db-for-update" => LockProbe::Row(cluster.mysql().await),
+            other => panic!("no lock to probe for {other}"),
+        }
+    }
+
+    /// Who holds `sku`'s lock right now: the replica id the lock records, or a
+    /// description where the mechanism records no owner (etcd: the holder's lease;
+    /// db-for-update: a transaction holding the row).
+    async fn holder(&self, sku: &str) -> Option<String> {
+        let owner = |token: &str| token.split(':').next().unwrap_or(token).to_owned();
+        match self {
+            LockProbe::Redis(lock) => {
+                let held = lock.inspect(sku).await.expect("inspect redis lock");
+                held.map(|(token, _)| owner(&token))
+            }
+            LockProbe::Table(lock) => {
+                let row = lock.inspect(sku).await.expect("inspect lock row");
+                row.filter(|(_, _, left_ms)| *left_ms > 0)
+                    .map(|(_, token, _)| owner(&token))
+            }
+            LockProbe::ZooKeeper(lock) => {
+                let nodes = lock.inspect(sku).await.expect("inspect znodes");
+                nodes.first().map(|(_, owner)| owner.clone())
+            }
+            LockProbe::Etcd(lock) => {
+                let (keys, _) = lock.inspect(sku).await.expect("inspect etcd keys");
+                keys.first().map(|(_, _, lease)| format!("lease {lease:x}"))
+            }
+            LockProbe::Redlock(lock) => {
+                let tokens: Vec<String> = lock
+                    .inspect(sku)
+                    .await
+                    .into_iter()
+                    .filter_map(|node| node.ok().flatten().map(|(token, _)| token))
+                    .collect();
+                let quorum = redlock_urls().len() / 2 + 1;
+                tokens
+                    .iter()
+                    .find(|t| tokens.iter().filter(|u| u == t).count() >= quorum)
+                    .map(|token| owner(token))
+            }
+            LockProbe::Row(mysql) => {
+                // SKIP LOCKED passes over a row another transaction holds.
+                let mut probe = mysql.begin().await.expect("probe transaction");
+                let free: Option<(i64,)> = sqlx::query_as(
+                    "SELECT stock FROM products WHERE sku = ? FOR UPDATE SKIP LOCKED",
+                )
+                .bind(sku)
+                .fetch_optional(&mut *probe)
+                .await
+                .expect("probe the row");
+                probe.rollback().await.expect("rollback");
+                free.is_none().then(|| "a transaction".to_owned())
+            }
+        }
+    }
+
+    /// Waits (up to 15 s) until someone holds `sku`'s lock and returns who.
+    async fn wait_for_holder(&self, sku: &str) -> Option<String> {
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(15) {
+            if let Some(holder) = self.holder(sku).await {
+                return Some(holder);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        None
+    }
+}
+
 /// A replica process takes the lock, starts a long critical section and is killed
-/// with SIGKILL: it never releases. Another replica's order must go through once the
-/// lease (or ZooKeeper session) runs out, and nothing is oversold.
+/// with SIGKILL once the lock's backend shows it holding: it never releases. Another
+/// replica's order must go through within the lease (or ZooKeeper session) plus a
+/// margin, and nothing is oversold.
 async fn killed_holder_frees_the_lock(strategy: &str) {
     let cluster = TestCluster::start(1, &["--lock-wait-ms", "20000"]).await;
     let sku = "orphaned";
     cluster.reset(sku, 5).await;
     cluster.set_strategy(strategy).await;
+    let probe = LockProbe::new(&cluster, strategy).await;
+    let (lease, session) = (
+        DOOMED_LEASE.as_millis().to_string(),
+        DOOMED_SESSION.as_millis().to_string(),
+    );
     let mut doomed = cluster
         .spawn_process_replica(
             env!("CARGO_BIN_EXE_flashsale"),
@@ -130,12 +261,17 @@ async fn killed_holder_frees_the_lock(strategy: &str) {
                 "--work-ms",
                 "60000",
                 "--lock-lease-ms",
-                "1500",
+                &lease,
                 "--zk-session-ms",
-                "2000",
+                &session,
             ],
         )
         .await;
+    assert_eq!(
+        probe.holder(sku).await,
+        None,
+        "{strategy}: nobody holds the lock before the doomed order"
+    );
 
     let url = format!("{}/api/orders", doomed.base_url);
     let http = cluster.http.clone();
@@ -143,8 +279,18 @@ async fn killed_holder_frees_the_lock(strategy: &str) {
         let body = json!({ "sku": "orphaned", "user_id": "doomed", "quantity": 1 });
         let _ = http.post(url).json(&body).send().await;
     });
-    // Give the doomed replica time to take the lock and enter its long work.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Only the doomed replica has an order, so whoever holds the lock is that order;
+    // where the lock records its owner, check it by name too.
+    let holder = probe.wait_for_holder(sku).await;
+    let Some(holder) = holder else {
+        panic!("{strategy}: the doomed replica never held the lock");
+    };
+    if !matches!(strategy, "etcd" | "db-for-update") {
+        assert_eq!(
+            holder, "replica-doomed",
+            "{strategy}: the doomed replica holds"
+        );
+    }
     doomed.child.start_kill().expect("SIGKILL");
     doomed.child.wait().await.expect("reaped");
     let killed_at = Instant::now();
@@ -157,10 +303,17 @@ async fn killed_holder_frees_the_lock(strategy: &str) {
         .await
         .expect("order");
     let recovery = killed_at.elapsed();
-    println!("{strategy}: lock free again {recovery:?} after the holder was killed");
+    let bound = recovery_bound(strategy);
+    println!(
+        "{strategy}: held by {holder}; lock free again {recovery:?} after the holder was killed (bound {bound:?})"
+    );
     let status = response.status();
     let body = response.text().await.unwrap_or_default();
     assert_eq!(status, StatusCode::CREATED, "{strategy}: {body}");
+    assert!(
+        recovery <= bound,
+        "{strategy}: the dead holder blocked the lock for {recovery:?}, more than {bound:?}"
+    );
     stuck.abort();
 
     let stats = cluster.sku_stats(sku).await;
