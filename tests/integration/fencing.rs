@@ -4,8 +4,6 @@
 //! writes too: without fencing the unit is sold twice; with fencing, MySQL refuses
 //! the stale token and the order is aborted with 409 lock_lost.
 
-use std::time::Duration;
-
 use reqwest::StatusCode;
 use serde_json::json;
 
@@ -30,8 +28,11 @@ async fn paused_holder(strategy: &str, fencing: bool) -> (TestCluster, StatusCod
     assert_eq!(armed.status(), StatusCode::OK);
 
     let (stalled, rival) = tokio::join!(cluster.order(0, sku, "stalled", 1), async {
-        // Let the first buyer take the lock and stall before the rival arrives.
-        tokio::time::sleep(Duration::from_millis(400)).await;
+        // The rival comes once the first buyer holds the lock and has claimed the pause.
+        assert!(
+            cluster.wait_until_pause_claimed().await,
+            "{strategy}: the first buyer never claimed the pause"
+        );
         cluster.order(1, sku, "rival", 1).await
     });
     let (stalled, rival) = (stalled.status(), rival.status());

@@ -244,6 +244,19 @@ impl TestCluster {
         assert_eq!(response.status(), StatusCode::OK, "fencing {enabled}");
     }
 
+    /// Waits (up to 20 s) until a lock holder has claimed the armed paused-holder fault
+    /// (`pause_armed_ms` back to null): from then on that holder holds the lock.
+    pub async fn wait_until_pause_claimed(&self) -> bool {
+        let started = std::time::Instant::now();
+        while started.elapsed() < std::time::Duration::from_secs(20) {
+            if self.get_json(0, "/api/stats").await["pause_armed_ms"].is_null() {
+                return true;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        false
+    }
+
     /// Rebuilds lost Redis stock from MySQL, as an admin would after a restart.
     pub async fn reconcile(&self) {
         let response = self
