@@ -10,7 +10,11 @@ use nix::unistd::Pid;
 use reqwest::StatusCode;
 use serde_json::json;
 
-use crate::support::{TestCluster, free_port};
+use flashsale::lock::DistributedLock;
+use flashsale::lock::HeldLock;
+use flashsale::lock::redis::RedisLock;
+
+use crate::support::{TestCluster, free_port, redis_client, redis_pool};
 
 /// Kills a backend of the test's own as a crash would, and reaps it.
 async fn sigkill(child: &mut Option<tokio::process::Child>) {
@@ -18,6 +22,22 @@ async fn sigkill(child: &mut Option<tokio::process::Child>) {
         child.start_kill().expect("SIGKILL");
         child.wait().await.expect("reaped");
     }
+}
+
+/// Polls `condition` every 20 ms until it holds (true) or `limit` passes (false).
+async fn wait_for<F, Fut>(limit: Duration, mut condition: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if condition().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
 }
 
 /// A redis-server of the test's own, without persistence (a restart loses the data,
@@ -302,8 +322,9 @@ async fn redis_restart_mid_sale() {
     assert!(stats["orders"].as_i64() > Some(0));
 }
 
-/// SIGTERM while a replica process has orders in flight: they finish (each one under
-/// the lock, one after another), the lock is released, the replica deregisters.
+/// SIGTERM while a replica process has orders in flight, one holding the lock and
+/// three waiting for it: they finish (each one under the lock, one after another),
+/// the lock is released, the replica deregisters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_in_flight_orders_finish() {
     let cluster = TestCluster::start(1, &[]).await;
@@ -311,8 +332,24 @@ async fn sigterm_lets_in_flight_orders_finish() {
     cluster.reset(sku, 10).await;
     cluster.set_strategy("redis-lock").await;
     let mut replica = cluster
-        .spawn_process_replica(env!("CARGO_BIN_EXE_flashsale"), &["--work-ms", "300"])
+        .spawn_process_replica(
+            env!("CARGO_BIN_EXE_flashsale"),
+            &["--work-ms", "300", "--lock-wait-ms", "20000"],
+        )
         .await;
+    // The test holds the SKU's lock, so the four orders queue up behind it and are
+    // all in the replica before it is told to stop.
+    let lock = RedisLock::new(
+        redis_client(),
+        redis_pool(),
+        &cluster.namespace,
+        "test",
+        Duration::from_secs(30),
+    );
+    let held = lock
+        .acquire(sku, Duration::from_secs(5))
+        .await
+        .expect("held by the test");
     let url = format!("{}/api/orders", replica.base_url);
     let orders: Vec<_> = (0..4)
         .map(|i| {
@@ -324,7 +361,22 @@ async fn sigterm_lets_in_flight_orders_finish() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    let waiting = wait_for(Duration::from_secs(10), || async {
+        let stats = cluster.get_json(0, "/api/stats").await;
+        let doomed = stats["replicas"]
+            .as_array()
+            .and_then(|r| r.iter().find(|r| r["id"] == "replica-doomed").cloned());
+        doomed.is_some_and(|r| r["lock_waiters"] == 4)
+    })
+    .await;
+    assert!(waiting, "the four orders never all waited for the lock");
+    held.release().await.expect("released by the test");
+    let taken = wait_for(Duration::from_secs(10), || async {
+        let holder = lock.inspect(sku).await.expect("inspect the lock");
+        holder.is_some_and(|(token, _)| token.starts_with("replica-doomed:"))
+    })
+    .await;
+    assert!(taken, "the replica's first order never took the lock");
     let pid = replica
         .child
         .id()
