@@ -13,6 +13,7 @@ use serde_json::json;
 use flashsale::lock::DistributedLock;
 use flashsale::lock::HeldLock;
 use flashsale::lock::redis::RedisLock;
+use flashsale::lock::zookeeper::ZooKeeperLock;
 
 use crate::support::{TestCluster, free_port, redis_client, redis_pool};
 
@@ -608,19 +609,23 @@ async fn mariadb_outage(down: Duration) -> (Answers, Outage) {
     (answers, outage)
 }
 
-/// Places one order in the background and returns its status once answered.
-/// The cluster must already run the strategy under test.
-fn order_in_background(cluster: &TestCluster, sku: &str) -> tokio::task::JoinHandle<StatusCode> {
+/// Places one order in the background and returns its status and error code once
+/// answered. The cluster must already run the strategy under test.
+fn order_in_background(
+    cluster: &TestCluster,
+    sku: &str,
+) -> tokio::task::JoinHandle<(StatusCode, String)> {
     let url = cluster.url(0, "/api/orders");
     let http = cluster.http.clone();
     let body = json!({ "sku": sku, "user_id": "holder", "quantity": 1 });
     tokio::spawn(async move {
-        http.post(url)
-            .json(&body)
-            .send()
-            .await
-            .map(|r| r.status())
-            .expect("answered")
+        let response = http.post(url).json(&body).send().await.expect("answered");
+        let status = response.status();
+        let body: serde_json::Value = response.json().await.unwrap_or_default();
+        (
+            status,
+            body["error"].as_str().unwrap_or_default().to_owned(),
+        )
     })
 }
 
@@ -660,8 +665,7 @@ async fn etcd_lease_lost_while_holding_aborts_the_order() {
 
     assert_eq!(
         order.await.expect("joined"),
-        StatusCode::CONFLICT,
-        "lock_lost"
+        (StatusCode::CONFLICT, "lock_lost".to_owned())
     );
     let stats = cluster.sku_stats(sku).await;
     assert_eq!(
@@ -674,41 +678,89 @@ async fn etcd_lease_lost_while_holding_aborts_the_order() {
     );
 }
 
+/// The session timeout of the ZooKeeper expiry test.
+const ZK_SESSION: Duration = Duration::from_millis(1500);
+
 /// A holder's ZooKeeper session expires while it works (its connection is cut for
-/// longer than the session timeout): its check before committing fails, the order is
-/// aborted with 409 lock_lost, and nothing is written.
+/// longer than the session timeout): ZooKeeper itself deletes its lock node, its check
+/// before committing fails, the order is aborted with 409 lock_lost, and nothing is
+/// written. Once the network heals, the replica sells again on a new session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zookeeper_session_expiry_while_holding_aborts_the_order() {
     let proxy = crate::support::PartitionProxy::start(&crate::support::zookeeper()).await;
     let zookeeper = proxy.address.to_string();
+    let session = ZK_SESSION.as_millis().to_string();
     let cluster = TestCluster::start(
         1,
         &[
+            // Long enough that the order is still working when the session expires.
             "--work-ms",
-            "4000",
+            "6000",
             "--zookeeper",
             &zookeeper,
             "--zk-session-ms",
-            "1500",
+            &session,
         ],
     )
     .await;
     let sku = "session-lost";
     cluster.reset(sku, 5).await;
     cluster.set_strategy("zookeeper").await;
+    // The test's own view of the lock, straight from ZooKeeper (not through the proxy).
+    let probe = ZooKeeperLock::new(
+        &crate::support::zookeeper(),
+        Duration::from_secs(10),
+        &cluster.namespace,
+        "probe",
+    );
+    let holder = || async { probe.inspect(sku).await.expect("inspect znodes") };
     let order = order_in_background(&cluster, sku);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let held = wait_for(Duration::from_secs(10), || async {
+        holder()
+            .await
+            .first()
+            .is_some_and(|(_, owner)| owner == "replica-1")
+    })
+    .await;
+    assert!(held, "the order never held the lock");
     proxy.cut();
+    let cut = Instant::now();
+
+    // The session really expired: ZooKeeper deleted the ephemeral node of its own
+    // accord, within the session timeout (plus a margin for a loaded machine), while
+    // the order was still working.
+    let expired = wait_for(ZK_SESSION + Duration::from_secs(3), || async {
+        holder().await.is_empty()
+    })
+    .await;
+    let expired_after = cut.elapsed();
+    assert!(
+        expired,
+        "the holder's lock node outlived its session timeout ({ZK_SESSION:?}) by 3 s"
+    );
+    assert!(
+        !order.is_finished(),
+        "the order was aborted before its session expired"
+    );
+    println!("zookeeper: lock node gone {expired_after:?} after the partition");
 
     assert_eq!(
         order.await.expect("joined"),
-        StatusCode::CONFLICT,
-        "lock_lost"
+        (StatusCode::CONFLICT, "lock_lost".to_owned())
     );
     let stats = cluster.sku_stats(sku).await;
     assert_eq!(
         (stats["orders"].as_i64(), stats["stock_mysql"].as_i64()),
         (Some(0), Some(5))
     );
+
     proxy.heal();
+    let again = cluster.order(0, sku, "after-heal", 1).await;
+    let status = again.status();
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "a new session after the expiry: {}",
+        again.text().await.unwrap_or_default()
+    );
 }
