@@ -13,9 +13,10 @@ use serde_json::json;
 use flashsale::lock::DistributedLock;
 use flashsale::lock::HeldLock;
 use flashsale::lock::redis::RedisLock;
+use flashsale::lock::redlock::Redlock;
 use flashsale::lock::zookeeper::ZooKeeperLock;
 
-use crate::support::{TestCluster, free_port, redis_client, redis_pool};
+use crate::support::{TestCluster, free_port, pool_for, redis_client, redis_pool};
 
 /// Kills a backend of the test's own as a crash would, and reaps it.
 async fn sigkill(child: &mut Option<tokio::process::Child>) {
@@ -763,4 +764,156 @@ async fn zookeeper_session_expiry_while_holding_aborts_the_order() {
         "a new session after the expiry: {}",
         again.text().await.unwrap_or_default()
     );
+}
+
+/// `count` orders of one unit at once, spread over the replicas; every answer.
+async fn crowd_answers(cluster: &TestCluster, sku: &str, count: usize) -> Answers {
+    futures::future::join_all((0..count).map(|i| {
+        let url = cluster.url(i % cluster.replicas.len(), "/api/orders");
+        let body = json!({ "sku": sku, "user_id": format!("buyer-{i}"), "quantity": 1 });
+        let http = cluster.http.clone();
+        async move { answer_to(&http, &url, &body).await }
+    }))
+    .await
+}
+
+/// Redlock over three Redis nodes of the test's own (the stock cache stays on the
+/// shared Redis), one SKU of 20 units through three phases. With one node down, a
+/// majority still grants the lock and a crowd buys exactly half the stock. With two
+/// down, no quorum forms: every order answers 503, nothing is sold and the surviving
+/// node keeps no lock key. Once both are back (empty, as after a crash without
+/// persistence) the sale resumes, and goes on when the third node fails in turn,
+/// leaving only the two that forgot their counters. With fencing on, their tokens must
+/// still pass the fence (they must keep growing across the restarts).
+async fn redlock_with_nodes_down(fencing: bool) {
+    let mut nodes = Vec::new();
+    for _ in 0..3 {
+        nodes.push(PrivateRedis::start().await);
+    }
+    let urls: Vec<String> = nodes.iter().map(PrivateRedis::url).collect();
+    let redlock_urls = urls.join(",");
+    let cluster = TestCluster::start(
+        2,
+        &[
+            "--redlock-urls",
+            &redlock_urls,
+            "--lock-wait-ms",
+            "5000",
+            "--work-ms",
+            "2",
+        ],
+    )
+    .await;
+    cluster.set_strategy("redlock").await;
+    cluster.set_fencing(fencing).await;
+    let probe = Redlock::new(
+        urls.iter().map(|url| pool_for(url)).collect(),
+        &cluster.namespace,
+        "probe",
+        Duration::from_secs(30),
+    );
+    // How many orders of a crowd were created and refused as sold out; any other
+    // answer (a 409 lock_lost from the fence, a 503) is a failure of the sale.
+    let tally = |answers: &Answers| {
+        let count = |code: &str| answers.iter().filter(|a| a.code == code).count();
+        let created = answers.iter().filter(|a| a.is_order()).count();
+        let sold_out = count("sold_out");
+        let others: Vec<(Option<u16>, &str)> = answers
+            .iter()
+            .filter(|a| !a.is_order() && a.code != "sold_out")
+            .map(|a| (a.status.map(|s| s.as_u16()), a.code.as_str()))
+            .collect();
+        (created, sold_out, format!("{others:?}"))
+    };
+    let sku = "redlock-outage";
+    cluster.reset(sku, 20).await;
+    let records = || async {
+        let stats = cluster.sku_stats(sku).await;
+        let figures = [
+            "orders",
+            "oversold",
+            "stock_mysql",
+            "stock_redis",
+            "consistent",
+        ]
+        .map(|field| stats[field].clone());
+        (figures, stats)
+    };
+
+    // A minority down: two of three nodes still make a quorum.
+    nodes[0].kill().await;
+    let answers = crowd_answers(&cluster, sku, 10).await;
+    assert_eq!(tally(&answers), (10, 0, "[]".into()), "one node down");
+    let (figures, stats) = records().await;
+    assert_eq!(
+        figures,
+        [json!(10), json!(0), json!(10), json!(10), json!(true)],
+        "{stats}"
+    );
+
+    // A majority down: no quorum, so no order may sell.
+    nodes[1].kill().await;
+    let answers = crowd_answers(&cluster, sku, 6).await;
+    println!(
+        "redlock (fencing {fencing}), two nodes down: {:?}",
+        answers
+            .iter()
+            .map(|a| (a.status.map(|s| s.as_u16()), a.code.as_str(), a.took))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        answers
+            .iter()
+            .all(|a| a.is_503()
+                && ["lock_timeout", "backend_unavailable"].contains(&a.code.as_str())),
+        "two nodes down: every order 503 lock_timeout or backend_unavailable: {answers:?}"
+    );
+    let (figures, stats) = records().await;
+    assert_eq!(
+        figures,
+        [json!(10), json!(0), json!(10), json!(10), json!(true)],
+        "nothing sold: {stats}"
+    );
+    let left = probe.inspect(sku).await;
+    assert!(
+        matches!(left[2], Ok(None)),
+        "no lock key left on the surviving node: {left:?}"
+    );
+
+    // Both back, empty: the sale resumes.
+    nodes[0].restart().await;
+    nodes[1].restart().await;
+    let answers = crowd_answers(&cluster, sku, 5).await;
+    assert_eq!(tally(&answers), (5, 0, "[]".into()), "nodes back");
+
+    // The one node that kept its counters fails too: the quorum is now two nodes that
+    // forgot every token they handed out, and the sale must still go on.
+    nodes[2].kill().await;
+    let answers = crowd_answers(&cluster, sku, 25).await;
+    assert_eq!(
+        tally(&answers),
+        (5, 20, "[]".into()),
+        "only the restarted nodes left"
+    );
+    let (figures, stats) = records().await;
+    assert_eq!(
+        figures,
+        [json!(20), json!(0), json!(0), json!(0), json!(true)],
+        "{stats}"
+    );
+    for node in &mut nodes {
+        node.kill().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redlock_with_a_minority_and_a_majority_of_nodes_down() {
+    redlock_with_nodes_down(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "fails until Redlock fencing tokens keep growing after nodes lose their counters \
+            (issue 11, monotonic tokens): the restarted nodes hand out tokens below the fence"]
+async fn redlock_fenced_with_a_minority_and_a_majority_of_nodes_down() {
+    redlock_with_nodes_down(true).await;
 }
