@@ -778,13 +778,13 @@ async fn crowd_answers(cluster: &TestCluster, sku: &str, count: usize) -> Answer
 }
 
 /// Redlock over three Redis nodes of the test's own (the stock cache stays on the
-/// shared Redis), one SKU of 20 units through three phases. With one node down, a
+/// shared Redis), one SKU of 20 units through five phases. With one node down, a
 /// majority still grants the lock and a crowd buys exactly half the stock. With two
 /// down, no quorum forms: every order answers 503, nothing is sold and the surviving
 /// node keeps no lock key. Once both are back (empty, as after a crash without
-/// persistence) the sale resumes, and goes on when the third node fails in turn,
-/// leaving only the two that forgot their counters. With fencing on, their tokens must
-/// still pass the fence (they must keep growing across the restarts).
+/// persistence) the sale resumes, and goes on when the third node fails in turn, and
+/// after all three crash and come back empty. With fencing on, the tokens must still
+/// pass the fence: they keep growing although the nodes forgot their counters.
 async fn redlock_with_nodes_down(fencing: bool) {
     let mut nodes = Vec::new();
     for _ in 0..3 {
@@ -886,14 +886,26 @@ async fn redlock_with_nodes_down(fencing: bool) {
     let answers = crowd_answers(&cluster, sku, 5).await;
     assert_eq!(tally(&answers), (5, 0, "[]".into()), "nodes back");
 
-    // The one node that kept its counters fails too: the quorum is now two nodes that
-    // forgot every token they handed out, and the sale must still go on.
+    // The one node that kept its counters from the start fails too: the quorum is the
+    // two restarted nodes, and the sale goes on.
     nodes[2].kill().await;
-    let answers = crowd_answers(&cluster, sku, 25).await;
+    let answers = crowd_answers(&cluster, sku, 3).await;
     assert_eq!(
         tally(&answers),
-        (5, 20, "[]".into()),
+        (3, 0, "[]".into()),
         "only the restarted nodes left"
+    );
+
+    // Every node crashes and comes back empty: no node remembers any token.
+    for node in &mut nodes {
+        node.kill().await;
+        node.restart().await;
+    }
+    let answers = crowd_answers(&cluster, sku, 22).await;
+    assert_eq!(
+        tally(&answers),
+        (2, 20, "[]".into()),
+        "every node restarted empty"
     );
     let (figures, stats) = records().await;
     assert_eq!(
@@ -912,8 +924,6 @@ async fn redlock_with_a_minority_and_a_majority_of_nodes_down() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "fails until Redlock fencing tokens keep growing after nodes lose their counters \
-            (issue 11, monotonic tokens): the restarted nodes hand out tokens below the fence"]
 async fn redlock_fenced_with_a_minority_and_a_majority_of_nodes_down() {
     redlock_with_nodes_down(true).await;
 }

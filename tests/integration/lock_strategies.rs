@@ -359,8 +359,6 @@ async fn db_for_update_survives_a_killed_holder() {
 /// as long as one etcd call may take: the test holds the lock for 7 s, longer than the
 /// client's 5 s per-call timeout, and the order must get it when the test lets go.
 #[tokio::test]
-#[ignore = "fails until etcd's blocking Lock call is bounded by the lock wait instead of \
-            the 5 s per-call timeout (issue 11): the order answers 503 backend_unavailable"]
 async fn etcd_waits_as_long_as_the_lock_wait() {
     let cluster = TestCluster::start(1, &["--lock-wait-ms", "20000"]).await;
     let sku = "long-held";
