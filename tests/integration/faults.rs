@@ -1,5 +1,8 @@
-//! Backends and replicas failing under load: a Redis restart (the test's own Redis, so
-//! parallel tests are not disturbed) and a replica asked to stop mid-sale.
+//! Backends and replicas failing under load: Redis and MariaDB restarts, Redlock nodes
+//! down (all on servers of the test's own, so parallel tests are not disturbed), a
+//! replica asked to stop mid-sale, and a holder losing its etcd lease or ZooKeeper
+//! session. Every test waits for the state it needs (the lock held, the orders in
+//! flight) rather than sleeping and hoping, and counts every answer it got.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
