@@ -12,7 +12,7 @@
 //! lease lock: the stale write landed first and the rival's, with a newer token and the
 //! same stale stock, landed too.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -105,7 +105,9 @@ async fn stalled_holder_and_rival(
     };
     // The rival comes once the first holder has claimed the pause, so it is the one
     // stalled, and waits for the lock while it stalls.
-    wait_until_claimed(cluster).await?;
+    if !cluster.wait_until_pause_claimed().await {
+        return Err("no holder claimed the pause within 20 s".into());
+    }
     let rival = cluster.order(1, sku, "rival", 1).await.status();
     let stalled = stalled
         .await
@@ -155,19 +157,6 @@ fn check_records(stats: &Value, initial: i64, sold: i64) -> Result<(), String> {
         return Err(format!("{sold} answered 201 but the records say {stats}"));
     }
     Ok(())
-}
-
-/// Waits (up to 20 s) until the armed pause has been claimed by a holder.
-async fn wait_until_claimed(cluster: &TestCluster) -> Result<(), String> {
-    let started = Instant::now();
-    while started.elapsed() < Duration::from_secs(20) {
-        let stats = cluster.get_json(0, "/api/stats").await;
-        if stats["pause_armed_ms"].is_null() {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Err("no holder claimed the pause within 20 s".into())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,7 +2,7 @@
 //! sale (a strategy switch, a reset) never lets an order that started before it commit
 //! after it.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::json;
@@ -106,11 +106,7 @@ async fn stall_an_order(
         let status = response.status();
         (status, response.text().await.unwrap_or_default())
     });
-    let started = Instant::now();
-    while !cluster.get_json(0, "/api/stats").await["pause_armed_ms"].is_null() {
-        assert!(started.elapsed() < Duration::from_secs(10), "never stalled");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    assert!(cluster.wait_until_pause_claimed().await, "never stalled");
     order
 }
 
