@@ -236,12 +236,12 @@ cmd_down() {
 # explorer (`explore --nemesis 'redis-restart=scripts/stack.sh restart redis'`). Redis
 # comes back empty (no persistence): the sale needs a reconcile, as after a real one.
 cmd_restart() {
-  local pidfile
+  local pidfile port i
   case "${1:-}" in
-    redis) pidfile="$STACK/redis-${REDIS_PORTS[0]}/redis.pid" ;;
-    mariadb) pidfile="$STACK/mariadb/mariadb.pid" ;;
-    zookeeper) pidfile="$STACK/zookeeper/zookeeper.pid" ;;
-    etcd) pidfile="$STACK/etcd/etcd.pid" ;;
+    redis) pidfile="$STACK/redis-${REDIS_PORTS[0]}/redis.pid" port=${REDIS_PORTS[0]} ;;
+    mariadb) pidfile="$STACK/mariadb/mariadb.pid" port=$MARIADB_PORT ;;
+    zookeeper) pidfile="$STACK/zookeeper/zookeeper.pid" port=$ZK_PORT ;;
+    etcd) pidfile="$STACK/etcd/etcd.pid" port=$ETCD_PORT ;;
     *) echo "usage: $0 restart redis|mariadb|zookeeper|etcd" >&2; exit 2 ;;
   esac
   if [ -f "$pidfile" ] && pid_alive "$(cat "$pidfile")"; then
@@ -249,6 +249,8 @@ cmd_restart() {
     log "killed $1 (pid $(cat "$pidfile"))"
     while pid_alive "$(cat "$pidfile")"; do sleep 0.05; done
     rm -f "$pidfile"
+    # The dying process's listening socket can outlive it for a moment.
+    for i in $(seq 1 100); do port_busy "$port" || break; sleep 0.1; done
   fi
   case "$1" in
     redis) redis_up "${REDIS_PORTS[0]}" ;;
