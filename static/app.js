@@ -242,11 +242,27 @@ function renderRace(sku, sections) {
     return;
   }
   const replicas = [...new Set(sections.map((s) => s.replica))].sort();
+  // Overlapping sections of one replica go to lanes of their own, so the race shows
+  // as bars stacked over each other instead of hidden behind one another.
+  const MAX_LANES = 12;
+  const lanes = new Map(replicas.map((r) => [r, []]));
+  const laneOf = new Map();
+  [...sections].sort((a, b) => a.start_ms - b.start_ms).forEach((s) => {
+    const ends = lanes.get(s.replica);
+    let lane = ends.findIndex((end) => end <= s.start_ms);
+    if (lane === -1) lane = Math.min(ends.length, MAX_LANES - 1);
+    ends[lane] = Math.max(ends[lane] || 0, s.end_ms);
+    laneOf.set(s, lane);
+  });
+  const laneHeight = 14;
+  const rowTop = new Map();
+  let top = 4;
+  replicas.forEach((r) => { rowTop.set(r, top); top += Math.max(lanes.get(r).length, 1) * laneHeight + 10; });
   const t0 = Math.min(...sections.map((s) => s.start_ms));
   const t1 = Math.max(...sections.map((s) => s.end_ms));
   const span = Math.max(t1 - t0, 1);
-  const [width, label, row] = [1000, 110, 28];
-  const height = replicas.length * row + 24;
+  const [width, label] = [1000, 110];
+  const height = top + 18;
   const x = (t) => label + ((t - t0) / span) * (width - label - 10);
   const overlapping = sections.map((a, i) => sections.some((b, j) => i !== j && a.start_ms < b.end_ms && b.start_ms < a.end_ms));
   const ns = "http://www.w3.org/2000/svg";
@@ -259,12 +275,12 @@ function renderRace(sku, sections) {
     svg.appendChild(node);
     return node;
   };
-  replicas.forEach((replica, i) => add("text", { x: 4, y: i * row + 18 }, replica));
+  replicas.forEach((replica) => add("text", { x: 4, y: rowTop.get(replica) + 11 }, replica));
   sections.forEach((s, i) => {
     const known = ["created", "sold_out", "lock_lost"].includes(s.outcome) ? s.outcome : "other";
     const bar = add("rect", {
-      x: x(s.start_ms), y: replicas.indexOf(s.replica) * row + 4,
-      width: Math.max(x(s.end_ms) - x(s.start_ms), 2), height: row - 8,
+      x: x(s.start_ms), y: rowTop.get(s.replica) + laneOf.get(s) * laneHeight,
+      width: Math.max(x(s.end_ms) - x(s.start_ms), 2), height: laneHeight - 3,
       class: `${known}${overlapping[i] ? " overlap" : ""}`,
     });
     const title = document.createElementNS(ns, "title");

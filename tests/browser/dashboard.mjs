@@ -21,16 +21,23 @@ page.on("console", (message) => { if (message.type() === "error") problems.push(
 
 const step = (what) => console.log(`- ${what}`);
 const card = (sku, field) => page.locator(`#sku-cards [data-sku="${sku}"] .${field}`);
+// `text` as a string must be the element's whole text ("0" does not match "10"); a
+// RegExp may match part of it.
 const expectText = async (locator, text, what) => {
-  await locator.filter({ hasText: text }).first().waitFor({ timeout: 10000 })
-    .catch(async () => { throw new Error(`${what}: expected "${text}", page shows "${await locator.first().textContent().catch(() => "nothing")}"`); });
+  const pattern = typeof text === "string"
+    ? new RegExp(`^\\s*${text.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")}\\s*$`) : text;
+  await locator.filter({ hasText: pattern }).first().waitFor({ timeout: 10000 })
+    .catch(async () => { throw new Error(`${what}: expected ${pattern}, page shows "${await locator.first().textContent().catch(() => "nothing")}"`); });
+};
+const shot = async (selector, file) => {
+  await page.locator(selector).screenshot({ path: screenshot.replace(/dashboard\.png$/, file) });
 };
 
 try {
   step("open the page and wait for the live feed");
   await page.goto(base);
   await page.locator("#strategy-select option").first().waitFor({ state: "attached" });
-  await expectText(page.locator("#connection"), "live", "live feed");
+  await expectText(page.locator("#connection"), /live/, "live feed");
 
   step("switch to redis-lock");
   await page.selectOption("#strategy-select", "redis-lock");
@@ -56,8 +63,12 @@ try {
   await expectText(card("browser", "orders"), "3", "orders");
   await expectText(card("browser", "stock-redis"), "2", "Redis stock");
   await expectText(card("browser", "stock-mysql"), "2", "MySQL stock");
-  await expectText(card("browser", "oversold"), "Not oversold", "verdict");
-  await expectText(page.locator("#lock-views [data-sku=browser]"), "browser", "lock view");
+  await expectText(card("browser", "oversold"), /Not oversold/, "verdict");
+
+  step("the race under redis-lock: sections one after another");
+  await expectText(page.locator("#race-legend"), /^0 of 3 sections overlap/, "no overlap under a lock");
+  await shot("#race", "race-locked.png");
+  await expectText(page.locator("#lock-views [data-sku=browser] h3"), "browser", "lock view");
 
   step("switch to none, restock 5, twenty shoppers at once: oversold");
   await page.selectOption("#strategy-select", "none");
@@ -68,13 +79,32 @@ try {
   await expectText(card("browser", "orders"), "0", "orders after reset");
   await page.fill("#buy-count", "20");
   await page.click("#buy-button");
-  await expectText(card("browser", "oversold"), "OVERSOLD by", "oversold verdict");
+  await expectText(card("browser", "oversold"), /OVERSOLD by/, "oversold verdict");
+
+  step("the race under none: sections of the crowd overlap");
+  await expectText(page.locator("#race-legend"), /^[1-9]\d* of \d+ sections overlap/, "overlap under none");
+  await shot("#race", "race-none.png");
 
   step("learning cards and history are there");
   const strategies = await (await fetch(`${base}/api/strategies`)).json();
   const cards = await page.locator("#strategy-cards .card").count();
   if (cards !== strategies.length) throw new Error(`${cards} strategy cards for ${strategies.length} strategies`);
-  await page.locator("#history-table tbody tr").first().waitFor();
+  // A run in the history shows as a row of its own (not the "No load test yet." row).
+  const report = {
+    generated_at: new Date().toISOString(),
+    config: { targets: [base], users: 1, stock: 5, skus: 1, max_seconds: 1, grace_ms: 0,
+              strategies: ["redlock"], fault: null, fencing: false },
+    runs: [{ strategy: "redlock", requests: 6, orders: 5, orders_acknowledged: 5, sold_out: 1,
+             busy: 0, errors: 0, duration_s: 1.0, sell_out_s: 0.5, rps: 6.0, orders_per_s: 10.0,
+             latency_ms: { p50: 1.0, p90: 2.0, p99: 3.0, max: 4.0 }, initial_stock: 5, oversold: 0,
+             stock_redis: 0, stock_mysql: 0, consistent: true }],
+  };
+  const saved = await fetch(`${base}/api/runs`, {
+    method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(report),
+  });
+  if (!saved.ok) throw new Error(`POST /api/runs: ${saved.status}`);
+  await page.reload();
+  await expectText(page.locator("#history-table tbody td"), "redlock", "the run in the history");
 
   if (problems.length) throw new Error(problems.join("\n"));
   await page.screenshot({ path: screenshot, fullPage: true });
