@@ -24,22 +24,30 @@ struct ActiveStrategy {
     strategy: String,
 }
 
+/// An HTTP client that sends the admin token, when there is one, with every request.
+pub fn admin_client(
+    admin_token: Option<&str>,
+    timeout: Duration,
+) -> anyhow::Result<reqwest::Client> {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(token) = admin_token {
+        let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
+            .context("the admin token is not a valid header value")?;
+        value.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
+    Ok(reqwest::Client::builder()
+        .timeout(timeout)
+        .default_headers(headers)
+        .build()?)
+}
+
 impl Service {
     pub fn new(targets: &[String], admin_token: Option<&str>) -> anyhow::Result<Service> {
         if targets.is_empty() {
             bail!("no targets given");
         }
-        let mut headers = reqwest::header::HeaderMap::new();
-        if let Some(token) = admin_token {
-            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
-                .context("the admin token is not a valid header value")?;
-            value.set_sensitive(true);
-            headers.insert(reqwest::header::AUTHORIZATION, value);
-        }
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(10))
-            .default_headers(headers)
-            .build()?;
+        let http = admin_client(admin_token, Duration::from_secs(10))?;
         let targets = targets
             .iter()
             .map(|t| t.trim_end_matches('/').to_owned())

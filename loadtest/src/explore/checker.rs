@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 
 use super::ExploreOptions;
 use super::schedule::Round;
+use crate::service::admin_client;
 
 /// A broken guarantee, with what is needed to replay it.
 #[derive(Debug, Serialize)]
@@ -45,17 +46,7 @@ const PATIENCE: Duration = Duration::from_secs(30);
 
 impl Checker {
     pub async fn new(options: &ExploreOptions) -> anyhow::Result<Checker> {
-        let mut headers = reqwest::header::HeaderMap::new();
-        if let Some(token) = &options.admin_token {
-            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
-                .context("the admin token is not a valid header value")?;
-            value.set_sensitive(true);
-            headers.insert(reqwest::header::AUTHORIZATION, value);
-        }
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .default_headers(headers)
-            .build()?;
+        let http = admin_client(options.admin_token.as_deref(), Duration::from_secs(60))?;
         let targets: Vec<String> = options
             .targets
             .iter()
