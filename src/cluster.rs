@@ -3,15 +3,17 @@
 //! real replicas would, and can be killed on its own.
 //!
 //! Each replica has a keeper task. When its process exits or dies (even `kill -9`),
-//! the keeper logs it and starts it again on the same port and replica id after a
-//! back-off that doubles from 250 ms to 8 s and starts over once a replica has stayed
-//! up for 30 s; the other replicas serve on meanwhile. A replica that cannot start at
-//! all is retried at the capped back-off, never in a busy loop. The restart count goes
-//! to the replica (`FLASHSALE_RESTARTS`), which announces it, so the dashboard shows
-//! the restart.
+//! the keeper logs it (replica, pid, exit status, restart count, back-off) and starts
+//! it again on the same port and replica id after a back-off that doubles from 250 ms
+//! to 8 s and starts over once the replica has stayed up for 30 s; the other replicas
+//! serve on meanwhile. A replica that cannot start at all is retried at the capped
+//! back-off, never in a busy loop. The restart count goes to the replica
+//! (`FLASHSALE_RESTARTS`), which announces it, so the dashboard shows the restart.
 //!
 //! On SIGINT/SIGTERM nothing is restarted any more: every replica receives SIGTERM and
-//! gets time to finish its in-flight orders, then SIGKILL.
+//! gets time to finish its in-flight orders, then SIGKILL. No replica outlives the
+//! supervisor: a dropped child is killed (`kill_on_drop`), and a replica whose
+//! supervisor died by `kill -9` notices and stops itself (`supervisor_gone`).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -31,6 +33,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(8);
 /// A replica up this long is healthy again: its next restart starts from the first
 /// back-off.
 const STABLE_AFTER: Duration = Duration::from_secs(30);
+/// How often a replica checks that its supervisor is still there.
+const ORPHAN_CHECK: Duration = Duration::from_secs(1);
 
 pub async fn run(config: ClusterConfig) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating the flashsale binary")?;
@@ -75,6 +79,7 @@ impl Replica {
             .env("FLASHSALE_PORT", self.port.to_string())
             .env("FLASHSALE_REPLICA_ID", &self.id)
             .env("FLASHSALE_RESTARTS", restarts.to_string())
+            .env("FLASHSALE_SUPERVISOR_PID", std::process::id().to_string())
             .kill_on_drop(true)
             .spawn()
     }
@@ -83,38 +88,96 @@ impl Replica {
 /// Keeps one replica running until `stopping`, then stops it.
 async fn keep(replica: Replica, stopping: CancellationToken) {
     let mut restarts = 0u32;
-    let mut backoff = FIRST_BACKOFF;
+    let mut backoff = Backoff::new();
     loop {
         let started = Instant::now();
-        match replica.start(restarts) {
+        let (pid, status) = match replica.start(restarts) {
             Ok(mut child) => {
-                tracing::info!(replica = %replica.id, port = replica.port, pid = child.id(), restarts, "replica started");
+                let pid = child.id();
+                tracing::info!(replica = %replica.id, port = replica.port, pid, restarts, "replica started");
+                // Biased: a replica that exits during the shutdown (a terminal's Ctrl-C
+                // reaches the children too) is stopped, not restarted.
                 tokio::select! {
+                    biased;
                     () = stopping.cancelled() => {
                         stop(&mut child).await;
                         return;
                     }
                     status = child.wait() => {
-                        let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
-                        tracing::warn!(replica = %replica.id, port = replica.port, %status,
-                            restarts, "replica exited; restarting it");
+                        (pid, status.map_or_else(|e| format!("unknown ({e})"), |s| s.to_string()))
                     }
                 }
             }
-            Err(error) => {
-                tracing::error!(replica = %replica.id, %error, "replica could not start");
-            }
+            Err(error) => (None, format!("could not start: {error}")),
+        };
+        if stopping.is_cancelled() {
+            return;
         }
-        if started.elapsed() >= STABLE_AFTER {
-            backoff = FIRST_BACKOFF;
-        }
-        tracing::info!(replica = %replica.id, backoff_ms = backoff.as_millis() as u64, "restarting after back-off");
+        let wait = backoff.after(started.elapsed());
+        restarts = restarts.saturating_add(1);
+        tracing::warn!(
+            replica = %replica.id,
+            port = replica.port,
+            pid,
+            %status,
+            up_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            restart = restarts,
+            backoff_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+            "replica exited; restarting it after the back-off"
+        );
         tokio::select! {
+            biased;
             () = stopping.cancelled() => return,
-            () = tokio::time::sleep(backoff) => {}
+            () = tokio::time::sleep(wait) => {}
         }
-        backoff = (backoff * 2).min(MAX_BACKOFF);
-        restarts += 1;
+    }
+}
+
+/// The wait before each restart: doubling from `FIRST_BACKOFF` up to `MAX_BACKOFF`
+/// while a replica keeps dying young, back to the first once it stayed up
+/// `STABLE_AFTER`.
+struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    fn new() -> Self {
+        Backoff {
+            next: FIRST_BACKOFF,
+        }
+    }
+
+    /// The wait after a run that lasted `uptime`.
+    fn after(&mut self, uptime: Duration) -> Duration {
+        if uptime >= STABLE_AFTER {
+            self.next = FIRST_BACKOFF;
+        }
+        let wait = self.next;
+        self.next = (wait * 2).min(MAX_BACKOFF);
+        wait
+    }
+}
+
+/// Completes once this replica's supervisor is gone; never for a replica without one.
+/// `flashsale cluster` starts its replicas as its own children, so another parent means
+/// the supervisor died without stopping them (`kill -9` leaves it no time) and the
+/// replica was handed to init: it should stop rather than hold its port with nobody
+/// left to restart or stop it.
+pub async fn supervisor_gone(supervisor: Option<u32>) {
+    let Some(supervisor) = supervisor else {
+        return std::future::pending().await;
+    };
+    loop {
+        let parent = std::os::unix::process::parent_id();
+        if parent != supervisor {
+            tracing::warn!(
+                supervisor,
+                parent,
+                "the supervisor is gone; stopping this replica"
+            );
+            return;
+        }
+        tokio::time::sleep(ORPHAN_CHECK).await;
     }
 }
 
@@ -131,5 +194,20 @@ async fn stop(child: &mut Child) {
     {
         tracing::warn!(pid, "replica did not stop in time; killing it");
         let _ = child.kill().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_its_cap_and_starts_over_after_a_stable_run() {
+        let mut backoff = Backoff::new();
+        let young = Duration::from_millis(100);
+        let waits: Vec<u128> = (0..7).map(|_| backoff.after(young).as_millis()).collect();
+        assert_eq!(waits, [250, 500, 1000, 2000, 4000, 8000, 8000]);
+        assert_eq!(backoff.after(STABLE_AFTER), FIRST_BACKOFF);
+        assert_eq!(backoff.after(young), FIRST_BACKOFF * 2);
     }
 }

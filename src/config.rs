@@ -57,6 +57,12 @@ pub struct ServeConfig {
     #[arg(long, env = "FLASHSALE_RESTARTS", default_value_t = 0, hide = true)]
     pub restarts: u32,
 
+    /// The pid of the `flashsale cluster` supervising this replica (it sets this). A
+    /// replica whose supervisor is gone, even by `kill -9`, shuts down gracefully
+    /// rather than hold its port with nobody to stop it.
+    #[arg(long, env = "FLASHSALE_SUPERVISOR_PID", hide = true)]
+    pub supervisor_pid: Option<u32>,
+
     /// Redis holding the stock cache, the active strategy and the replica registry.
     #[arg(
         long,

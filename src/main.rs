@@ -14,8 +14,16 @@ async fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Serve(config) => {
+            let supervisor = config.supervisor_pid;
             let server = flashsale::app::Server::bind(config).await?;
-            server.run(flashsale::app::shutdown_signal()).await
+            server
+                .run(async move {
+                    tokio::select! {
+                        () = flashsale::app::shutdown_signal() => {}
+                        () = flashsale::cluster::supervisor_gone(supervisor) => {}
+                    }
+                })
+                .await
         }
         Command::Cluster(config) => flashsale::cluster::run(config).await,
     }

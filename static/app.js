@@ -71,6 +71,12 @@ function fmt(n, digits = 0) {
   return n === null || n === undefined ? "–" : Number(n).toFixed(digits);
 }
 
+// "42 s", "17 min", "5 h": how long something has been up.
+function duration(seconds) {
+  const s = Math.max(0, Math.floor(seconds));
+  return s < 120 ? `${s} s` : s < 7200 ? `${Math.floor(s / 60)} min` : `${Math.floor(s / 3600)} h`;
+}
+
 // ---- controls -----------------------------------------------------------------
 
 function setUpControls() {
@@ -345,12 +351,13 @@ function renderReplicas(replicas, at) {
     const previous = state.lastRequests.get(r.id);
     const rate = previous && now > previous.at ? (r.requests - previous.requests) / (now - previous.at) : null;
     state.lastRequests.set(r.id, { requests: r.requests, at: now });
+    // The supervisor restarts a replica that died; the count and the new uptime say so.
+    const up = `up ${duration(now - Date.parse(r.started_at) / 1000)}`;
     return el("tr", { dataset: { replica: r.id } },
       el("td", {}, r.id), el("td", {}, r.address), el("td", {}, fmt(rate)),
       el("td", {}, r.lock_waiters), el("td", {}, r.requests),
-      el("td", { class: r.restarts ? "bad" : "" }, r.restarts
-        ? `restarted ${r.restarts}×, up ${fmt(Math.max(0, now - Date.parse(r.started_at) / 1000))} s`
-        : "–"));
+      el("td", { class: r.restarts ? "restarts bad" : "restarts" },
+        r.restarts ? `restarted ${r.restarts}× · ${up}` : up));
   });
   document.querySelector("#replicas tbody").replaceChildren(...rows);
 }

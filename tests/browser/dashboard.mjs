@@ -39,6 +39,10 @@ try {
   await page.locator("#strategy-select option").first().waitFor({ state: "attached" });
   await expectText(page.locator("#connection"), /live/, "live feed");
 
+  step("the replica list shows the replica's restarts (tests/integration/dashboard.rs says 2)");
+  await expectText(page.locator("#replicas [data-replica=replica-1] td.restarts"), /^restarted 2× · up \d+ s$/,
+    "restarts");
+
   step("switch to redis-lock");
   await page.selectOption("#strategy-select", "redis-lock");
   // A live snapshot (one a second) arrives before the click: it must not undo the

@@ -18,7 +18,9 @@ async fn dashboard_follows_the_sale_in_a_browser() {
         "chromium or playwright-core missing: run ./scripts/test.sh, which installs them"
     );
     // 50 ms of work per order makes `none` oversell for certain when 20 buy at once.
-    let cluster = TestCluster::start(1, &["--work-ms", "50"]).await;
+    // The replica says it was restarted twice, as `flashsale cluster` would tell it,
+    // so the page must show the restart.
+    let cluster = TestCluster::start(1, &["--work-ms", "50", "--restarts", "2"]).await;
     let screenshot = root.join("target/dashboard.png");
 
     let run = tokio::process::Command::new("node")

@@ -4,6 +4,7 @@
 mod admin;
 mod admin_auth;
 mod bad_input;
+mod cluster;
 mod dashboard;
 mod faults;
 mod fenced_reads;
@@ -18,7 +19,6 @@ mod none_strategy;
 mod openapi_fuzz;
 mod row_lock_queue;
 mod sale_changes;
-mod supervisor;
 mod support;
 mod timeline;
 mod unknown_commit;
