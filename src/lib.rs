@@ -7,9 +7,11 @@
 //! - `lock`: distributed lock primitives per backend (knows no HTTP, no orders);
 //! - `store`: the Redis stock cache, the MySQL records and cluster-wide state;
 //! - `app`, `replica`, `cluster`: putting replicas together and running them;
-//! - `config`, `model`: options and the domain values.
+//! - `config`, `model`: options and the domain values;
+//! - `bench`: what the `lockbench` processes share (one lock alone, measured).
 
 pub mod app;
+pub mod bench;
 pub mod cluster;
 pub mod config;
 pub mod http;

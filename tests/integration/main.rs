@@ -15,6 +15,7 @@ mod limits;
 mod lock_cancellation;
 mod lock_primitives;
 mod lock_strategies;
+mod lockbench;
 mod none_strategy;
 mod openapi_fuzz;
 mod row_lock_queue;
