@@ -14,7 +14,7 @@ use deadpool_redis::redis;
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::{MySql, Transaction};
 
-use crate::lock::{DistributedLock, HeldLock, LockError};
+use crate::lock::{DistributedLock, HeldLock, LockError, LockView};
 use crate::store::Records;
 
 /// The lock under test: a strategy name that has a lock (SPEC §7), or `none`.
@@ -382,6 +382,13 @@ impl RowLock {
 impl DistributedLock for RowLock {
     type Guard = RowHold;
 
+    async fn view(&self, _name: &str) -> Result<LockView, LockError> {
+        Ok(LockView {
+            state: vec!["a row held FOR UPDATE by an open transaction".into()],
+            ..LockView::default()
+        })
+    }
+
     async fn acquire(&self, name: &str, wait: Duration) -> Result<RowHold, LockError> {
         let lock = async {
             let mut transaction = self.pool.begin().await?;
@@ -443,6 +450,13 @@ pub struct NoHold;
 #[async_trait]
 impl DistributedLock for NoLock {
     type Guard = NoHold;
+
+    async fn view(&self, _name: &str) -> Result<LockView, LockError> {
+        Ok(LockView {
+            state: vec!["no lock: the checker's control".into()],
+            ..LockView::default()
+        })
+    }
 
     async fn acquire(&self, _name: &str, _wait: Duration) -> Result<NoHold, LockError> {
         // Let the runtime breathe; nothing else to wait for.
