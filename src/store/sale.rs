@@ -78,8 +78,16 @@ impl Store {
     /// Publishes MySQL's settings to Redis if they are newer than Redis's: an order
     /// refused for an epoch it never saw calls this, so a change whose publication
     /// failed (the admin call died after its MySQL commit) cannot stall the sale.
+    ///
+    /// The stock is rewritten from the same MySQL snapshot first: publishing an epoch
+    /// before its rewrite would let its orders read a cache the change meant to replace.
     pub async fn resync_settings(&self) -> Result<(), StoreError> {
-        let durable = self.records.sale_settings().await?;
+        let cached = self.cluster.cached_settings().await?;
+        let (durable, stocks) = self.records.settings_and_stocks().await?;
+        if cached.epoch >= Some(durable.epoch) {
+            return Ok(());
+        }
+        self.cache.refresh(&stocks).await?;
         self.cluster.publish_settings(&durable).await
     }
 
@@ -114,6 +122,18 @@ impl Records {
     pub async fn sale_settings(&self) -> Result<SaleSettings, StoreError> {
         let rows = sqlx::query_as(SETTINGS).fetch_all(self.pool()).await?;
         parse_settings(&rows)
+    }
+
+    /// The settings and every product's stock, read in one snapshot.
+    async fn settings_and_stocks(&self) -> Result<(SaleSettings, Vec<StockAt>), StoreError> {
+        let mut tx = self.pool().begin().await?;
+        let settings: Vec<(String, String)> = sqlx::query_as(SETTINGS).fetch_all(&mut *tx).await?;
+        let rows: Vec<(String, i64, i64)> =
+            sqlx::query_as("SELECT sku, stock, version FROM products ORDER BY sku")
+                .fetch_all(&mut *tx)
+                .await?;
+        tx.commit().await?;
+        Ok((parse_settings(&settings)?, stocks_at(rows)?))
     }
 
     /// The change's transaction, retried when InnoDB picks it as a deadlock victim.
@@ -208,20 +228,7 @@ impl Records {
         // Read inside the transaction: what is published is what this change made.
         let settings: Vec<(String, String)> = sqlx::query_as(SETTINGS).fetch_all(&mut *tx).await?;
         tx.commit().await?;
-        let stocks = rows
-            .into_iter()
-            .map(|(sku, stock, version)| {
-                let sku = Sku::parse(&sku).map_err(|detail| StoreError::Corrupt {
-                    what: "products.sku",
-                    detail,
-                })?;
-                Ok(StockAt {
-                    sku,
-                    stock,
-                    version,
-                })
-            })
-            .collect::<Result<Vec<_>, StoreError>>()?;
+        let stocks = stocks_at(rows)?;
         Ok((parse_settings(&settings)?, stocks))
     }
 }
@@ -248,4 +255,20 @@ fn parse_settings(rows: &[(String, String)]) -> Result<SaleSettings, StoreError>
         fencing: value("fencing") == Some("on"),
         epoch,
     })
+}
+
+fn stocks_at(rows: Vec<(String, i64, i64)>) -> Result<Vec<StockAt>, StoreError> {
+    rows.into_iter()
+        .map(|(sku, stock, version)| {
+            let sku = Sku::parse(&sku).map_err(|detail| StoreError::Corrupt {
+                what: "products.sku",
+                detail,
+            })?;
+            Ok(StockAt {
+                sku,
+                stock,
+                version,
+            })
+        })
+        .collect()
 }

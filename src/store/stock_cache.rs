@@ -50,11 +50,12 @@ return {0, redis.call('DECRBY', KEYS[1], quantity), version}
 });
 
 /// Gives units back only if the stock was not rewritten from MySQL since they were
-/// taken: a rewrite (reconcile, switch) already counts them as not sold.
+/// taken (a rewrite already counts them as not sold), nor dropped (a dropped stock
+/// waits for a reconcile; it is not recreated from one order's units).
 static GIVE_BACK: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if (redis.call('GET', KEYS[2]) or '') == ARGV[2] then
+if redis.call('EXISTS', KEYS[1]) == 1 and (redis.call('GET', KEYS[2]) or '') == ARGV[2] then
   redis.call('INCRBY', KEYS[1], ARGV[1])
   return 1
 end
@@ -102,19 +103,13 @@ impl StockCache {
         Ok(conn.get(self.key(sku)).await?)
     }
 
-    /// A reset's stock, written whatever is cached: the reset's version is newer than
-    /// any write still on its way.
+    /// A reset's stock. Versioned like every other write: the reset's version is newer
+    /// than any write from before it, and a write of an order after it (a newer
+    /// version) that landed first must not be put back.
     pub async fn reset(&self, at: &StockAt) -> Result<(), StoreError> {
-        let mut conn = self.pool.get().await?;
-        let () = deadpool_redis::redis::pipe()
-            .atomic()
-            .set(self.key(&at.sku), at.stock)
-            .ignore()
-            .set(self.version_key(&at.sku), at.version)
-            .ignore()
-            .query_async(&mut conn)
-            .await?;
-        Ok(())
+        self.set_stock_if_newer(&at.sku, at.stock, at.version)
+            .await
+            .map(drop)
     }
 
     /// Drops a stock that can no longer be trusted: the SKU then answers
