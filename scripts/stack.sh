@@ -233,8 +233,9 @@ cmd_down() {
 }
 
 # kill -9 one service and start it again: a backend restarted mid-sale, for the fault
-# explorer (`explore --nemesis 'redis-restart=scripts/stack.sh restart redis'`). Redis
-# comes back empty (no persistence): the sale needs a reconcile, as after a real one.
+# explorer (`loadtest explore --disruptive --restart-redis-cmd
+# 'scripts/stack.sh restart redis'`). Redis comes back empty (no persistence): the sale
+# needs a reconcile, as after a real one.
 cmd_restart() {
   local pidfile port i
   case "${1:-}" in

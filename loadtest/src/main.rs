@@ -1,13 +1,21 @@
-//! `cargo run --release -p loadtest -- --targets … --strategies all --users N …`
+//! `cargo run --release -p loadtest -- --targets … --strategies all --users N …`: the
+//! load test; `… -p loadtest -- explore --seed S --rounds N`: the fault explorer.
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use loadtest::options::Options;
+use loadtest::options::{Cli, Command, Options};
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let options = Options::parse();
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Explore(options)) => explore(options).await,
+        None => load_test(cli.load).await,
+    }
+}
+
+async fn load_test(options: Options) -> ExitCode {
     let (service, strategies) = match loadtest::prepare(&options).await {
         Ok(prepared) => prepared,
         Err(error) => {
@@ -37,4 +45,27 @@ async fn main() -> ExitCode {
         eprintln!("loadtest: warning: {error:#}");
     }
     ExitCode::SUCCESS
+}
+
+/// Exit 0: no violation; 1: a violation (printed with its replay); 2: the run itself
+/// failed (a target down before it began, a setup call refused).
+async fn explore(options: loadtest::explore::ExploreOptions) -> ExitCode {
+    let summary = match loadtest::explore::run(&options).await {
+        Ok(summary) => summary,
+        Err(error) => {
+            eprintln!("loadtest explore: {error:#}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(error) = loadtest::explore::finish(&summary, &options.out) {
+        eprintln!("loadtest explore: {error:#}");
+        return ExitCode::from(2);
+    }
+    if !summary.violations.is_empty() {
+        ExitCode::FAILURE
+    } else if summary.aborted.is_some() {
+        ExitCode::from(2)
+    } else {
+        ExitCode::SUCCESS
+    }
 }

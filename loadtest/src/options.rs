@@ -1,8 +1,31 @@
-//! The load test's command line.
+//! The load test's command line: `loadtest [OPTIONS]` runs the load test (as it always
+//! has, so scripts and the dashboard need no change), `loadtest explore` the fault
+//! explorer.
 
 use std::path::PathBuf;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
+
+use crate::explore::ExploreOptions;
+
+#[derive(Parser)]
+#[command(
+    name = "loadtest",
+    about = "A crowd of shoppers against every flashsale replica, one strategy after another",
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub load: Options,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Seeded fault explorer: short sales under random faults, checked from the records.
+    Explore(ExploreOptions),
+}
 
 #[derive(Clone, Parser)]
 #[command(

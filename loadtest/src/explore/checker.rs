@@ -1,290 +1,356 @@
-//! The explorer's hands and eyes on the cluster: the admin calls its nemesis makes,
-//! the orders its crowd sends, and the checks after each round, made from the
-//! service's records (MySQL and Redis through `/api/stats`), never from what the crowd
-//! was told.
+//! The checker: after a round's faults, judge the sale from its records.
+//!
+//! Once the cluster is quiet (no order in flight any more, as far as the records and
+//! the lock waiters show), every strategy but `none` promises:
+//! 1. nothing oversold: units ordered ≤ initial stock;
+//! 2. MySQL's stock = initial − units ordered (no unit lost or made up);
+//! 3. Redis's stock = MySQL's (the cache agrees once quiet; after a fault that may
+//!    lose it, an admin reconciles first, as the runbook says);
+//! 4. patient shoppers, with no fault left, can buy exactly what is left and are then
+//!    told `sold_out`: no orphaned lock, lease, znode or row blocks the SKU.
+//!
+//! Each is read from `/api/stats` (the service's account of Redis and MySQL) and, with
+//! `--database-url`, from MySQL directly; both accounts must also agree.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{Context, bail};
-use nix_free_kill::kill_9;
+use flashsale::http::stats::SkuStats;
 use serde::Serialize;
-use serde_json::{Value, json};
+use tokio::time::Instant;
 
-use super::ExploreOptions;
-use super::schedule::Round;
-use crate::service::admin_client;
+use super::cluster::{Answer, Cluster};
+use super::records::{Records, SkuRecord};
 
-/// A broken guarantee, with what is needed to replay it.
-#[derive(Debug, Serialize)]
-pub struct Violation {
-    pub seed: u64,
-    pub round: u64,
-    pub what: String,
-    pub schedule: Value,
-}
-
-impl Violation {
-    pub fn new(plan: &Round, what: String) -> Violation {
-        Violation {
-            seed: plan.seed,
-            round: plan.round,
-            what,
-            schedule: serde_json::to_value(plan).unwrap_or(Value::Null),
-        }
-    }
-}
-
-pub struct Checker {
-    http: reqwest::Client,
-    targets: Vec<String>,
-}
-
-/// How long the cluster may take to go quiet after a round.
+/// The figures must stay still this long (at least) to call the cluster quiet: longer
+/// than a replica's heartbeat, which reports its lock waiters once a second.
+const STILL_FOR: Duration = Duration::from_millis(1500);
+/// A round that does not go quiet within this is itself a violation.
 const QUIET_WITHIN: Duration = Duration::from_secs(60);
-/// How long a patient shopper retries a busy answer.
-const PATIENCE: Duration = Duration::from_secs(30);
 
-impl Checker {
-    pub async fn new(options: &ExploreOptions) -> anyhow::Result<Checker> {
-        let http = admin_client(options.admin_token.as_deref(), Duration::from_secs(60))?;
-        let targets: Vec<String> = options
-            .targets
-            .iter()
-            .map(|t| t.trim_end_matches('/').to_owned())
-            .collect();
-        anyhow::ensure!(!targets.is_empty(), "no targets");
-        Ok(Checker { http, targets })
-    }
+pub struct Checker<'a> {
+    pub cluster: &'a Cluster,
+    pub records: Option<&'a Records>,
+    /// How long a patient shopper keeps retrying one unit (503s, lock_lost).
+    pub patience: Duration,
+}
 
-    /// An admin call to the first target that answers (a killed replica may be down).
-    async fn admin(
+/// One round's checks: what was found, and what was broken.
+#[derive(Debug, Default, Serialize)]
+pub struct Verdict {
+    /// The service's figures once quiet (after a reconcile, if one was needed).
+    pub after_crowd: Option<SkuStats>,
+    /// MySQL's, read directly, at the same moment.
+    pub after_crowd_mysql: Option<SkuRecord>,
+    pub reconciled: bool,
+    /// Units the patient shoppers bought, and the retries it took.
+    pub patient_bought: i64,
+    pub patient_retries: u64,
+    /// Targets that stayed down after the round (a replica killed and not restarted).
+    pub down: Vec<String>,
+    pub quiet_after_ms: u64,
+    /// Broken guarantees, each a sentence with the figures.
+    pub broken: Vec<String>,
+}
+
+impl Checker<'_> {
+    /// Runs every check of a round on `sku` of `initial` units. `cache_may_be_lost`:
+    /// the schedule restarted Redis or MySQL, so an admin reconciles once quiet.
+    pub async fn check(
         &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Value,
-    ) -> anyhow::Result<Value> {
-        let mut last = None;
-        for target in &self.targets {
-            let request = self.http.request(method.clone(), format!("{target}{path}"));
-            let request = if body.is_null() {
-                request
-            } else {
-                request.json(&body)
-            };
-            match request.send().await {
-                Ok(response) if response.status().is_success() => {
-                    return Ok(response.json().await.unwrap_or(Value::Null));
-                }
-                Ok(response) => last = Some(anyhow::anyhow!("{path}: {}", response.status())),
-                Err(error) => last = Some(error.into()),
-            }
-        }
-        Err(last.unwrap_or_else(|| anyhow::anyhow!("no target")))
-    }
-
-    pub async fn prepare(&self, plan: &Round) -> anyhow::Result<()> {
-        self.admin(reqwest::Method::DELETE, "/api/admin/faults", Value::Null)
-            .await?;
-        self.switch(plan.strategy).await?;
-        self.admin(
-            reqwest::Method::PUT,
-            "/api/admin/fencing",
-            json!({ "enabled": plan.fencing }),
-        )
-        .await?;
-        self.admin(
-            reqwest::Method::POST,
-            "/api/admin/reset",
-            json!({ "sku": plan.sku, "stock": plan.stock }),
-        )
-        .await?;
-        Ok(())
-    }
-
-    pub async fn switch(&self, strategy: &str) -> anyhow::Result<()> {
-        self.admin(
-            reqwest::Method::PUT,
-            "/api/admin/strategy",
-            json!({ "strategy": strategy }),
-        )
-        .await
-        .map(drop)
-    }
-
-    pub async fn reconcile(&self) -> anyhow::Result<()> {
-        self.admin(reqwest::Method::POST, "/api/admin/reconcile", Value::Null)
-            .await
-            .map(drop)
-    }
-
-    pub async fn arm_pause(&self, pause_ms: u64, point: &str) -> anyhow::Result<()> {
-        self.admin(
-            reqwest::Method::POST,
-            "/api/admin/faults",
-            json!({ "pause_holder_ms": pause_ms, "at": point }),
-        )
-        .await
-        .map(drop)
-    }
-
-    /// `kill -9` of the replica `index` (modulo the replicas alive), by its pid.
-    pub async fn kill(&self, index: usize) -> anyhow::Result<()> {
-        let stats = self
-            .admin(reqwest::Method::GET, "/api/stats", Value::Null)
-            .await?;
-        let replicas = stats["replicas"].as_array().cloned().unwrap_or_default();
-        anyhow::ensure!(!replicas.is_empty(), "no replica alive");
-        let pid = replicas[index % replicas.len()]["pid"]
-            .as_i64()
-            .context("no pid")?;
-        kill_9(pid)
-    }
-
-    /// One order on target `i % targets`; `hang_up` makes the shopper give up then.
-    pub async fn order(
-        &self,
-        i: usize,
-        body: &Value,
-        hang_up: Option<Duration>,
-    ) -> anyhow::Result<u16> {
-        let url = format!("{}/api/orders", self.targets[i % self.targets.len()]);
-        let request = self.http.post(url).json(body);
-        let request = match hang_up {
-            Some(after) => request.timeout(after),
-            None => request,
+        sku: &str,
+        initial: i64,
+        cache_may_be_lost: bool,
+        still_for: Duration,
+    ) -> Verdict {
+        let mut verdict = Verdict {
+            down: self.cluster.refresh(Duration::from_secs(10)).await,
+            ..Verdict::default()
         };
-        Ok(request.send().await?.status().as_u16())
-    }
-
-    /// Quiet, then: nothing oversold, MySQL stock = initial − ordered, Redis = MySQL;
-    /// then patient shoppers buy exactly what is left and the SKU is sold out.
-    pub async fn check(&self, plan: &Round) -> Result<i64, super::Violation> {
-        let fail = |what: String| super::Violation::new(plan, what);
-        // An unclaimed pause must not stall the patient shoppers.
-        self.admin(reqwest::Method::DELETE, "/api/admin/faults", Value::Null)
-            .await
-            .map_err(|e| fail(format!("disarming: {e:#}")))?;
-        let quiet = self
-            .quiet(&plan.sku)
-            .await
-            .map_err(|e| fail(format!("{e:#}")))?;
-        if quiet["stock_redis"].is_null() {
-            // A Redis restart (a nemesis command) loses the cache: an admin reconciles.
-            self.reconcile()
-                .await
-                .map_err(|e| fail(format!("reconcile: {e:#}")))?;
-        }
-        let figures = self
-            .figures(&plan.sku)
-            .await
-            .map_err(|e| fail(format!("{e:#}")))?;
-        records_agree(&figures, plan.stock).map_err(|e| fail(format!("after the round: {e}")))?;
-        let left = figures["stock_mysql"].as_i64().unwrap_or(0);
-        for buyer in 0..left {
-            let status = self.buy_patiently(&plan.sku, buyer).await;
-            if status != Some(201) {
-                return Err(fail(format!(
-                    "patient buyer {buyer} of {left} left got {status:?}: a unit cannot be bought (orphaned lock?)"
-                )));
-            }
-        }
-        let body = json!({ "sku": plan.sku, "user_id": "after", "quantity": 1 });
-        let last = self.order(0, &body, None).await.ok();
-        if last != Some(409) {
-            return Err(fail(format!("after selling out, an order got {last:?}")));
-        }
-        let end = self
-            .figures(&plan.sku)
-            .await
-            .map_err(|e| fail(format!("{e:#}")))?;
-        records_agree(&end, plan.stock).map_err(|e| fail(format!("at the end: {e}")))?;
-        if end["orders"].as_i64() != Some(plan.stock) {
-            return Err(fail(format!(
-                "sold {} of {}: {end}",
-                end["orders"], plan.stock
-            )));
-        }
-        Ok(plan.stock)
-    }
-
-    async fn figures(&self, sku: &str) -> anyhow::Result<Value> {
-        let stats = self
-            .admin(
-                reqwest::Method::GET,
-                &format!("/api/stats?sku={sku}"),
-                Value::Null,
-            )
-            .await?;
-        Ok(stats["skus"][0].clone())
-    }
-
-    /// Waits until nobody waits for a lock and the SKU's figures stopped moving.
-    async fn quiet(&self, sku: &str) -> anyhow::Result<Value> {
         let started = Instant::now();
-        let (mut last, mut since) = (String::new(), Instant::now());
-        while started.elapsed() < QUIET_WITHIN {
-            if let Ok(stats) = self
-                .admin(
-                    reqwest::Method::GET,
-                    &format!("/api/stats?sku={sku}"),
-                    Value::Null,
-                )
-                .await
-            {
-                let waiting: u64 = stats["replicas"]
-                    .as_array()
-                    .map(|r| r.iter().filter_map(|r| r["lock_waiters"].as_u64()).sum())
-                    .unwrap_or(0);
-                let figures = stats["skus"][0].to_string();
-                if figures != last {
-                    (last, since) = (figures, Instant::now());
-                } else if waiting == 0 && since.elapsed() > Duration::from_millis(1500) {
-                    return Ok(stats["skus"][0].clone());
+        let quiet = self.quiet(sku, still_for.max(STILL_FOR)).await;
+        verdict.quiet_after_ms = started.elapsed().as_millis() as u64;
+        let mut figures = match quiet {
+            Ok(figures) => figures,
+            Err(error) => {
+                verdict.broken.push(error);
+                return verdict;
+            }
+        };
+        if figures.stock_redis.is_none() || cache_may_be_lost {
+            if !cache_may_be_lost {
+                verdict.broken.push(format!(
+                    "Redis lost the stock without a Redis or MySQL fault: {}",
+                    show(&figures)
+                ));
+            }
+            verdict.reconciled = true;
+            if let Err(error) = self.cluster.reconcile().await {
+                verdict.broken.push(format!("reconcile failed: {error:#}"));
+                return verdict;
+            }
+            match self.cluster.sku_stats(sku).await {
+                Ok((after, _)) => figures = after,
+                Err(error) => {
+                    verdict
+                        .broken
+                        .push(format!("stats after reconcile: {error:#}"));
+                    return verdict;
                 }
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        bail!("the cluster did not go quiet within {QUIET_WITHIN:?}")
-    }
+        let mysql = self
+            .agree(sku, initial, &figures, "once quiet", &mut verdict.broken)
+            .await;
+        let left = mysql.as_ref().map_or(figures.stock_mysql, |m| m.stock);
+        verdict.after_crowd = Some(figures);
+        verdict.after_crowd_mysql = mysql;
 
-    async fn buy_patiently(&self, sku: &str, buyer: i64) -> Option<u16> {
-        let started = Instant::now();
-        let body = json!({ "sku": sku, "user_id": format!("patient-{buyer}"), "quantity": 1 });
-        let mut i = 0;
-        loop {
-            let status = self.order(i, &body, None).await.ok();
-            if status != Some(503) || started.elapsed() > PATIENCE {
-                return status;
+        let last = self.sell_what_is_left(sku, left, &mut verdict).await;
+        match self.cluster.sku_stats(sku).await {
+            // What was broken once quiet stays broken: report the end only if it
+            // breaks something new.
+            Ok((end, _)) if verdict.broken.is_empty() => {
+                self.agree(
+                    sku,
+                    initial,
+                    &end,
+                    "after the patient shoppers",
+                    &mut verdict.broken,
+                )
+                .await;
+                if end.ordered_quantity < initial {
+                    verdict.broken.push(format!(
+                        "{} unit(s) never sold: the patient shoppers bought {} of the {left} left (last answer {last:?}): {}",
+                        initial - end.ordered_quantity,
+                        verdict.patient_bought,
+                        show(&end)
+                    ));
+                }
             }
-            i += 1;
+            Ok(_) => {}
+            Err(error) => verdict.broken.push(format!("final stats: {error:#}")),
+        }
+        if last != Some(Answer::SoldOut) && verdict.broken.is_empty() {
+            verdict.broken.push(format!(
+                "after buying what was left, an order got {last:?}, not sold_out"
+            ));
+        }
+        verdict
+    }
+
+    /// Waits until the SKU's figures (and MySQL's, if read) have not moved for
+    /// `still_for` while no replica reports a lock waiter.
+    async fn quiet(&self, sku: &str, still_for: Duration) -> Result<SkuStats, String> {
+        let started = Instant::now();
+        let mut last_seen = String::new();
+        let mut still_since = Instant::now();
+        let mut last_error = String::from("no answer");
+        while started.elapsed() < QUIET_WITHIN {
+            match self.cluster.sku_stats(sku).await {
+                Ok((figures, stats)) => {
+                    let waiters: u64 = stats.replicas.iter().map(|r| r.lock_waiters).sum();
+                    let direct = match self.records {
+                        Some(records) => format!("{:?}", records.sku(sku).await.ok()),
+                        None => String::new(),
+                    };
+                    let seen = format!("{} {direct}", show(&figures));
+                    if seen != last_seen || waiters > 0 {
+                        (last_seen, still_since) = (seen, Instant::now());
+                    } else if still_since.elapsed() >= still_for {
+                        return Ok(figures);
+                    }
+                }
+                // A backend restarting: keep asking.
+                Err(error) => last_error = format!("{error:#}"),
+            }
             tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        if self.cluster.live_targets() == 0 {
+            return Err(format!(
+                "every replica is down and none came back within {QUIET_WITHIN:?} (last error: {last_error})"
+            ));
+        }
+        Err(format!(
+            "the cluster did not go quiet within {QUIET_WITHIN:?} (last figures: {last_seen}; last error: {last_error})"
+        ))
+    }
+
+    /// Checks guarantees 1-3 on the service's figures and, with `--database-url`, that
+    /// MySQL holds the same (or checks MySQL's own figures too where it does not);
+    /// returns MySQL's.
+    async fn agree(
+        &self,
+        sku: &str,
+        initial: i64,
+        figures: &SkuStats,
+        when: &str,
+        broken: &mut Vec<String>,
+    ) -> Option<SkuRecord> {
+        let service = SkuRecord {
+            initial_stock: figures.initial_stock,
+            stock: figures.stock_mysql,
+            orders: figures.orders,
+            ordered_quantity: figures.ordered_quantity,
+        };
+        let mysql = match self.records {
+            Some(records) => match records.sku(sku).await {
+                Ok(mysql) => Some(mysql),
+                Err(error) => {
+                    broken.push(format!("{when}: reading MySQL: {error:#}"));
+                    None
+                }
+            },
+            None => None,
+        };
+        let source = match &mysql {
+            Some(mysql) if *mysql == service => "/api/stats and MySQL",
+            Some(mysql) => {
+                broken.push(format!(
+                    "{when}: /api/stats says {service:?} but MySQL holds {mysql:?}"
+                ));
+                for problem in invariants(mysql, initial) {
+                    broken.push(format!("{when}, MySQL: {problem}: {mysql:?}"));
+                }
+                "/api/stats"
+            }
+            None => "/api/stats",
+        };
+        for problem in invariants(&service, initial) {
+            broken.push(format!("{when}, {source}: {problem}: {}", show(figures)));
+        }
+        if figures.stock_redis != Some(figures.stock_mysql) {
+            broken.push(format!(
+                "{when}: Redis stock {:?} ≠ MySQL stock {}: {}",
+                figures.stock_redis,
+                figures.stock_mysql,
+                show(figures)
+            ));
+        }
+        mysql
+    }
+
+    /// Patient shoppers buy one unit at a time until told `sold_out` (at most `left`
+    /// and a few more, in case an order answered late had sold one); returns the last
+    /// answer. Whether they bought exactly what was left is judged from the records.
+    async fn sell_what_is_left(
+        &self,
+        sku: &str,
+        left: i64,
+        verdict: &mut Verdict,
+    ) -> Option<Answer> {
+        let mut last = None;
+        for unit in 0..left.max(0) + 3 {
+            let answer = self
+                .buy_patiently(
+                    sku,
+                    &format!("patient-{unit}"),
+                    unit,
+                    &mut verdict.patient_retries,
+                )
+                .await;
+            match answer {
+                Answer::Created => verdict.patient_bought += 1,
+                Answer::SoldOut => return Some(answer),
+                _ => {
+                    verdict.broken.push(format!(
+                        "the SKU is blocked: after {} of the {left} unit(s) left were bought, an order got neither a sale nor sold_out within {:?} (last answer {answer:?}; an orphaned lock?)",
+                        verdict.patient_bought, self.patience
+                    ));
+                    return Some(answer);
+                }
+            }
+            last = Some(answer);
+        }
+        last
+    }
+
+    /// One unit, retried on every answer that means "not now" until bought, sold out,
+    /// refused, or out of patience.
+    async fn buy_patiently(&self, sku: &str, user: &str, target: i64, retries: &mut u64) -> Answer {
+        let started = Instant::now();
+        let mut target = usize::try_from(target).unwrap_or(0);
+        loop {
+            let answer = self
+                .cluster
+                .order(target, sku, user, 1, self.patience)
+                .await;
+            let again = matches!(
+                answer,
+                Answer::Busy(_) | Answer::LockLost | Answer::Unreachable | Answer::Broken(_)
+            );
+            if !again || started.elapsed() >= self.patience {
+                return answer;
+            }
+            *retries += 1;
+            target += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 }
 
-/// The records agree: nothing oversold, MySQL stock = initial − ordered, Redis = MySQL.
-fn records_agree(figures: &Value, initial: i64) -> Result<(), String> {
-    let ordered = figures["ordered_quantity"].as_i64().unwrap_or(-1);
-    let mysql = figures["stock_mysql"].as_i64().unwrap_or(-1);
-    if figures["oversold"] != 0 || ordered > initial {
-        return Err(format!("oversold: {figures}"));
+/// Guarantees 1 and 2 on one account of the records.
+fn invariants(record: &SkuRecord, initial: i64) -> Vec<String> {
+    let mut problems = Vec::new();
+    if record.initial_stock != initial {
+        problems.push(format!(
+            "initial stock {} instead of {initial}",
+            record.initial_stock
+        ));
     }
-    if mysql != initial - ordered {
-        return Err(format!("MySQL stock is not initial − ordered: {figures}"));
+    if record.ordered_quantity > initial {
+        problems.push(format!("OVERSOLD by {}", record.ordered_quantity - initial));
     }
-    if figures["stock_redis"].as_i64() != Some(mysql) {
-        return Err(format!("Redis disagrees with MySQL once quiet: {figures}"));
+    if record.stock != initial - record.ordered_quantity {
+        problems.push(format!(
+            "MySQL stock {} ≠ initial {initial} − ordered {}",
+            record.stock, record.ordered_quantity
+        ));
     }
-    Ok(())
+    problems
 }
 
-/// `kill -9` without a signals crate: the `kill` command every Linux has.
-mod nix_free_kill {
-    pub fn kill_9(pid: i64) -> anyhow::Result<()> {
-        let status = std::process::Command::new("kill")
-            .args(["-9", &pid.to_string()])
-            .status()?;
-        anyhow::ensure!(status.success(), "kill -9 {pid}: {status}");
-        Ok(())
+fn show(figures: &SkuStats) -> String {
+    format!(
+        "initial {} ordered {} ({} orders) MySQL {} Redis {:?}",
+        figures.initial_stock,
+        figures.ordered_quantity,
+        figures.orders,
+        figures.stock_mysql,
+        figures.stock_redis
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(stock: i64, ordered: i64) -> SkuRecord {
+        SkuRecord {
+            initial_stock: 10,
+            stock,
+            orders: ordered,
+            ordered_quantity: ordered,
+        }
+    }
+
+    #[test]
+    fn invariants_catch_oversell_and_lost_units() {
+        assert!(invariants(&record(4, 6), 10).is_empty());
+        let oversold = invariants(&record(0, 11), 10);
+        assert!(
+            oversold.iter().any(|p| p.contains("OVERSOLD by 1")),
+            "{oversold:?}"
+        );
+        assert!(
+            oversold.iter().any(|p| p.contains("MySQL stock 0")),
+            "stock 0 ≠ 10 − 11: {oversold:?}"
+        );
+        let lost = invariants(&record(3, 6), 10);
+        assert_eq!(lost.len(), 1, "{lost:?}");
+        assert_eq!(
+            invariants(&record(4, 6), 12).len(),
+            2,
+            "another initial stock"
+        );
     }
 }

@@ -1,11 +1,17 @@
-//! The nemesis: what goes wrong during one round of the explorer, drawn from a seeded
-//! random generator so that a round can be replayed exactly from its seed.
+//! The nemesis's plan for one round: which strategy sells how much stock, with or
+//! without fencing, how impatient the crowd is, and which faults strike when.
+//!
+//! Everything is drawn here, up front, from a generator seeded by the run's seed and
+//! the round's number, and nothing else draws later: so `--seed S --round R` replays
+//! round R exactly (the same plan; the interleavings the real cluster produces from it
+//! still vary, as in Jepsen). The plan is plain data, printed as JSON with a failure.
 
 use rand::rngs::StdRng;
+use rand::seq::IndexedRandom;
 use rand::{RngExt, SeedableRng};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-/// The strategies the explorer checks (`none` oversells by design).
+/// Every strategy that promises not to oversell (`none` oversells by design).
 pub const STRATEGIES: [&str; 8] = [
     "redis-lock",
     "db-unique",
@@ -17,143 +23,309 @@ pub const STRATEGIES: [&str; 8] = [
     "redis-atomic",
 ];
 
-/// Where a paused holder can stall (the service's `at` values).
+/// Where a paused holder can stall: the service's `at` values.
 pub const PAUSE_POINTS: [&str; 4] = ["before_read", "after_read", "before_commit", "after_commit"];
 
+/// Faults strike this early in a round, while the crowd is still buying.
+const FAULT_WINDOW_MS: u64 = 800;
+
+/// What the nemesis may do beyond pauses, hang-ups, switches and reconciles.
+#[derive(Debug, Clone, Default)]
+pub struct Powers {
+    /// The replicas' lock lease: a pause must outlast it to matter.
+    pub lease_ms: u64,
+    /// The strategies a round may sell under.
+    pub strategies: Vec<String>,
+    /// `kill -9` of a replica.
+    pub kill: bool,
+    /// Disruptive faults a command was given for (only with `--disruptive`).
+    pub disruptive: Vec<Disruption>,
+}
+
+/// A fault that takes a backend away from every replica at once; the explorer runs a
+/// command the operator gave for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Disruption {
+    RestartRedis,
+    RestartMysql,
+    ZookeeperSessionLoss,
+    EtcdSessionLoss,
+}
+
 /// One round: the sale, its crowd and its faults.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Round {
     pub seed: u64,
     pub round: u64,
-    pub strategy: &'static str,
-    pub sku: String,
+    pub strategy: String,
     pub stock: i64,
+    /// The guarantees under pauses and kills hold only with fencing; unfenced rounds
+    /// get neither.
     pub fencing: bool,
-    pub shoppers: usize,
-    /// Share of shoppers who hang up after a few milliseconds.
-    pub hang_up_share: f64,
-    pub faults: Vec<Fault>,
+    pub crowd: CrowdPlan,
+    /// In the order they strike.
+    pub faults: Vec<Timed>,
 }
 
-/// A fault, `at_ms` after the round's crowd starts.
-#[derive(Debug, Clone, Serialize)]
+/// The shoppers of a round; `crowd.rs` derives each shopper from `seed`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CrowdPlan {
+    pub shoppers: usize,
+    /// How many buy at the same moment.
+    pub concurrency: usize,
+    /// No shopper starts later than this after the round began.
+    pub window_ms: u64,
+    /// Shoppers arrive at random within this many ms of the sale opening, so that the
+    /// faults land while units are still selling.
+    pub arrival_ms: u64,
+    /// Share of shoppers who hang up 1-50 ms into their order.
+    pub hang_up_share: f64,
+    /// Share of shoppers who buy two units instead of one.
+    pub two_units_share: f64,
+    pub seed: u64,
+}
+
+/// A fault and when it strikes, in ms after the crowd starts.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Timed {
+    pub at_ms: u64,
+    #[serde(flatten)]
+    pub fault: Fault,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Fault {
-    /// The next holder reaching `point` stalls `pause_ms` (past its lease).
-    Pause {
-        at_ms: u64,
-        point: &'static str,
-        pause_ms: u64,
-    },
-    /// An admin switches the cluster to another strategy.
-    Switch { at_ms: u64, to: &'static str },
-    /// An admin rewrites the cache from MySQL.
-    Reconcile { at_ms: u64 },
-    /// `kill -9` of one replica (by the pid it announces); a supervisor restarts it.
-    Kill { at_ms: u64, replica: usize },
-    /// A command given with `--nemesis` (e.g. restart Redis), by its label.
-    Command { at_ms: u64, label: String },
-}
-
-/// What the nemesis may do besides pauses, hang-ups, switches and reconciles.
-#[derive(Debug, Clone, Default)]
-pub struct Powers {
-    pub kill: bool,
-    /// Labels of `--nemesis label=command` commands.
-    pub commands: Vec<String>,
-}
-
-/// The round `round` of the run seeded `seed`: each round has its own generator, so
-/// `--round R` replays it alone.
-pub fn draw(seed: u64, round: u64, lease_ms: u64, powers: &Powers) -> Round {
-    let mut rng = StdRng::seed_from_u64(seed ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    let strategy = STRATEGIES[rng.random_range(0..STRATEGIES.len())];
-    let stock = rng.random_range(5..=30);
-    let faults_wanted = rng.random_range(1..=4);
-    let mut faults = Vec::new();
-    for _ in 0..faults_wanted {
-        let at_ms = rng.random_range(0..1500);
-        let fault = match rng.random_range(0..10) {
-            0..=4 => Fault::Pause {
-                at_ms,
-                point: PAUSE_POINTS[rng.random_range(0..PAUSE_POINTS.len())],
-                pause_ms: lease_ms + rng.random_range(200..=2 * lease_ms),
-            },
-            5 | 6 => Fault::Switch {
-                at_ms,
-                to: STRATEGIES[rng.random_range(0..STRATEGIES.len())],
-            },
-            7 => Fault::Reconcile { at_ms },
-            8 if powers.kill => Fault::Kill {
-                at_ms,
-                replica: rng.random_range(0..8),
-            },
-            9 if !powers.commands.is_empty() => Fault::Command {
-                at_ms,
-                label: powers.commands[rng.random_range(0..powers.commands.len())].clone(),
-            },
-            _ => Fault::Reconcile { at_ms },
-        };
-        faults.push(fault);
-    }
-    faults.sort_by_key(Fault::at_ms);
-    Round {
-        seed,
-        round,
-        strategy,
-        sku: format!("explore-{seed}-{round}"),
-        stock,
-        // Fenced rounds are the claim; a few unfenced ones without pauses check that
-        // the rest holds without fencing too.
-        fencing: faults.iter().any(|f| matches!(f, Fault::Pause { .. })) || rng.random_bool(0.7),
-        shoppers: usize::try_from(stock).unwrap_or(10) * 3,
-        hang_up_share: rng.random_range(0.0..0.6),
-        faults,
-    }
+    /// The next lock holder reaching `at` stalls `pause_ms` (past its lease) with its
+    /// renewal suspended: Kleppmann's paused process.
+    Pause { at: String, pause_ms: u64 },
+    /// An admin switches the cluster to another strategy mid-sale.
+    Switch { to: String },
+    /// An admin rewrites the cache from MySQL mid-sale.
+    Reconcile,
+    /// `kill -9` of the replica behind target `target`.
+    Kill { target: usize },
+    /// A backend taken away by the operator's command.
+    Disrupt { what: Disruption },
 }
 
 impl Fault {
-    pub fn at_ms(&self) -> u64 {
-        match self {
-            Fault::Pause { at_ms, .. }
-            | Fault::Switch { at_ms, .. }
-            | Fault::Reconcile { at_ms }
-            | Fault::Kill { at_ms, .. }
-            | Fault::Command { at_ms, .. } => *at_ms,
-        }
-    }
-
+    /// The name counted in the summary.
     pub fn kind(&self) -> &'static str {
         match self {
             Fault::Pause { .. } => "pause",
             Fault::Switch { .. } => "switch",
-            Fault::Reconcile { .. } => "reconcile",
+            Fault::Reconcile => "reconcile",
             Fault::Kill { .. } => "kill",
-            Fault::Command { .. } => "command",
+            Fault::Disrupt { what } => what.kind(),
         }
     }
+}
+
+impl Disruption {
+    pub fn kind(self) -> &'static str {
+        match self {
+            Disruption::RestartRedis => "restart_redis",
+            Disruption::RestartMysql => "restart_mysql",
+            Disruption::ZookeeperSessionLoss => "zookeeper_session_loss",
+            Disruption::EtcdSessionLoss => "etcd_session_loss",
+        }
+    }
+
+    /// Whether the cache (or the answer to a COMMIT) may be lost, so that an admin
+    /// must reconcile before the records can agree.
+    pub fn loses_cache(self) -> bool {
+        matches!(self, Disruption::RestartRedis | Disruption::RestartMysql)
+    }
+}
+
+impl Round {
+    pub fn disruptions(&self) -> impl Iterator<Item = Disruption> + '_ {
+        self.faults.iter().filter_map(|t| match t.fault {
+            Fault::Disrupt { what } => Some(what),
+            _ => None,
+        })
+    }
+
+    /// The longest pause in the schedule, in ms (0 without pauses).
+    pub fn longest_pause_ms(&self) -> u64 {
+        self.faults
+            .iter()
+            .filter_map(|t| match t.fault {
+                Fault::Pause { pause_ms, .. } => Some(pause_ms),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// Round `round` of the run seeded `seed`. Each round has its own generator, so a
+/// round is the same whether it runs in a long run or alone.
+pub fn draw(seed: u64, round: u64, powers: &Powers, targets: usize) -> Round {
+    let mut rng =
+        StdRng::seed_from_u64(seed.rotate_left(17) ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let strategies: Vec<&str> = if powers.strategies.is_empty() {
+        STRATEGIES.to_vec()
+    } else {
+        powers.strategies.iter().map(String::as_str).collect()
+    };
+    let strategy = pick(&mut rng, &strategies).to_owned();
+    let stock = rng.random_range(5..=40);
+    // Most rounds are fenced (the claim under faults); the others check that hang-ups
+    // and switches alone cannot oversell either.
+    let fencing = rng.random_bool(0.8);
+    let stock_units = usize::try_from(stock).unwrap_or(5);
+    let crowd = CrowdPlan {
+        shoppers: stock_units * rng.random_range(2..=4),
+        concurrency: rng.random_range(10..=40),
+        window_ms: 3000,
+        arrival_ms: rng.random_range(300..=1500),
+        hang_up_share: if rng.random_bool(0.25) {
+            0.0
+        } else {
+            rng.random_range(0.1..0.6)
+        },
+        two_units_share: if rng.random_bool(0.5) { 0.0 } else { 0.2 },
+        seed: rng.random(),
+    };
+
+    // (fault maker, weight): only what this round and these powers allow.
+    let mut menu: Vec<(FaultMaker, u32)> =
+        vec![(FaultMaker::Switch, 2), (FaultMaker::Reconcile, 1)];
+    if fencing {
+        menu.push((FaultMaker::Pause, 5));
+        if powers.kill && targets > 1 {
+            menu.push((FaultMaker::Kill, 2));
+        }
+        if !powers.disruptive.is_empty() {
+            menu.push((FaultMaker::Disrupt, 2));
+        }
+    }
+    let count = rng.random_range(1..=4);
+    let mut faults = Vec::new();
+    for _ in 0..count {
+        let at_ms = rng.random_range(0..FAULT_WINDOW_MS);
+        let maker = menu
+            .choose_weighted(&mut rng, |(_, weight)| *weight)
+            .map_or(FaultMaker::Reconcile, |(maker, _)| *maker);
+        let fault = match maker {
+            FaultMaker::Pause => Fault::Pause {
+                at: pick(&mut rng, &PAUSE_POINTS).to_owned(),
+                pause_ms: powers.lease_ms + rng.random_range(200..=powers.lease_ms.max(400)),
+            },
+            FaultMaker::Switch => Fault::Switch {
+                to: pick(&mut rng, &strategies).to_owned(),
+            },
+            FaultMaker::Reconcile => Fault::Reconcile,
+            FaultMaker::Kill => Fault::Kill {
+                target: rng.random_range(0..targets.max(1)),
+            },
+            FaultMaker::Disrupt => Fault::Disrupt {
+                what: powers.disruptive[rng.random_range(0..powers.disruptive.len())],
+            },
+        };
+        faults.push(Timed { at_ms, fault });
+    }
+    faults.sort_by_key(|t| t.at_ms);
+    Round {
+        seed,
+        round,
+        strategy,
+        stock,
+        fencing,
+        crowd,
+        faults,
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum FaultMaker {
+    Pause,
+    Switch,
+    Reconcile,
+    Kill,
+    Disrupt,
+}
+
+fn pick<'a, T: ?Sized>(rng: &mut StdRng, from: &'a [&'a T]) -> &'a T {
+    // Callers never pass an empty slice; index 0 keeps this total anyway.
+    from.choose(rng).copied().unwrap_or(from[0])
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_round_is_replayed_from_its_seed() {
-        let powers = Powers::default();
-        let a = serde_json::to_string(&draw(7, 3, 1000, &powers)).expect("json");
-        let b = serde_json::to_string(&draw(7, 3, 1000, &powers)).expect("json");
-        assert_eq!(a, b);
-        let other = serde_json::to_string(&draw(7, 4, 1000, &powers)).expect("json");
-        assert_ne!(a, other);
+    fn powers() -> Powers {
+        Powers {
+            lease_ms: 1000,
+            strategies: Vec::new(),
+            kill: true,
+            disruptive: Vec::new(),
+        }
     }
 
     #[test]
-    fn kills_and_commands_only_when_allowed() {
-        for round in 0..200 {
-            for fault in draw(1, round, 1000, &Powers::default()).faults {
-                assert!(!matches!(fault, Fault::Kill { .. } | Fault::Command { .. }));
+    fn a_round_is_the_same_alone_or_in_a_run() {
+        let json = |round| serde_json::to_string(&draw(7, round, &powers(), 3)).expect("json");
+        assert_eq!(json(3), json(3));
+        assert_ne!(json(3), json(4));
+    }
+
+    #[test]
+    fn unfenced_rounds_have_no_pauses_kills_or_disruptions() {
+        let mut powers = powers();
+        powers.disruptive = vec![Disruption::RestartRedis];
+        let (mut fenced, mut unfenced) = (0, 0);
+        for round in 0..300 {
+            let plan = draw(1, round, &powers, 3);
+            if plan.fencing {
+                fenced += 1;
+                continue;
             }
+            unfenced += 1;
+            for timed in &plan.faults {
+                assert!(
+                    matches!(timed.fault, Fault::Switch { .. } | Fault::Reconcile),
+                    "{plan:?}"
+                );
+            }
+        }
+        assert!(
+            fenced > 150 && unfenced > 20,
+            "{fenced} fenced, {unfenced} not"
+        );
+    }
+
+    #[test]
+    fn disruptions_only_when_given_and_pauses_outlast_the_lease() {
+        let mut kinds = std::collections::BTreeSet::new();
+        for round in 0..300 {
+            for timed in draw(2, round, &powers(), 3).faults {
+                if let Fault::Pause { pause_ms, .. } = timed.fault {
+                    assert!(pause_ms > 1000);
+                }
+                assert!(!matches!(timed.fault, Fault::Disrupt { .. }));
+                kinds.insert(timed.fault.kind());
+            }
+        }
+        assert_eq!(
+            kinds.into_iter().collect::<Vec<_>>(),
+            ["kill", "pause", "reconcile", "switch"]
+        );
+        let no_kill = Powers {
+            kill: false,
+            ..powers()
+        };
+        for round in 0..300 {
+            assert!(
+                draw(3, round, &no_kill, 3)
+                    .faults
+                    .iter()
+                    .all(|t| !matches!(t.fault, Fault::Kill { .. }))
+            );
         }
     }
 }
