@@ -15,24 +15,8 @@ use deadpool_redis::Pool;
 use deadpool_redis::redis::{AsyncCommands, Script};
 use serde::{Deserialize, Serialize};
 
-use super::{SaleSettings, StoreError};
+use super::StoreError;
 use crate::model::PausePoint;
-
-/// Publishes the settings only if their epoch is newer than the one Redis has, so of
-/// two concurrent admin changes the later one always wins.
-static PUBLISH_IF_NEWER: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-if tonumber(redis.call('GET', KEYS[3]) or '0') < tonumber(ARGV[3]) then
-  redis.call('SET', KEYS[1], ARGV[1])
-  redis.call('SET', KEYS[2], ARGV[2])
-  redis.call('SET', KEYS[3], ARGV[3])
-  return 1
-end
-return 0
-",
-    )
-});
 
 /// Claims the armed pause if it is armed for this point (`<ms>@<point>`).
 static TAKE_PAUSE: LazyLock<Script> = LazyLock::new(|| {
@@ -57,7 +41,12 @@ pub struct ClusterState {
     namespace: String,
 }
 
-fn fencing_value(enabled: bool) -> &'static str {
+/// Where the sale epoch is published; the stock cache's scripts check it too.
+pub(super) fn epoch_key(namespace: &str) -> String {
+    format!("{namespace}:epoch")
+}
+
+pub(super) fn fencing_value(enabled: bool) -> &'static str {
     if enabled { "on" } else { "off" }
 }
 
@@ -138,7 +127,13 @@ impl ClusterState {
     }
 
     fn epoch_key(&self) -> String {
-        format!("{}:epoch", self.namespace)
+        epoch_key(&self.namespace)
+    }
+
+    /// The strategy, fencing and epoch keys, in that order (for `sale.rs`, which
+    /// publishes them with the stocks in one script).
+    pub(super) fn settings_keys(&self) -> [String; 3] {
+        [self.strategy_key(), self.fencing_key(), self.epoch_key()]
     }
 
     fn counters_key(&self) -> String {
@@ -172,21 +167,6 @@ impl ClusterState {
             epoch,
             pause: pause.as_deref().and_then(PauseFault::decode),
         })
-    }
-
-    /// Publishes the settings of an epoch, unless Redis already has a newer one.
-    pub async fn publish_settings(&self, settings: &SaleSettings) -> Result<(), StoreError> {
-        let mut conn = self.pool.get().await?;
-        let _: i64 = PUBLISH_IF_NEWER
-            .key(self.strategy_key())
-            .key(self.fencing_key())
-            .key(self.epoch_key())
-            .arg(&settings.strategy)
-            .arg(fencing_value(settings.fencing))
-            .arg(settings.epoch)
-            .invoke_async(&mut conn)
-            .await?;
-        Ok(())
     }
 
     /// Arms the paused-holder fault for the next lock holder reaching `fault.at`.

@@ -15,7 +15,7 @@ pub use cluster_state::{ClusterSettings, ClusterState, PauseFault, ReplicaInfo};
 pub use order_commit::{Committed, Fence, LockedProduct, Refusal, StockWrite};
 pub use records::{ProductRecord, Records};
 pub use sale::{SaleChange, SaleSettings, StockAt};
-pub use stock_cache::{StockCache, Taken};
+pub use stock_cache::{ReadToSell, StockCache, Taken};
 pub use timeline::{Section, Timeline};
 
 use deadpool_redis::redis::RedisError;

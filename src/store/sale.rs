@@ -13,9 +13,20 @@
 //! - the settings are published to Redis with their epoch, only if newer, so two
 //!   concurrent changes cannot leave Redis behind MySQL.
 //!
+//! The stock rewrite and the publication are one Lua script: no order can read or take
+//! (both check the epoch, `stock_cache.rs`) between a rewrite and the epoch it belongs
+//! to. Published separately, a redis-atomic order of the old epoch could take a unit
+//! from the rewritten stock after the switch, and a lock holder of the new strategy
+//! would then sell from the stock that take lowered: a unit lost.
+//!
 //! MySQL holds the durable copy: if Redis loses the settings, they are published again
 //! from it on the next read.
 
+use std::sync::LazyLock;
+
+use deadpool_redis::redis::Script;
+
+use super::cluster_state::fencing_value;
 use super::{ClusterSettings, Store, StoreError};
 use crate::model::Sku;
 use crate::store::order_commit::{DEADLOCK, mysql_error_number};
@@ -52,6 +63,55 @@ pub struct StockAt {
     pub version: i64,
 }
 
+/// Rewrites stocks and publishes the settings in one step. KEYS: strategy, fencing,
+/// epoch, then stock, version and pending keys per SKU; ARGV: strategy, fencing, epoch,
+/// the mode, then stock and version per SKU. Returns the indexes of the SKUs whose
+/// value changed.
+///
+/// Stocks are written if their version is newer (a reset's or reconcile's stock must
+/// land whoever published last). The settings are published if newer (`newer`: an
+/// admin change) or if different at all (`differs`: MySQL is the authority and Redis
+/// disagrees), or if Redis lost them. When Redis is *ahead* of MySQL (MySQL restored or
+/// replaced under a running cache) nothing cached is trusted: stocks are overwritten
+/// whatever their version.
+static PUBLISH_SALE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local cached = tonumber(redis.call('GET', KEYS[3]) or '-1')
+local epoch = tonumber(ARGV[3])
+local lost = redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3]) < 3
+local ahead = ARGV[4] == 'differs' and cached > epoch
+local rewritten = {}
+for i = 0, (#KEYS - 3) / 3 - 1 do
+  local k, a = 4 + 3 * i, 5 + 2 * i
+  local version = tonumber(redis.call('GET', KEYS[k + 1]) or '-1')
+  if ahead or tonumber(ARGV[a + 1]) > version then
+    if redis.call('GET', KEYS[k]) ~= ARGV[a] then table.insert(rewritten, i) end
+    redis.call('SET', KEYS[k], ARGV[a])
+    redis.call('SET', KEYS[k + 1], ARGV[a + 1])
+    redis.call('DEL', KEYS[k + 2])
+  end
+end
+if lost or epoch > cached or ahead then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[2], ARGV[2])
+  redis.call('SET', KEYS[3], ARGV[3])
+end
+return rewritten
+",
+    )
+});
+
+/// When `publish` replaces the settings Redis has.
+#[derive(Debug, Clone, Copy)]
+enum Publish {
+    /// An admin change: only over an older epoch (of two concurrent changes the later
+    /// one wins).
+    IfNewer,
+    /// A resync: whenever Redis disagrees with MySQL.
+    IfDifferent,
+}
+
 /// How often a change is retried after InnoDB chose it as a deadlock victim (against
 /// an order holding its product row and waiting for the epoch row).
 const DEADLOCK_RETRIES: u32 = 5;
@@ -61,34 +121,67 @@ impl Store {
     /// different value (for reconcile's answer).
     pub async fn change_sale(&self, change: SaleChange) -> Result<Vec<StockAt>, StoreError> {
         let (settings, stocks) = self.records.apply_change(&change).await?;
-        let rewritten = match &change {
-            SaleChange::Reset { .. } => {
-                for stock in &stocks {
-                    self.cache.reset(stock).await?;
-                    self.timeline.clear(&stock.sku).await?;
-                }
-                stocks
-            }
-            _ => self.cache.refresh(&stocks).await?,
-        };
-        self.cluster.publish_settings(&settings).await?;
+        let rewritten = self.publish(&settings, &stocks, Publish::IfNewer).await?;
+        if let SaleChange::Reset { sku, .. } = &change {
+            self.timeline.clear(sku).await?;
+            return Ok(stocks);
+        }
         Ok(rewritten)
     }
 
-    /// Publishes MySQL's settings to Redis if they are newer than Redis's: an order
+    /// Rewrites `stocks` in Redis and publishes `settings`, in one script (see
+    /// `PUBLISH_SALE`). Returns the stocks whose cached value changed.
+    async fn publish(
+        &self,
+        settings: &SaleSettings,
+        stocks: &[StockAt],
+        mode: Publish,
+    ) -> Result<Vec<StockAt>, StoreError> {
+        let mut script = PUBLISH_SALE.prepare_invoke();
+        for key in self.cluster.settings_keys() {
+            script.key(key);
+        }
+        script
+            .arg(&settings.strategy)
+            .arg(fencing_value(settings.fencing))
+            .arg(settings.epoch)
+            .arg(match mode {
+                Publish::IfNewer => "newer",
+                Publish::IfDifferent => "differs",
+            });
+        for at in stocks {
+            for key in self.cache.keys(&at.sku) {
+                script.key(key);
+            }
+            script.arg(at.stock).arg(at.version);
+        }
+        let mut conn = self.cache.connection().await?;
+        let rewritten: Vec<usize> = script.invoke_async(&mut conn).await?;
+        Ok(rewritten
+            .into_iter()
+            .filter_map(|i| stocks.get(i).cloned())
+            .collect())
+    }
+
+    /// Publishes MySQL's settings to Redis when Redis's epoch differs: an order
     /// refused for an epoch it never saw calls this, so a change whose publication
-    /// failed (the admin call died after its MySQL commit) cannot stall the sale.
+    /// failed (the admin call died after its MySQL commit) cannot stall the sale, nor
+    /// can a Redis that is ahead of MySQL (MySQL restored under a running cache).
     ///
-    /// The stock is rewritten from the same MySQL snapshot first: publishing an epoch
-    /// before its rewrite would let its orders read a cache the change meant to replace.
+    /// The stock is rewritten from the same MySQL snapshot in the same script:
+    /// publishing an epoch before its rewrite would let its orders read a cache the
+    /// change meant to replace.
     pub async fn resync_settings(&self) -> Result<(), StoreError> {
         let cached = self.cluster.cached_settings().await?;
         let (durable, stocks) = self.records.settings_and_stocks().await?;
-        if cached.epoch >= Some(durable.epoch) {
+        if cached.epoch == Some(durable.epoch) {
             return Ok(());
         }
-        self.cache.refresh(&stocks).await?;
-        self.cluster.publish_settings(&durable).await
+        tracing::warn!(redis = ?cached.epoch, mysql = durable.epoch,
+            "Redis had another sale epoch than MySQL: republished MySQL's");
+        self.publish(&durable, &stocks, Publish::IfDifferent)
+            .await
+            .map(drop)
     }
 
     /// The settings an order needs: one Redis round trip. If Redis lost them (a
@@ -107,7 +200,7 @@ impl Store {
             });
         }
         let durable = self.records.sale_settings().await?;
-        self.cluster.publish_settings(&durable).await?;
+        self.publish(&durable, &[], Publish::IfDifferent).await?;
         Ok(ClusterSettings {
             strategy: durable.strategy,
             fencing: durable.fencing,

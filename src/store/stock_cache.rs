@@ -8,37 +8,75 @@
 //! Every write after a commit carries the row's version and lands only if it is newer
 //! than the cached one, so writes that arrive late or out of order (a paused holder, a
 //! slow replica, an order of the previous strategy) can never put an older stock back.
+//!
+//! A lock holder's commit and its cache write are two steps; a holder killed between
+//! them leaves a stock one order too high, and the next holder would sell from it (two
+//! orders, one decrement) even though the lock never failed. So a lock holder marks
+//! the stock *pending* (`<namespace>:stock-pending:<sku>`) when it reads it to sell,
+//! and its cache write clears the mark. The next holder that finds a mark nobody
+//! cleared cannot trust the value: it rebuilds it from MySQL first.
+//!
+//! Every read or take made to sell also checks the sale epoch Redis publishes
+//! (`sale.rs`): an order of a strategy that was switched off can neither take units
+//! nor repair the cache under the new one.
 
 use std::sync::LazyLock;
 
 use deadpool_redis::Pool;
 use deadpool_redis::redis::{AsyncCommands, Script};
 
-use super::{StockAt, StoreError};
+use super::StoreError;
+use super::cluster_state::epoch_key;
 use crate::model::Sku;
 
-/// Writes the stock only if it comes from a newer MySQL version than the one cached,
-/// so a slow writer can never put back an older value.
-static SET_IF_NEWER: LazyLock<Script> = LazyLock::new(|| {
+/// Writes the stock of a MySQL row version and clears the writer's pending mark.
+/// `newer` (a committer's write) lands only over an older version; `repair` (a holder
+/// that read MySQL because the cache was suspect) also over the same version, but only
+/// while the sale is still at the repairer's epoch.
+static WRITE_STOCK: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 local cached = tonumber(redis.call('GET', KEYS[2]) or '-1')
-if tonumber(ARGV[2]) > cached then
+local version = tonumber(ARGV[2])
+local written = 0
+if version > cached or (ARGV[4] == 'repair' and version == cached
+    and redis.call('GET', KEYS[4]) == ARGV[5]) then
   redis.call('SET', KEYS[1], ARGV[1])
   redis.call('SET', KEYS[2], ARGV[2])
-  return 1
+  written = 1
 end
-return 0
+if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) == ARGV[3] then
+  redis.call('DEL', KEYS[3])
+end
+return written
 ",
     )
 });
 
-/// Checks and takes units in one step: `-2` unknown SKU, `-1` not enough (with the
-/// stock left), else the stock after taking; and the cached version, which tells a
-/// later give-back whether the stock has been rewritten since.
+/// A lock holder's read: refuses a read of an old epoch, reports a pending mark nobody
+/// cleared, else returns the stock and, if it covers the order, marks it pending.
+static READ_TO_SELL: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('GET', KEYS[3]) ~= ARGV[3] then return {'epoch', 0, ''} end
+local pending = redis.call('GET', KEYS[2])
+if pending then return {'suspect', 0, pending} end
+local stock = tonumber(redis.call('GET', KEYS[1]))
+if stock == nil then return {'missing', 0, ''} end
+if stock >= tonumber(ARGV[1]) then redis.call('SET', KEYS[2], ARGV[2]) end
+return {'stock', stock, ''}
+",
+    )
+});
+
+/// Checks and takes units in one step: `-3` the sale moved to another epoch, `-2`
+/// unknown SKU, `-1` not enough (with the stock left), else the stock after taking;
+/// and the cached version, which tells a later give-back whether the stock has been
+/// rewritten since.
 static TAKE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
+if redis.call('GET', KEYS[3]) ~= ARGV[2] then return {-3, 0, ''} end
 local stock = tonumber(redis.call('GET', KEYS[1]))
 local version = redis.call('GET', KEYS[2]) or ''
 if stock == nil then return {-2, 0, version} end
@@ -64,6 +102,20 @@ return 0
     )
 });
 
+/// What a lock holder's read found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadToSell {
+    /// The stock; marked pending with the reader's mark if it covers the order.
+    Stock(i64),
+    /// Never stocked, or lost by Redis.
+    Missing,
+    /// A holder marked the stock pending and never cleared it (killed between its
+    /// commit and its cache write, or it gave up): rebuild it from MySQL first.
+    Suspect { mark: String },
+    /// The sale's epoch moved on since the order began.
+    SaleChanged,
+}
+
 /// What an atomic take found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Taken {
@@ -76,6 +128,8 @@ pub enum Taken {
         available: i64,
     },
     UnknownSku,
+    /// The sale's epoch moved on since the order began: nothing taken.
+    SaleChanged,
 }
 
 #[derive(Clone)]
@@ -97,19 +151,28 @@ impl StockCache {
         format!("{}:stock-version:{}", self.namespace, sku)
     }
 
+    fn pending_key(&self, sku: &Sku) -> String {
+        format!("{}:stock-pending:{}", self.namespace, sku)
+    }
+
+    /// A SKU's stock, version and pending keys, in that order (for `sale.rs`, which
+    /// rewrites them with the settings in one script).
+    pub(super) fn keys(&self, sku: &Sku) -> [String; 3] {
+        [self.key(sku), self.version_key(sku), self.pending_key(sku)]
+    }
+
+    fn epoch_key(&self) -> String {
+        epoch_key(&self.namespace)
+    }
+
+    pub(super) async fn connection(&self) -> Result<deadpool_redis::Connection, StoreError> {
+        Ok(self.pool.get().await?)
+    }
+
     /// Units left, or `None` when the SKU was never stocked.
     pub async fn stock(&self, sku: &Sku) -> Result<Option<i64>, StoreError> {
         let mut conn = self.pool.get().await?;
         Ok(conn.get(self.key(sku)).await?)
-    }
-
-    /// A reset's stock. Versioned like every other write: the reset's version is newer
-    /// than any write from before it, and a write of an order after it (a newer
-    /// version) that landed first must not be put back.
-    pub async fn reset(&self, at: &StockAt) -> Result<(), StoreError> {
-        self.set_stock_if_newer(&at.sku, at.stock, at.version)
-            .await
-            .map(drop)
     }
 
     /// Drops a stock that can no longer be trusted: the SKU then answers
@@ -120,66 +183,101 @@ impl StockCache {
         Ok(())
     }
 
-    /// Rewrites the stocks from MySQL (after an admin change moved every version
-    /// forward), each only if newer than what is cached. Returns those whose value
-    /// was missing or different.
-    pub async fn refresh(&self, stocks: &[StockAt]) -> Result<Vec<StockAt>, StoreError> {
-        if stocks.is_empty() {
-            return Ok(Vec::new());
-        }
-        let skus: Vec<Sku> = stocks.iter().map(|s| s.sku.clone()).collect();
-        let before = self.stocks(&skus).await?;
-        let mut pipe = deadpool_redis::redis::pipe();
-        for at in stocks {
-            pipe.invoke_script(
-                SET_IF_NEWER
-                    .key(self.key(&at.sku))
-                    .key(self.version_key(&at.sku))
-                    .arg(at.stock)
-                    .arg(at.version),
-            );
-        }
+    /// A lock holder's read of the stock it means to sell (see the module comment).
+    pub async fn read_to_sell(
+        &self,
+        sku: &Sku,
+        quantity: i64,
+        mark: &str,
+        epoch: u64,
+    ) -> Result<ReadToSell, StoreError> {
         let mut conn = self.pool.get().await?;
-        // A pipeline sends EVALSHA only: make sure the script is loaded first.
-        let _: String = SET_IF_NEWER.load_async(&mut conn).await?;
-        let written: Vec<i64> = pipe.query_async(&mut conn).await?;
-        Ok(stocks
-            .iter()
-            .zip(before)
-            .zip(written)
-            .filter(|((at, before), written)| *written == 1 && *before != Some(at.stock))
-            .map(|((at, _), _)| at.clone())
-            .collect())
+        let (found, stock, pending): (String, i64, String) = READ_TO_SELL
+            .key(self.key(sku))
+            .key(self.pending_key(sku))
+            .key(self.epoch_key())
+            .arg(quantity)
+            .arg(mark)
+            .arg(epoch)
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(match found.as_str() {
+            "stock" => ReadToSell::Stock(stock),
+            "suspect" => ReadToSell::Suspect { mark: pending },
+            "epoch" => ReadToSell::SaleChanged,
+            _ => ReadToSell::Missing,
+        })
     }
 
-    /// Sets the stock as of MySQL row version `version`, unless a newer one is cached.
+    /// Sets the stock as of MySQL row version `version`, unless a newer one is cached,
+    /// and clears the writer's pending mark (`mark`, empty for none).
     pub async fn set_stock_if_newer(
         &self,
         sku: &Sku,
         stock: i64,
         version: i64,
+        mark: &str,
+    ) -> Result<bool, StoreError> {
+        self.write_stock(sku, stock, version, mark, None).await
+    }
+
+    /// Rewrites the stock from what MySQL holds (`stock` at `version`, read after the
+    /// cache was found suspect or stale) unless a newer version is cached, while the
+    /// sale is still at `epoch`; clears the pending mark `mark` if it is still there.
+    pub async fn repair(
+        &self,
+        sku: &Sku,
+        stock: i64,
+        version: i64,
+        mark: &str,
+        epoch: u64,
+    ) -> Result<bool, StoreError> {
+        self.write_stock(sku, stock, version, mark, Some(epoch))
+            .await
+    }
+
+    async fn write_stock(
+        &self,
+        sku: &Sku,
+        stock: i64,
+        version: i64,
+        mark: &str,
+        repair_at: Option<u64>,
     ) -> Result<bool, StoreError> {
         let mut conn = self.pool.get().await?;
-        let written: i64 = SET_IF_NEWER
+        let written: i64 = WRITE_STOCK
             .key(self.key(sku))
             .key(self.version_key(sku))
+            .key(self.pending_key(sku))
+            .key(self.epoch_key())
             .arg(stock)
             .arg(version)
+            .arg(mark)
+            .arg(if repair_at.is_some() {
+                "repair"
+            } else {
+                "newer"
+            })
+            .arg(repair_at.unwrap_or_default())
             .invoke_async(&mut conn)
             .await?;
         Ok(written == 1)
     }
 
-    /// The redis-atomic check-and-decrement, as one Lua script.
-    pub async fn take(&self, sku: &Sku, quantity: i64) -> Result<Taken, StoreError> {
+    /// The redis-atomic check-and-decrement, as one Lua script, for an order of sale
+    /// epoch `epoch`.
+    pub async fn take(&self, sku: &Sku, quantity: i64, epoch: u64) -> Result<Taken, StoreError> {
         let mut conn = self.pool.get().await?;
         let (outcome, value, generation): (i64, i64, String) = TAKE
             .key(self.key(sku))
             .key(self.version_key(sku))
+            .key(self.epoch_key())
             .arg(quantity)
+            .arg(epoch)
             .invoke_async(&mut conn)
             .await?;
         Ok(match outcome {
+            -3 => Taken::SaleChanged,
             -2 => Taken::UnknownSku,
             -1 => Taken::NotEnough { available: value },
             _ => Taken::Done {

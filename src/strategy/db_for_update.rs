@@ -101,7 +101,8 @@ impl DbForUpdateStrategy {
             Ok(Err(refusal)) => return Err(flow.refused(order, refusal).await),
             Err(error) => return Err(flow.commit_failed(order, error).await),
         };
-        flow.write_cache(order, new_stock, committed.version).await;
+        flow.write_cache(order, new_stock, committed.version, "")
+            .await;
         Ok(committed.order)
     }
 }

@@ -3,11 +3,11 @@
 //!
 //! ```text
 //! (fencing: register the lock's token as the SKU's fence in MySQL)
-//! stock = GET stock in Redis
+//! stock = GET stock in Redis (a lock holder also marks it pending)
 //! if stock < quantity: sold out
 //! optional work (simulated validation)
 //! MySQL transaction: write stock - quantity, insert the order
-//! SET stock - quantity in Redis (only if newer than the cached version)
+//! SET stock - quantity in Redis (only if newer than the cached version), clear the mark
 //! ```
 //!
 //! Without a lock around it, two replicas read the same stock and both write back
@@ -17,9 +17,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::{OrderError, OrderOptions, Outcome};
-use crate::lock::{DistributedLock, HeldLock};
+use crate::lock::{DistributedLock, HeldLock, acquisition_token};
 use crate::model::{NewOrder, Order, PausePoint};
-use crate::store::{Committed, Fence, Refusal, Section, StockWrite, Store, StoreError};
+use crate::store::{Committed, Fence, ReadToSell, Refusal, Section, StockWrite, Store, StoreError};
+
+/// How often a lock holder rebuilds a suspect stock from MySQL before giving up.
+const REPAIRS: usize = 3;
 
 /// What one replica needs to run the order flow.
 pub struct SaleFlow {
@@ -130,8 +133,16 @@ impl SaleFlow {
         };
         self.pause_at(PausePoint::BeforeRead, hold, strategy, options)
             .await?;
-        let Some(stock) = self.store.cache.stock(&order.sku).await? else {
-            return Err(self.missing_stock(order).await);
+        // A lock holder marks the stock pending until its cache write (see
+        // `store::stock_cache`); without a lock there is nobody to protect.
+        let mark = hold.map_or_else(String::new, |_| acquisition_token(&self.replica_id));
+        let stock = if hold.is_some() {
+            self.read_to_sell(order, &mark, options.epoch).await?
+        } else {
+            match self.store.cache.stock(&order.sku).await? {
+                Some(stock) => stock,
+                None => return Err(self.missing_stock(order).await),
+            }
         };
         ensure_in_stock(stock, order)?;
         self.pause_at(PausePoint::AfterRead, hold, strategy, options)
@@ -152,11 +163,53 @@ impl SaleFlow {
                 read_stock: stock,
             }),
         };
-        let committed = self.commit(order, write, strategy, options.epoch).await?;
+        let committed = self
+            .commit(order, write, strategy, options.epoch, &mark)
+            .await?;
         self.pause_at(PausePoint::AfterCommit, hold, strategy, options)
             .await?;
-        self.write_cache(order, new_stock, committed.version).await;
+        self.write_cache(order, new_stock, committed.version, &mark)
+            .await;
         Ok(committed.order)
+    }
+
+    /// A lock holder's read of the stock, marking it pending. A mark left by an earlier
+    /// holder means its commit may have landed without its cache write (it was killed
+    /// in between, or gave up after its read): the stock is rebuilt from MySQL before
+    /// anyone sells from it. Without this, the holder after a crash sells from a stock
+    /// one order too high, and two orders take one unit even though the lock held.
+    async fn read_to_sell(
+        &self,
+        order: &NewOrder,
+        mark: &str,
+        epoch: u64,
+    ) -> Result<i64, OrderError> {
+        for _ in 0..REPAIRS {
+            let read = self
+                .store
+                .cache
+                .read_to_sell(&order.sku, order.quantity, mark, epoch)
+                .await?;
+            let left_behind = match read {
+                ReadToSell::Stock(stock) => return Ok(stock),
+                ReadToSell::Missing => return Err(self.missing_stock(order).await),
+                ReadToSell::SaleChanged => return Err(OrderError::SaleChanged),
+                ReadToSell::Suspect { mark } => mark,
+            };
+            let Some((stock, version)) = self.store.records.stock_and_version(&order.sku).await?
+            else {
+                return Err(OrderError::UnknownSku(order.sku.to_string()));
+            };
+            tracing::warn!(sku = %order.sku, left_behind, stock,
+                "a holder's cache write never came: stock rebuilt from MySQL");
+            self.store
+                .cache
+                .repair(&order.sku, stock, version, &left_behind, epoch)
+                .await?;
+        }
+        Err(OrderError::Busy(
+            "the SKU's stock kept being left pending by other holders; try again".into(),
+        ))
     }
 
     /// Registers the holder's token as the SKU's fence. A lock that yields no token
@@ -183,13 +236,14 @@ impl SaleFlow {
 
     /// Writes the order to MySQL and turns a refused write into the order's answer.
     /// A COMMIT whose outcome is unknown drops the SKU's Redis stock: selling on from
-    /// it could sell a unit twice.
-    pub async fn commit(
+    /// it could sell a unit twice. `mark` is the order's pending mark on the stock.
+    async fn commit(
         &self,
         order: &NewOrder,
         write: StockWrite,
         strategy: &str,
         epoch: u64,
+        mark: &str,
     ) -> Result<Committed, OrderError> {
         let committed = self
             .store
@@ -198,6 +252,10 @@ impl SaleFlow {
             .await;
         match committed {
             Ok(Ok(committed)) => Ok(committed),
+            Ok(Err(Refusal::StaleRead { stock, version })) => {
+                self.repair_cache(order, stock, version, mark, epoch).await;
+                Err(OrderError::StaleRead)
+            }
             Ok(Err(refusal)) => Err(self.refused(order, refusal).await),
             Err(error) => Err(self.commit_failed(order, error).await),
         }
@@ -212,10 +270,7 @@ impl SaleFlow {
         error.into()
     }
 
-    /// The order's answer for a write MySQL refused. A stale read means the cache is
-    /// behind MySQL (a holder committed but has not written Redis yet, or never will):
-    /// the cache is repaired from MySQL's row, versioned so it cannot undo a newer
-    /// write.
+    /// The order's answer for a write MySQL refused.
     pub async fn refused(&self, order: &NewOrder, refusal: Refusal) -> OrderError {
         match refusal {
             Refusal::UnknownSku => OrderError::UnknownSku(order.sku.to_string()),
@@ -226,10 +281,7 @@ impl SaleFlow {
                 OrderError::SaleChanged
             }
             Refusal::Fenced { token } => OrderError::Fenced { token },
-            Refusal::StaleRead { stock, version } => {
-                self.write_cache(order, stock, version).await;
-                OrderError::StaleRead
-            }
+            Refusal::StaleRead { .. } => OrderError::StaleRead,
             Refusal::VersionChanged => {
                 OrderError::Busy("another writer changed the product first; try again".into())
             }
@@ -241,17 +293,40 @@ impl SaleFlow {
     }
 
     /// Writes the stock of MySQL row version `version` to Redis, unless a newer one is
-    /// there. If Redis cannot be written, the stock is dropped instead (the SKU waits
-    /// for a reconcile) so nobody sells from a value MySQL has moved past.
-    pub async fn write_cache(&self, order: &NewOrder, stock: i64, version: i64) {
+    /// there, and clears the order's pending mark (`mark`, empty for none). If Redis
+    /// cannot be written, the stock is dropped instead (the SKU waits for a reconcile)
+    /// so nobody sells from a value MySQL has moved past.
+    pub async fn write_cache(&self, order: &NewOrder, stock: i64, version: i64, mark: &str) {
         let written = self
             .store
             .cache
-            .set_stock_if_newer(&order.sku, stock, version)
+            .set_stock_if_newer(&order.sku, stock, version, mark)
             .await;
         if let Err(error) = written {
             tracing::error!(%error, sku = %order.sku, "order committed but Redis stock not updated");
             self.forget_stock(order).await;
+        }
+    }
+
+    /// A stale read means the cache is behind MySQL (a holder committed but has not
+    /// written Redis yet, or never will): the cache is repaired from MySQL's row, as of
+    /// its version (so it cannot undo a newer write) and while the sale is still at
+    /// `epoch`.
+    async fn repair_cache(
+        &self,
+        order: &NewOrder,
+        stock: i64,
+        version: i64,
+        mark: &str,
+        epoch: u64,
+    ) {
+        let repaired = self
+            .store
+            .cache
+            .repair(&order.sku, stock, version, mark, epoch)
+            .await;
+        if let Err(error) = repaired {
+            tracing::warn!(%error, sku = %order.sku, "a stale Redis stock could not be repaired");
         }
     }
 

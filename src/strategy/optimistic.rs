@@ -99,7 +99,7 @@ impl OptimisticStrategy {
                 .await;
             match committed {
                 Ok(Ok(committed)) => {
-                    flow.write_cache(order, stock - order.quantity, committed.version)
+                    flow.write_cache(order, stock - order.quantity, committed.version, "")
                         .await;
                     return Ok(committed.order);
                 }

@@ -27,7 +27,7 @@ impl Strategy for RedisAtomicStrategy {
                       units are given back with INCRBY. Nothing waits for anything: this is the \
                       fastest safe design, and the ceiling the locks are measured against.",
             commands: vec![
-                "Lua: stock = GET <ns>:stock:<sku>; if stock >= q then DECRBY <ns>:stock:<sku> q",
+                "Lua: if GET <ns>:epoch == <epoch> and GET <ns>:stock:<sku> >= q then DECRBY <ns>:stock:<sku> q",
                 "BEGIN; UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
                  SET p.stock = p.stock - ?, p.version = p.version + 1 \
                  WHERE p.sku = ? AND e.value = <epoch> AND p.stock >= ?; INSERT INTO orders ...; COMMIT",
@@ -95,8 +95,13 @@ impl RedisAtomicStrategy {
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
         let store = &flow.store;
-        let generation = match store.cache.take(&order.sku, order.quantity).await? {
+        let generation = match store
+            .cache
+            .take(&order.sku, order.quantity, options.epoch)
+            .await?
+        {
             Taken::UnknownSku => return Err(flow.missing_stock(order).await),
+            Taken::SaleChanged => return Err(OrderError::SaleChanged),
             Taken::NotEnough { available } => {
                 return Err(OrderError::SoldOut {
                     available: available.max(0),

@@ -11,6 +11,7 @@ mod fenced_reads;
 mod fencing;
 mod fuzz;
 mod hangups;
+mod killed_after_commit;
 mod limits;
 mod lock_cancellation;
 mod lock_primitives;

@@ -217,3 +217,83 @@ async fn a_lost_publication_heals_itself() {
     assert_eq!(second, StatusCode::CREATED, "the settings were republished");
     assert_eq!(cluster.sku_stats(sku).await["consistent"], true);
 }
+
+/// Redis can also be *ahead* of MySQL, the authority: MySQL restored or replaced
+/// under a running cache. On the landed code every order then answered `sale_changed`
+/// for good (republishing only ever moved Redis forward). Now the first refused order
+/// republishes MySQL's settings and stocks, and the sale goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_epoch_ahead_of_mysql_heals_itself() {
+    use deadpool_redis::redis::AsyncCommands;
+    let cluster = TestCluster::start(1, &[]).await;
+    cluster.set_strategy("redis-lock").await;
+    let sku = "ahead";
+    cluster.reset(sku, 5).await;
+    let mut redis = crate::support::redis_pool().get().await.expect("redis");
+    let () = redis
+        .set(format!("{}:epoch", cluster.namespace), 1_000_000)
+        .await
+        .expect("SET");
+    let first = cluster.order(0, sku, "first", 1).await.status();
+    assert_eq!(
+        first,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "refused: an epoch MySQL never had"
+    );
+    for buyer in 0..4 {
+        let status = cluster
+            .order(0, sku, &format!("buyer-{buyer}"), 1)
+            .await
+            .status();
+        assert_eq!(
+            status,
+            StatusCode::CREATED,
+            "buyer {buyer}: MySQL's epoch is back"
+        );
+    }
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(stats["orders"], 4, "{stats}");
+    assert_eq!(stats["consistent"], true, "{stats}");
+}
+
+/// A redis-atomic order reads the settings, then stalls before its Lua take while an
+/// admin switches to redis-lock. Its take then runs against the stock the switch just
+/// rewrote. On the landed code it took the unit (the take knew no epoch), the order's
+/// commit was refused, and a redis-lock holder meanwhile sold from the lowered stock
+/// and wrote it to MySQL: a unit lost. The take now checks the epoch and takes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_of_the_old_epoch_takes_nothing() {
+    use deadpool_redis::redis::AsyncCommands;
+    use flashsale::model::Sku;
+    use flashsale::store::{StockCache, Taken};
+    let cluster = TestCluster::start(1, &[]).await;
+    cluster.set_strategy("redis-atomic").await;
+    let sku = "late-take";
+    cluster.reset(sku, 5).await;
+    let mut redis = crate::support::redis_pool().get().await.expect("redis");
+    let old_epoch: u64 = redis
+        .get(format!("{}:epoch", cluster.namespace))
+        .await
+        .expect("epoch");
+    cluster.set_strategy("redis-lock").await;
+
+    let cache = StockCache::new(crate::support::redis_pool(), cluster.namespace.clone());
+    let sku_name = Sku::parse(sku).expect("sku");
+    let taken = cache.take(&sku_name, 1, old_epoch).await.expect("take");
+    assert_eq!(taken, Taken::SaleChanged, "a take of the old epoch");
+    for buyer in 0..5 {
+        let status = cluster
+            .order(0, sku, &format!("buyer-{buyer}"), 1)
+            .await
+            .status();
+        assert_eq!(
+            status,
+            StatusCode::CREATED,
+            "buyer {buyer}: all five units sell"
+        );
+    }
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(stats["orders"], 5, "{stats}");
+    assert_eq!(stats["stock_mysql"], 0, "{stats}");
+    assert_eq!(stats["consistent"], true, "{stats}");
+}
