@@ -1,5 +1,6 @@
 //! `POST /api/orders`: validate the shopper's request, pick the strategy, place it.
 
+use axum::Extension;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use serde::Deserialize;
@@ -8,6 +9,7 @@ use utoipa::ToSchema;
 use super::ApiJson;
 use super::AppState;
 use super::error::{AppError, ErrorBody};
+use super::limits::InFlight;
 use crate::model::{NewOrder, Order, Sku, integer_in_range, parse_user_id};
 use tokio_util::sync::CancellationToken;
 
@@ -73,6 +75,7 @@ impl OrderBody {
     ))]
 pub async fn place_order(
     State(state): State<AppState>,
+    in_flight: Option<Extension<InFlight>>,
     query: Result<Query<OrderQuery>, axum::extract::rejection::QueryRejection>,
     ApiJson(body): ApiJson<OrderBody>,
 ) -> Result<(StatusCode, ApiJson<Order>), AppError> {
@@ -99,6 +102,8 @@ pub async fn place_order(
     let placed = state
         .orders_in_flight
         .spawn(async move {
+            // Counted in flight until the order ends, even if its shopper left.
+            let _in_flight = in_flight;
             if options.client_gone.is_cancelled() {
                 return Err(OrderError::Abandoned);
             }

@@ -147,33 +147,58 @@ impl Records {
     }
 
     /// Starts a transaction holding the product's row lock (`SELECT … FOR UPDATE`, by the
-    /// primary key, so one row is locked). The wait for the row is bounded by
-    /// `innodb_lock_wait_timeout` for this one statement (`SET STATEMENT … FOR`), so the
-    /// setting never stays on the pooled connection. InnoDB counts it in whole seconds.
-    /// `None` for an unknown SKU.
+    /// primary key, so one row is locked), for an order of sale epoch `epoch`.
+    ///
+    /// The transaction first takes the epoch row, shared, and checks it: the lock order
+    /// every admin change uses (epoch, then products). Taking the product row first and
+    /// the epoch row only at the commit's `UPDATE … JOIN` deadlocked against any change,
+    /// and InnoDB killed the order.
+    ///
+    /// Each wait is bounded by `innodb_lock_wait_timeout` for that one statement (`SET
+    /// STATEMENT … FOR`), so the setting never stays on the pooled connection. InnoDB
+    /// counts it in whole seconds.
     pub async fn lock_product(
         &self,
         sku: &Sku,
+        epoch: u64,
         wait: Duration,
-    ) -> Result<Option<LockedProduct>, StoreError> {
+    ) -> Result<Result<LockedProduct, Refusal>, StoreError> {
         let mut tx = self.pool().begin().await?;
         let seconds = wait.as_secs().max(1) + u64::from(wait.subsec_nanos() > 0);
         // The number is ours, not input; MariaDB takes no placeholder in SET STATEMENT.
-        let statement = format!(
-            "SET STATEMENT innodb_lock_wait_timeout = {seconds} FOR
-         SELECT stock FROM products WHERE sku = ? FOR UPDATE"
-        );
-        let row: Option<i64> = match sqlx::query_scalar(sqlx::AssertSqlSafe(statement))
-            .bind(sku.as_str())
-            .fetch_optional(&mut *tx)
-            .await
-        {
-            Err(error) if mysql_error_number(&error) == Some(LOCK_WAIT_TIMEOUT) => {
-                return Err(StoreError::RowLockTimeout);
-            }
-            other => other?,
+        let bounded = |statement: &str| {
+            sqlx::AssertSqlSafe(format!(
+                "SET STATEMENT innodb_lock_wait_timeout = {seconds} FOR {statement}"
+            ))
         };
-        Ok(row.map(|stock| LockedProduct { tx, stock }))
+        let current: Option<String> = sqlx::query_scalar(bounded(
+            "SELECT value FROM cluster_settings WHERE name = 'epoch' LOCK IN SHARE MODE",
+        ))
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(row_lock_error)?;
+        if current.and_then(|e| e.parse().ok()) != Some(epoch) {
+            return Ok(Err(Refusal::SaleChanged));
+        }
+        let row: Option<i64> = sqlx::query_scalar(bounded(
+            "SELECT stock FROM products WHERE sku = ? FOR UPDATE",
+        ))
+        .bind(sku.as_str())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(row_lock_error)?;
+        Ok(row
+            .map(|stock| LockedProduct { tx, stock })
+            .ok_or(Refusal::UnknownSku))
+    }
+}
+
+/// A lock wait that ran out is its own error (the order answers `lock_timeout`).
+fn row_lock_error(error: sqlx::Error) -> StoreError {
+    if mysql_error_number(&error) == Some(LOCK_WAIT_TIMEOUT) {
+        StoreError::RowLockTimeout
+    } else {
+        error.into()
     }
 }
 

@@ -35,7 +35,9 @@ impl Strategy for DbForUpdateStrategy {
                       that wait is bounded for the one statement.",
             commands: vec![
                 "this replica's buyers of the SKU queue locally; the head of the queue:",
-                "BEGIN; SET STATEMENT innodb_lock_wait_timeout = <wait s> FOR \
+                "BEGIN; SELECT value FROM cluster_settings WHERE name = 'epoch' LOCK IN SHARE MODE \
+                 (the admin changes' lock order: epoch row first)",
+                "SET STATEMENT innodb_lock_wait_timeout = <wait s> FOR \
                  SELECT stock FROM products WHERE sku = ? FOR UPDATE",
                 "UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
                  SET p.stock = p.stock - ?, p.version = p.version + 1 WHERE p.sku = ? AND e.value = <epoch>",
@@ -59,19 +61,31 @@ impl Strategy for DbForUpdateStrategy {
         let acquire = async {
             // Wait this replica's turn for the SKU first, holding no connection: only
             // the head of the local queue waits on the row, with one connection.
+            // A shopper who leaves while queued here leaves the queue: nothing is held
+            // yet, so there is nothing to finish.
             let deadline = tokio::time::Instant::now() + flow.lock_wait;
-            let Some(turn) = self.queues.turn(order.sku.as_str(), deadline).await else {
+            let turn = tokio::select! {
+                turn = self.queues.turn(order.sku.as_str(), deadline) => turn,
+                () = options.client_gone.cancelled() => return Err(OrderError::Abandoned),
+            };
+            let Some(turn) = turn else {
                 return Err(OrderError::Busy(format!(
                     "the row lock was not granted within {:?}; try again",
                     flow.lock_wait
                 )));
             };
             let wait = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let locked = store.records.lock_product(&order.sku, wait).await;
+            let locked = store
+                .records
+                .lock_product(&order.sku, options.epoch, wait)
+                .await;
             Ok((turn, locked.map_err(OrderError::from)?))
         };
         let (_turn, locked) = flow.wait_for_lock(self.name(), &options, acquire).await?;
-        let locked = locked.ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
+        let locked = match locked {
+            Ok(locked) => locked,
+            Err(refusal) => return Err(flow.refused(order, refusal).await),
+        };
         let critical = self.sell_locked_row(flow, order, &options, locked);
         flow.section(order, self.name(), None, critical).await
     }

@@ -119,3 +119,49 @@ async fn an_abandoned_wait_sells_nothing_and_stops_counting() {
     assert_eq!(stats["orders"], 0, "nobody was there to buy: {stats}");
     assert_eq!(stats["consistent"], true, "{stats}");
 }
+
+/// An order runs on after its shopper hangs up, so it must keep its place among the
+/// requests in flight until it ends. On the landed code the place was given back at
+/// the hang-up, so shoppers who hang up at once could start orders without bound.
+/// Here three of them fill the cap of 3 and leave after 30 ms while their orders hold
+/// or wait for the lock (3 s of work): a fourth request must still be refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orders_of_shoppers_who_hung_up_still_count_against_the_cap() {
+    let cluster = TestCluster::start(
+        1,
+        &[
+            "--max-in-flight",
+            "3",
+            "--work-ms",
+            "3000",
+            "--lock-wait-ms",
+            "30000",
+        ],
+    )
+    .await;
+    let sku = "capped-hangups";
+    cluster.reset(sku, 100).await;
+    cluster.set_strategy("redis-lock").await;
+    let hang_ups = (0..3).map(|i| {
+        let request = cluster
+            .http
+            .post(cluster.url(0, "/api/orders"))
+            .timeout(Duration::from_millis(30))
+            .json(
+                &serde_json::json!({ "sku": sku, "user_id": format!("gone-{i}"), "quantity": 1 }),
+            );
+        async move { request.send().await.is_err() }
+    });
+    let gone = futures::future::join_all(hang_ups).await;
+    assert!(gone.iter().all(|g| *g), "all three hung up: {gone:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let response = cluster.order(0, sku, "patient", 1).await;
+    let status = response.status();
+    let body: Value = response.json().await.unwrap_or_default();
+    assert_eq!(
+        (status, body["error"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("overloaded")),
+        "the orders of those who hung up still fill the cap: {body}"
+    );
+}

@@ -297,3 +297,60 @@ async fn a_take_of_the_old_epoch_takes_nothing() {
     assert_eq!(stats["stock_mysql"], 0, "{stats}");
     assert_eq!(stats["consistent"], true, "{stats}");
 }
+
+/// db-for-update holds its product row for the whole critical section. An admin change
+/// locks the epoch row, then every product row; the order, holding its product row,
+/// then asks for the epoch row at its commit: a lock-order inversion. On the landed
+/// code InnoDB broke each such deadlock by killing the order (503
+/// `backend_unavailable`). The order now takes the epoch row (shared) before its
+/// product row, the order every change uses, so a change simply waits for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_changes_do_not_deadlock_row_lock_holders() {
+    let cluster = TestCluster::start(2, &["--work-ms", "150", "--lock-wait-ms", "20000"]).await;
+    cluster.set_strategy("db-for-update").await;
+    let skus = ["row-a", "row-b", "row-c"];
+    for sku in skus {
+        cluster.reset(sku, 100).await;
+    }
+    let crowd = async {
+        let orders = (0..24).map(|i| {
+            let (http, url) = (cluster.http.clone(), cluster.url(i % 2, "/api/orders"));
+            let sku = skus[i % skus.len()];
+            let body = json!({ "sku": sku, "user_id": format!("buyer-{i}"), "quantity": 1 });
+            async move {
+                let response = http.post(url).json(&body).send().await.expect("answered");
+                let status = response.status();
+                let body: serde_json::Value = response.json().await.unwrap_or_default();
+                (
+                    status,
+                    body["error"].as_str().unwrap_or_default().to_owned(),
+                )
+            }
+        });
+        futures::future::join_all(orders).await
+    };
+    let admin = async {
+        for enabled in [true, false, true, false] {
+            tokio::time::sleep(Duration::from_millis(120)).await;
+            cluster.set_fencing(enabled).await;
+        }
+    };
+    let (answers, ()) = tokio::join!(crowd, admin);
+    let broken: Vec<_> = answers
+        .iter()
+        .filter(|(status, code)| *status != StatusCode::CREATED && code != "sale_changed")
+        .collect();
+    assert!(broken.is_empty(), "orders failed: {broken:?}");
+    let created = answers
+        .iter()
+        .filter(|(status, _)| *status == StatusCode::CREATED)
+        .count();
+    println!(
+        "{created} of {} orders created across the changes",
+        answers.len()
+    );
+    for sku in skus {
+        let stats = cluster.sku_stats(sku).await;
+        assert_eq!(stats["consistent"], true, "{sku}: {stats}");
+    }
+}

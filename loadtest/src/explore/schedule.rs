@@ -60,8 +60,9 @@ pub struct Round {
     pub round: u64,
     pub strategy: String,
     pub stock: i64,
-    /// The guarantees under pauses and kills hold only with fencing; unfenced rounds
-    /// get neither.
+    /// The guarantees under pauses and backend faults hold only with fencing; unfenced
+    /// rounds get neither (a kill they do get: a dead holder writes nothing, and the
+    /// pending mark covers one killed between its commit and its cache write).
     pub fencing: bool,
     pub crowd: CrowdPlan,
     /// In the order they strike.
@@ -194,11 +195,11 @@ pub fn draw(seed: u64, round: u64, powers: &Powers, targets: usize) -> Round {
     // (fault maker, weight): only what this round and these powers allow.
     let mut menu: Vec<(FaultMaker, u32)> =
         vec![(FaultMaker::Switch, 2), (FaultMaker::Reconcile, 1)];
+    if powers.kill && targets > 1 {
+        menu.push((FaultMaker::Kill, 2));
+    }
     if fencing {
         menu.push((FaultMaker::Pause, 5));
-        if powers.kill && targets > 1 {
-            menu.push((FaultMaker::Kill, 2));
-        }
         if !powers.disruptive.is_empty() {
             menu.push((FaultMaker::Disrupt, 2));
         }
@@ -275,7 +276,7 @@ mod tests {
     }
 
     #[test]
-    fn unfenced_rounds_have_no_pauses_kills_or_disruptions() {
+    fn unfenced_rounds_have_no_pauses_or_disruptions() {
         let mut powers = powers();
         powers.disruptive = vec![Disruption::RestartRedis];
         let (mut fenced, mut unfenced) = (0, 0);
@@ -288,7 +289,10 @@ mod tests {
             unfenced += 1;
             for timed in &plan.faults {
                 assert!(
-                    matches!(timed.fault, Fault::Switch { .. } | Fault::Reconcile),
+                    matches!(
+                        timed.fault,
+                        Fault::Switch { .. } | Fault::Reconcile | Fault::Kill { .. }
+                    ),
                     "{plan:?}"
                 );
             }
