@@ -65,25 +65,36 @@ pub struct StockAt {
 
 /// Rewrites stocks and publishes the settings in one step. KEYS: strategy, fencing,
 /// epoch, then stock, version and pending keys per SKU; ARGV: strategy, fencing, epoch,
-/// the mode, then stock and version per SKU. Returns the indexes of the SKUs whose
-/// value changed.
+/// the mode, the epoch the caller saw in Redis, then stock and version per SKU.
+/// Returns the indexes of the SKUs whose value changed.
 ///
-/// Stocks are written if their version is newer (a reset's or reconcile's stock must
-/// land whoever published last). The settings are published if newer (`newer`: an
-/// admin change) or if different at all (`differs`: MySQL is the authority and Redis
-/// disagrees), or if Redis lost them. When Redis is *ahead* of MySQL (MySQL restored or
-/// replaced under a running cache) nothing cached is trusted: stocks are overwritten
-/// whatever their version.
+/// Either everything is written or nothing: a publication carries MySQL's stock of
+/// every SKU at its epoch, so the epoch never reaches Redis without its stocks, and an
+/// older publication arriving late changes nothing (not even a stock: it would
+/// clear a pending mark a newer holder depends on).
+///
+/// - `newer` (an admin change): only over an older epoch, so of two concurrent
+///   changes the later one wins; stocks only over older versions.
+/// - `replace` (a resync: MySQL is the authority and Redis disagreed): only if Redis
+///   still has the epoch the caller saw, so two resyncs and a change cannot undo each
+///   other. If Redis was *ahead* of MySQL (MySQL restored or replaced under a running
+///   cache) nothing cached is trusted and every stock is overwritten.
 static PUBLISH_SALE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-local cached = tonumber(redis.call('GET', KEYS[3]) or '-1')
+local seen = redis.call('GET', KEYS[3])
+local cached = tonumber(seen or '-1')
 local epoch = tonumber(ARGV[3])
-local lost = redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3]) < 3
-local ahead = ARGV[4] == 'differs' and cached > epoch
+local ahead = false
+if ARGV[4] == 'newer' then
+  if epoch <= cached then return {} end
+else
+  if (seen or '') ~= ARGV[5] then return {} end
+  ahead = cached > epoch
+end
 local rewritten = {}
 for i = 0, (#KEYS - 3) / 3 - 1 do
-  local k, a = 4 + 3 * i, 5 + 2 * i
+  local k, a = 4 + 3 * i, 6 + 2 * i
   local version = tonumber(redis.call('GET', KEYS[k + 1]) or '-1')
   if ahead or tonumber(ARGV[a + 1]) > version then
     if redis.call('GET', KEYS[k]) ~= ARGV[a] then table.insert(rewritten, i) end
@@ -92,24 +103,21 @@ for i = 0, (#KEYS - 3) / 3 - 1 do
     redis.call('DEL', KEYS[k + 2])
   end
 end
-if lost or epoch > cached or ahead then
-  redis.call('SET', KEYS[1], ARGV[1])
-  redis.call('SET', KEYS[2], ARGV[2])
-  redis.call('SET', KEYS[3], ARGV[3])
-end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('SET', KEYS[3], ARGV[3])
 return rewritten
 ",
     )
 });
 
-/// When `publish` replaces the settings Redis has.
+/// When `publish` replaces what Redis has.
 #[derive(Debug, Clone, Copy)]
 enum Publish {
-    /// An admin change: only over an older epoch (of two concurrent changes the later
-    /// one wins).
+    /// An admin change: only over an older epoch.
     IfNewer,
-    /// A resync: whenever Redis disagrees with MySQL.
-    IfDifferent,
+    /// A resync: only if Redis still has this epoch (`None`: none at all).
+    IfStill(Option<u64>),
 }
 
 /// How often a change is retried after InnoDB chose it as a deadlock victim (against
@@ -124,7 +132,7 @@ impl Store {
         let rewritten = self.publish(&settings, &stocks, Publish::IfNewer).await?;
         if let SaleChange::Reset { sku, .. } = &change {
             self.timeline.clear(sku).await?;
-            return Ok(stocks);
+            return Ok(stocks.into_iter().filter(|at| at.sku == *sku).collect());
         }
         Ok(rewritten)
     }
@@ -147,7 +155,11 @@ impl Store {
             .arg(settings.epoch)
             .arg(match mode {
                 Publish::IfNewer => "newer",
-                Publish::IfDifferent => "differs",
+                Publish::IfStill(_) => "replace",
+            })
+            .arg(match mode {
+                Publish::IfStill(Some(seen)) => seen.to_string(),
+                _ => String::new(),
             });
         for at in stocks {
             for key in self.cache.keys(&at.sku) {
@@ -173,13 +185,14 @@ impl Store {
     /// change meant to replace.
     pub async fn resync_settings(&self) -> Result<(), StoreError> {
         let cached = self.cluster.cached_settings().await?;
-        let (durable, stocks) = self.records.settings_and_stocks().await?;
-        if cached.epoch == Some(durable.epoch) {
+        // Cheap first: most refused orders find Redis already caught up.
+        if cached.epoch == Some(self.records.sale_settings().await?.epoch) {
             return Ok(());
         }
+        let (durable, stocks) = self.records.settings_and_stocks().await?;
         tracing::warn!(redis = ?cached.epoch, mysql = durable.epoch,
-            "Redis had another sale epoch than MySQL: republished MySQL's");
-        self.publish(&durable, &stocks, Publish::IfDifferent)
+            "Redis had another sale epoch than MySQL: republishing MySQL's");
+        self.publish(&durable, &stocks, Publish::IfStill(cached.epoch))
             .await
             .map(drop)
     }
@@ -200,7 +213,8 @@ impl Store {
             });
         }
         let durable = self.records.sale_settings().await?;
-        self.publish(&durable, &[], Publish::IfDifferent).await?;
+        self.publish(&durable, &[], Publish::IfStill(cached.epoch))
+            .await?;
         Ok(ClusterSettings {
             strategy: durable.strategy,
             fencing: durable.fencing,
@@ -262,14 +276,13 @@ impl Records {
         .await?;
         let save = "INSERT INTO cluster_settings (name, value) VALUES (?, ?)
                     ON DUPLICATE KEY UPDATE value = VALUES(value)";
-        let only: Option<&Sku> = match change {
+        match change {
             SaleChange::Strategy(name) => {
                 sqlx::query(save)
                     .bind("strategy")
                     .bind(name)
                     .execute(&mut *tx)
                     .await?;
-                None
             }
             SaleChange::Fencing(enabled) => {
                 sqlx::query(save)
@@ -277,7 +290,6 @@ impl Records {
                     .bind(if *enabled { "on" } else { "off" })
                     .execute(&mut *tx)
                     .await?;
-                None
             }
             SaleChange::Reset { sku, stock } => {
                 // The version keeps growing across resets, so a cache write from
@@ -302,22 +314,20 @@ impl Records {
                     .bind(sku.as_str())
                     .execute(&mut *tx)
                     .await?;
-                Some(sku)
             }
-            SaleChange::Reconcile => None,
-        };
-        if only.is_none() {
-            sqlx::query("UPDATE products SET version = version + 1")
-                .execute(&mut *tx)
-                .await?;
+            SaleChange::Reconcile => {}
         }
-        let rows: Vec<(String, i64, i64)> = sqlx::query_as(
-            "SELECT sku, stock, version FROM products WHERE (? IS NULL OR sku = ?) ORDER BY sku",
-        )
-        .bind(only.map(Sku::as_str))
-        .bind(only.map(Sku::as_str))
-        .fetch_all(&mut *tx)
-        .await?;
+        // Every change publishes every SKU's stock with its epoch, newer than anything
+        // cached: a publication that rewrote only some would leave the others showing
+        // what the old strategy had done to them (a unit taken by a redis-atomic order
+        // that will never commit), and the new strategy would sell from that.
+        sqlx::query("UPDATE products SET version = version + 1")
+            .execute(&mut *tx)
+            .await?;
+        let rows: Vec<(String, i64, i64)> =
+            sqlx::query_as("SELECT sku, stock, version FROM products ORDER BY sku")
+                .fetch_all(&mut *tx)
+                .await?;
         // Read inside the transaction: what is published is what this change made.
         let settings: Vec<(String, String)> = sqlx::query_as(SETTINGS).fetch_all(&mut *tx).await?;
         tx.commit().await?;

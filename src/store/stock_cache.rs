@@ -30,17 +30,23 @@ use super::cluster_state::epoch_key;
 use crate::model::Sku;
 
 /// Writes the stock of a MySQL row version and clears the writer's pending mark.
-/// `newer` (a committer's write) lands only over an older version; `repair` (a holder
-/// that read MySQL because the cache was suspect) also over the same version, but only
-/// while the sale is still at the repairer's epoch.
+/// `newer` (a committer's write) lands only over an older version. `repair` (a holder
+/// that read MySQL because the cache was suspect or stale) also over the same version,
+/// but only while the sale is still at the repairer's epoch (an order of a strategy
+/// switched off must not rewrite a stock the new one is taking from), and never
+/// recreates a dropped stock (that waits for a reconcile).
 static WRITE_STOCK: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 local cached = tonumber(redis.call('GET', KEYS[2]) or '-1')
 local version = tonumber(ARGV[2])
+local allowed = version > cached
+if ARGV[4] == 'repair' then
+  allowed = version >= cached and redis.call('GET', KEYS[4]) == ARGV[5]
+    and redis.call('EXISTS', KEYS[1]) == 1
+end
 local written = 0
-if version > cached or (ARGV[4] == 'repair' and version == cached
-    and redis.call('GET', KEYS[4]) == ARGV[5]) then
+if allowed then
   redis.call('SET', KEYS[1], ARGV[1])
   redis.call('SET', KEYS[2], ARGV[2])
   written = 1
@@ -53,16 +59,17 @@ return written
     )
 });
 
-/// A lock holder's read: refuses a read of an old epoch, reports a pending mark nobody
+/// A lock holder's read: refuses a read of an old epoch, reports a dropped stock (it
+/// waits for a reconcile, whatever marks are left), then a pending mark nobody
 /// cleared, else returns the stock and, if it covers the order, marks it pending.
 static READ_TO_SELL: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if redis.call('GET', KEYS[3]) ~= ARGV[3] then return {'epoch', 0, ''} end
-local pending = redis.call('GET', KEYS[2])
-if pending then return {'suspect', 0, pending} end
 local stock = tonumber(redis.call('GET', KEYS[1]))
 if stock == nil then return {'missing', 0, ''} end
+local pending = redis.call('GET', KEYS[2])
+if pending then return {'suspect', 0, pending} end
 if stock >= tonumber(ARGV[1]) then redis.call('SET', KEYS[2], ARGV[2]) end
 return {'stock', stock, ''}
 ",

@@ -354,3 +354,57 @@ async fn admin_changes_do_not_deadlock_row_lock_holders() {
         assert_eq!(stats["consistent"], true, "{sku}: {stats}");
     }
 }
+
+/// Every publication carries every SKU's stock. Here a redis-atomic order took a unit
+/// of A in Redis and died before its commit (Redis 4, MySQL 5: a unit the next
+/// rewrite gives back), a switch to redis-lock reached MySQL but its admin call died
+/// before publishing, and then a reset of another SKU published. On the reviewed code
+/// the reset's publication rewrote only its own SKU while publishing the new strategy:
+/// redis-lock sold from A's 4 and wrote 3 to MySQL, a unit lost for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_publishes_every_stock_with_its_epoch() {
+    use deadpool_redis::redis::AsyncCommands;
+    use flashsale::model::Sku;
+    use flashsale::store::{StockCache, Taken};
+    let cluster = TestCluster::start(1, &[]).await;
+    cluster.set_strategy("redis-atomic").await;
+    let (a, b) = ("publish-a", "publish-b");
+    cluster.reset(a, 5).await;
+    cluster.reset(b, 5).await;
+    let mut redis = crate::support::redis_pool().get().await.expect("redis");
+    let epoch: u64 = redis
+        .get(format!("{}:epoch", cluster.namespace))
+        .await
+        .expect("epoch");
+    let cache = StockCache::new(crate::support::redis_pool(), cluster.namespace.clone());
+    let taken = cache
+        .take(&Sku::parse(a).expect("sku"), 1, epoch)
+        .await
+        .expect("take");
+    assert!(matches!(taken, Taken::Done { left: 4, .. }), "{taken:?}");
+
+    let mysql = cluster.mysql().await;
+    for statement in [
+        "UPDATE cluster_settings SET value = CAST(value AS UNSIGNED) + 1 WHERE name = 'epoch'",
+        "UPDATE cluster_settings SET value = 'redis-lock' WHERE name = 'strategy'",
+        "UPDATE products SET version = version + 1",
+    ] {
+        sqlx::query(statement)
+            .execute(&mysql)
+            .await
+            .expect(statement);
+    }
+    mysql.close().await;
+    cluster.reset(b, 5).await;
+
+    for buyer in 0..5 {
+        let response = cluster.order(0, a, &format!("buyer-{buyer}"), 1).await;
+        let status = response.status();
+        let body = response.text().await.unwrap_or_default();
+        assert_eq!(status, StatusCode::CREATED, "buyer {buyer}: {body}");
+    }
+    let stats = cluster.sku_stats(a).await;
+    assert_eq!(stats["orders"], 5, "{stats}");
+    assert_eq!(stats["stock_mysql"], 0, "{stats}");
+    assert_eq!(stats["consistent"], true, "{stats}");
+}
