@@ -17,6 +17,8 @@ cd "$ROOT"
 export FLASHSALE_LOCK_LEASE_MS="${FLASHSALE_LOCK_LEASE_MS:-3000}"
 ./scripts/demo.sh up
 eval "$(./scripts/stack.sh env)"
+# The checker's own MySQL reads (--database-url) need the explorer built with a driver.
+cargo build --release --quiet -p loadtest --features mysql
 
 rounds=(--rounds 200)
 for arg in "$@"; do

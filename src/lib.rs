@@ -19,7 +19,8 @@ pub mod loadtests;
 pub mod lock;
 pub mod model;
 pub mod replica;
-pub mod report;
+/// The load-test report: a wire type, shared with the `loadtest` crate.
+pub use flashsale_wire::report;
 pub mod store;
 pub mod strategy;
 pub mod telemetry;

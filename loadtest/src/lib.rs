@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use chrono::Utc;
-use flashsale::report::{LoadConfig, LoadReport, RunResult};
+use flashsale_wire::report::{LoadConfig, LoadReport, RunResult};
 
 use crate::crowd::{CrowdPlan, Sale};
 use crate::options::{Fault, Options, Switch};
@@ -176,7 +176,7 @@ async fn await_paused_holder(
 async fn settled_stats(
     service: &Service,
     skus: &[String],
-) -> anyhow::Result<Vec<flashsale::http::stats::SkuStats>> {
+) -> anyhow::Result<Vec<flashsale_wire::stats::SkuStats>> {
     let mut previous: Option<Vec<i64>> = None;
     for _ in 0..50 {
         let mut stats = Vec::new();

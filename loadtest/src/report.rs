@@ -9,8 +9,8 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use flashsale::http::stats::SkuStats;
-use flashsale::report::{Latency, LoadReport, RunResult};
+use flashsale_wire::report::{Latency, LoadReport, RunResult};
+use flashsale_wire::stats::SkuStats;
 
 use crate::crowd::Outcomes;
 
@@ -255,7 +255,7 @@ mod tests {
         consistent: bool,
     ) -> SkuStats {
         SkuStats {
-            sku: flashsale::model::Sku::parse("s").expect("valid"),
+            sku: flashsale_wire::Sku::parse("s").expect("valid"),
             initial_stock: initial,
             stock_redis: redis,
             stock_mysql: mysql,

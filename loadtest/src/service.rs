@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use flashsale::http::stats::{SkuStats, Stats};
-use flashsale::report::LoadReport;
+use flashsale_wire::report::LoadReport;
+use flashsale_wire::stats::{SkuStats, Stats};
 use serde::Deserialize;
 use serde_json::json;
 

@@ -2,21 +2,17 @@
 //! consistency are computed from MySQL's orders and both stock copies, never from what
 //! clients counted.
 
-use std::collections::BTreeMap;
-
-use chrono::{DateTime, Utc};
-
 use axum::extract::{Query, State};
-use serde::{Deserialize, Serialize};
-use utoipa::{IntoParams, ToSchema};
+use serde::Deserialize;
+use utoipa::IntoParams;
 
 use super::ApiJson;
 use super::AppState;
 use super::error::{AppError, ErrorBody};
-use crate::model::PausePoint;
 use crate::model::Sku;
-use crate::model::StrategyName;
-use crate::store::{ProductRecord, ReplicaInfo};
+use crate::store::ProductRecord;
+
+pub use flashsale_wire::stats::{SkuStats, Stats};
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -26,56 +22,21 @@ pub struct StatsQuery {
     sku: Option<String>,
 }
 
-/// The answer of `GET /api/stats`; clients (the load test) read it with these types.
-#[derive(Debug, Serialize, Deserialize, ToSchema)]
-pub struct Stats {
-    #[schema(value_type = StrategyName)]
-    pub strategy: String,
-    /// Whether lock holders' writes are fenced.
-    pub fencing: bool,
-    /// The sale epoch: moved forward by every admin change of the sale.
-    #[serde(default)]
-    pub epoch: u64,
-    /// A paused-holder fault waiting for the next lock holder, in ms.
-    pub pause_armed_ms: Option<u64>,
-    /// Where in the critical section that holder will pause.
-    #[serde(default)]
-    pub pause_armed_at: Option<PausePoint>,
-    pub replicas: Vec<ReplicaInfo>,
-    pub skus: Vec<SkuStats>,
-    /// Cluster-wide event counts by `strategy.counter` (lock timeouts, locks lost,
-    /// optimistic conflicts and give-ups).
-    pub counters: BTreeMap<String, i64>,
-}
-
-#[derive(Debug, Serialize, Deserialize, PartialEq, ToSchema)]
-pub struct SkuStats {
-    pub sku: Sku,
-    pub initial_stock: i64,
-    /// `None` when Redis has no stock for this SKU (flushed or restarted).
-    pub stock_redis: Option<i64>,
-    pub stock_mysql: i64,
-    pub orders: i64,
-    pub ordered_quantity: i64,
-    pub oversold: i64,
-    pub consistent: bool,
-    pub updated_at: DateTime<Utc>,
-}
-
-impl SkuStats {
-    pub fn new(record: ProductRecord, stock_redis: Option<i64>) -> Self {
-        let expected = record.initial_stock - record.ordered_quantity;
-        SkuStats {
-            oversold: (record.ordered_quantity - record.initial_stock).max(0),
-            consistent: stock_redis == Some(record.stock) && record.stock == expected,
-            sku: record.sku,
-            initial_stock: record.initial_stock,
-            stock_redis,
-            stock_mysql: record.stock,
-            orders: record.orders,
-            ordered_quantity: record.ordered_quantity,
-            updated_at: record.updated_at,
-        }
+/// A SKU's figures from its MySQL record and the Redis stock: oversold is what was
+/// ordered beyond the initial stock, and the stock is consistent when Redis, MySQL and
+/// initial − ordered all agree.
+pub fn sku_stats(record: ProductRecord, stock_redis: Option<i64>) -> SkuStats {
+    let expected = record.initial_stock - record.ordered_quantity;
+    SkuStats {
+        oversold: (record.ordered_quantity - record.initial_stock).max(0),
+        consistent: stock_redis == Some(record.stock) && record.stock == expected,
+        sku: record.sku,
+        initial_stock: record.initial_stock,
+        stock_redis,
+        stock_mysql: record.stock,
+        orders: record.orders,
+        ordered_quantity: record.ordered_quantity,
+        updated_at: record.updated_at,
     }
 }
 
@@ -123,7 +84,7 @@ pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppEr
         skus: records
             .into_iter()
             .zip(redis_stocks)
-            .map(|(record, redis)| SkuStats::new(record, redis))
+            .map(|(record, redis)| sku_stats(record, redis))
             .collect(),
     })
 }
@@ -131,6 +92,7 @@ pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppEr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use chrono::Utc;
 
     fn record(initial: i64, stock: i64, ordered: i64) -> ProductRecord {
         ProductRecord {
@@ -145,20 +107,20 @@ mod tests {
 
     #[test]
     fn consistent_sale() {
-        let s = SkuStats::new(record(20, 5, 15), Some(5));
+        let s = sku_stats(record(20, 5, 15), Some(5));
         assert_eq!((s.oversold, s.consistent), (0, true));
     }
 
     #[test]
     fn lost_updates_oversell_and_disagree() {
         // 200 orders all read 20 and wrote back 19.
-        let s = SkuStats::new(record(20, 19, 200), Some(19));
+        let s = sku_stats(record(20, 19, 200), Some(19));
         assert_eq!((s.oversold, s.consistent), (180, false));
     }
 
     #[test]
     fn missing_cache_is_inconsistent() {
-        let s = SkuStats::new(record(20, 20, 0), None);
+        let s = sku_stats(record(20, 20, 0), None);
         assert!(!s.consistent);
     }
 }

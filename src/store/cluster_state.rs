@@ -8,15 +8,18 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use std::sync::LazyLock;
 
 use deadpool_redis::Pool;
 use deadpool_redis::redis::{AsyncCommands, Script};
-use serde::{Deserialize, Serialize};
 
 use super::StoreError;
 use crate::model::PausePoint;
+
+/// What a replica announces about itself with each heartbeat (a wire type: `/api/stats`
+/// lists them).
+pub use flashsale_wire::stats::ReplicaInfo;
 
 /// Claims the armed pause if it is armed for this point (`<ms>@<point>`).
 static TAKE_PAUSE: LazyLock<Script> = LazyLock::new(|| {
@@ -90,23 +93,6 @@ impl PauseFault {
             at: PausePoint::parse(at)?,
         })
     }
-}
-
-/// What a replica announces about itself with each heartbeat.
-#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct ReplicaInfo {
-    pub id: String,
-    pub address: String,
-    pub pid: u32,
-    pub started_at: DateTime<Utc>,
-    pub requests: u64,
-    /// Orders of this replica waiting for a lock at the last heartbeat.
-    #[serde(default)]
-    pub lock_waiters: u64,
-    /// How often the supervisor (`flashsale cluster`) has restarted this replica.
-    #[serde(default)]
-    pub restarts: u32,
-    pub last_seen: DateTime<Utc>,
 }
 
 impl ClusterState {

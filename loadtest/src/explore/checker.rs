@@ -14,7 +14,7 @@
 
 use std::time::Duration;
 
-use flashsale::http::stats::SkuStats;
+use flashsale_wire::stats::SkuStats;
 use serde::Serialize;
 use tokio::time::Instant;
 

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use flashsale::http::stats::{SkuStats, Stats};
+use flashsale_wire::stats::{SkuStats, Stats};
 use serde::Deserialize;
 use serde_json::{Value, json};
 

@@ -1,14 +1,10 @@
 //! A small crowd against in-process replicas: the report's orders and oversold must be
 //! exactly what MySQL holds, and the report lands in the run history.
 
-#[path = "../../tests/integration/support.rs"]
-#[allow(dead_code)]
-mod support;
-
 use clap::Parser;
 use loadtest::options::Options;
 
-use support::TestCluster;
+use crate::support::TestCluster;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn report_figures_are_the_services_records() {

@@ -6,89 +6,17 @@
 //!
 //! `EXPLORE_SEED` and `EXPLORE_ROUNDS` change the run (e.g. to replay a failure).
 
-#[path = "../../tests/integration/support.rs"]
-#[allow(dead_code)]
-mod support;
-
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use clap::Parser;
 use loadtest::options::{Cli, Command};
 
-/// `target/<profile>/flashsale`, beside this test's own executable (`deps/..`): the
-/// service binary of this workspace. `CARGO_BIN_EXE_*` names only this package's
-/// binaries, so it is found by path, and built if missing or older than the sources
-/// (a `cargo test -p loadtest` does not rebuild it).
-fn flashsale_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>");
-    let binary = profile_dir.join("flashsale");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace root");
-    let built = std::fs::metadata(&binary).and_then(|m| m.modified()).ok();
-    let sources = newest_change(&[
-        &root.join("src"),
-        &root.join("migrations"),
-        &root.join("Cargo.toml"),
-        &root.join("Cargo.lock"),
-    ]);
-    if built.is_some_and(|built| built >= sources) {
-        return binary;
-    }
-    eprintln!("building {} (missing or older than src/)", binary.display());
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut build = std::process::Command::new(cargo);
-    build
-        .current_dir(root)
-        .args(["build", "-p", "flashsale", "--bin", "flashsale"]);
-    if profile_dir
-        .file_name()
-        .is_some_and(|name| name == "release")
-    {
-        build.arg("--release");
-    }
-    if let Some(target_dir) = profile_dir.parent() {
-        build.env("CARGO_TARGET_DIR", target_dir);
-    }
-    let status = build.status().expect("running cargo build");
-    assert!(
-        status.success() && binary.exists(),
-        "could not build {}: run `cargo build --bin flashsale` first",
-        binary.display()
-    );
-    binary
-}
-
-/// The latest modification time of anything under `paths`.
-fn newest_change(paths: &[&Path]) -> SystemTime {
-    let mut newest = SystemTime::UNIX_EPOCH;
-    let mut stack: Vec<PathBuf> = paths.iter().map(|p| p.to_path_buf()).collect();
-    while let Some(path) = stack.pop() {
-        let Ok(meta) = std::fs::metadata(&path) else {
-            continue;
-        };
-        if let Ok(modified) = meta.modified() {
-            newest = newest.max(modified);
-        }
-        if meta.is_dir()
-            && let Ok(entries) = std::fs::read_dir(&path)
-        {
-            stack.extend(entries.flatten().map(|e| e.path()));
-        }
-    }
-    newest
-}
-
 /// Three consecutive loopback ports that are free right now.
 fn free_ports() -> u16 {
     for _ in 0..100 {
-        let base = support::free_port();
+        let base = crate::support::free_port();
         let bindable = (0..3).all(|i| {
             base.checked_add(i)
                 .is_some_and(|port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
@@ -127,12 +55,13 @@ impl Drop for Supervised {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_short_exploration_finds_no_violation() {
-    let binary = flashsale_binary();
-    let (database_url, namespace) = support::fresh_database(&support::base_database_url()).await;
+    let binary = env!("CARGO_BIN_EXE_flashsale");
+    let (database_url, namespace) =
+        crate::support::fresh_database(&crate::support::base_database_url()).await;
     let base_port = free_ports();
     let log = std::env::temp_dir().join(format!("{namespace}-cluster.log"));
     let log_file = std::fs::File::create(&log).expect("cluster log");
-    let child = std::process::Command::new(&binary)
+    let child = std::process::Command::new(binary)
         .args([
             "cluster",
             "--replicas",
@@ -166,7 +95,8 @@ async fn a_short_exploration_finds_no_violation() {
         .collect();
     for target in &targets {
         assert!(
-            support::wait_healthy(target).await || support::wait_healthy(target).await,
+            crate::support::wait_healthy(target).await
+                || crate::support::wait_healthy(target).await,
             "{target} did not come up; cluster log: {}",
             std::fs::read_to_string(&cluster.log).unwrap_or_default()
         );
