@@ -17,7 +17,7 @@ use sqlx::{MySql, Transaction};
 use crate::lock::{DistributedLock, HeldLock, LockError, LockView};
 use crate::store::Records;
 
-/// The lock under test: a strategy name that has a lock (SPEC §7), or `none`.
+/// The lock under test: a strategy name that has a lock (README, "The lock alone"), or `none`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LockKind {
     #[value(name = "redis-lock")]

@@ -1,4 +1,4 @@
-//! From the contenders' holds to the report `lockbench` prints (SPEC §7).
+//! From the contenders' holds to the report `lockbench` prints (README, "The lock alone").
 //!
 //! Each contender records, per hold, when its acquire returned and when it began to
 //! release, on the machine-wide clock of `board::now_ns`. Merged and sorted by
@@ -44,7 +44,7 @@ pub fn decode(bytes: &[u8]) -> Vec<Hold> {
         .collect()
 }
 
-/// The report: SPEC §7's fields, then what helps reading them.
+/// The report: the fields README's "The lock alone" lists.
 #[derive(Debug, Serialize)]
 pub struct Report {
     pub lock: String,

@@ -1,4 +1,5 @@
-//! `lockbench`: one lock primitive alone against the running stack (SPEC §7).
+//! `lockbench`: one lock primitive alone against the running stack (README, "The lock
+//! alone").
 //!
 //!     lockbench --lock redis-lock --contenders 8 --seconds 3
 //!

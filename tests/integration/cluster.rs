@@ -1,4 +1,4 @@
-//! `flashsale cluster` is a supervisor (SPEC §8), tried on the real binary: a replica
+//! `flashsale cluster` is a supervisor (README, "When things break"), tried on the real binary: a replica
 //! killed with SIGKILL comes back on its port while the others keep selling; a replica
 //! that cannot start is retried with a doubling back-off, not in a busy loop; SIGTERM
 //! stops every replica and nothing is restarted meanwhile; and no replica outlives a

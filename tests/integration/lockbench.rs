@@ -1,4 +1,4 @@
-//! `lockbench` (SPEC §7) as a user runs it: the built binary against the stack's
+//! `lockbench` (README, "The lock alone") as a user runs it: the built binary against the stack's
 //! services, contenders as separate processes.
 
 use std::process::{Command, Stdio};

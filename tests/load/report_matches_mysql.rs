@@ -84,7 +84,7 @@ async fn report_figures_are_the_services_records() {
     let written: flashsale::report::LoadReport = serde_json::from_str(
         &std::fs::read_to_string(out.join("report.json")).expect("report.json"),
     )
-    .expect("report.json parses as the SPEC's report");
+    .expect("report.json parses as docs/report.md's report");
     assert_eq!(written.runs[0].strategy, "redis-lock");
     assert!(out.join("report.md").exists() && out.join("goose-none.html").exists());
     let history = cluster.get_json(0, "/api/runs").await;
