@@ -19,6 +19,7 @@ pub mod loadtests;
 pub mod lock;
 pub mod model;
 pub mod replica;
+pub mod replica_kill;
 /// The load-test report: a wire type, shared with the `loadtest` crate.
 pub use flashsale_wire::report;
 pub mod store;

@@ -152,6 +152,17 @@ function setUpControls() {
     }
   });
 
+  document.getElementById("kill-holder").addEventListener("click", async () => {
+    const sku = document.getElementById("buy-sku").value.trim();
+    try {
+      const killed = await api("POST", "/api/admin/faults/kill-holder", { sku });
+      say(`kill -9 sent to ${killed.replica} (pid ${killed.pid}), which held ${sku}'s lock. ` +
+        "Its lock frees itself when the lease (or session) runs out; the supervisor restarts it.");
+    } catch (error) {
+      say(`Could not kill the holder: ${error.message}`, true);
+    }
+  });
+
   document.getElementById("loadtest-form").addEventListener("submit", async (event) => {
     event.preventDefault();
     const strategies = [...document.querySelectorAll("#lt-strategies input:checked")].map((box) => box.value);

@@ -16,6 +16,7 @@ use super::AppState;
 use super::error::{AppError, ErrorBody};
 use crate::model::StrategyName;
 use crate::model::{PausePoint, Sku, integer_in_range};
+use crate::replica_kill::kill_replica;
 use crate::store::{PauseFault, SaleChange};
 
 /// Largest stock a reset may set.
@@ -188,6 +189,57 @@ pub async fn arm_fault(
     Ok(ApiJson(FaultArmed {
         pause_holder_ms: ms,
         at,
+    }))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct KillHolderBody {
+    #[schema(value_type = Sku)]
+    sku: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HolderKilled {
+    /// The replica that held the lock and was sent SIGKILL.
+    replica: String,
+    pid: u32,
+}
+
+/// `kill -9` of the replica holding the SKU's lock right now, under the active strategy:
+/// the crash a lease or a session exists for. Only for replicas on this machine (see
+/// `replica_kill`), and only for locks that record their holder.
+#[utoipa::path(post, path = "/api/admin/faults/kill-holder", tag = "admin",
+    request_body = KillHolderBody,
+    responses(
+        (status = 200, description = "The holder was sent SIGKILL", body = HolderKilled),
+        (status = 409, description = "`conflict`: nobody holds the lock, the lock does not \
+            name its holder, or the holder is not a replica on this machine", body = ErrorBody),
+        (status = 422, description = "`invalid_value`: not a valid SKU", body = ErrorBody),
+    ))]
+pub async fn kill_holder(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<KillHolderBody>,
+) -> Result<ApiJson<HolderKilled>, AppError> {
+    let sku = Sku::parse(&body.sku).map_err(AppError::Invalid)?;
+    let (_, strategy) = state.settings_and_strategy().await?;
+    let view = strategy.inspect(&state.flow, &sku).await?;
+    let Some(holder) = view.holder.filter(|_| view.held) else {
+        return Err(AppError::Conflict(format!(
+            "no replica holds {sku}'s {} lock right now (or the lock does not name its holder)",
+            strategy.name()
+        )));
+    };
+    let replicas = state.flow.store.cluster.live_replicas().await?;
+    let Some(replica) = replicas.into_iter().find(|r| r.id == holder) else {
+        return Err(AppError::Conflict(format!(
+            "{sku}'s lock is held by {holder}, which is not a live replica"
+        )));
+    };
+    kill_replica(&replica).map_err(|refused| AppError::Conflict(refused.to_string()))?;
+    tracing::warn!(replica = %replica.id, pid = replica.pid, %sku, "fault: lock holder killed (SIGKILL)");
+    Ok(ApiJson(HolderKilled {
+        replica: replica.id,
+        pid: replica.pid,
     }))
 }
 

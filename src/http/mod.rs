@@ -70,6 +70,7 @@ pub fn router(
             "/api/admin/faults",
             post(admin::arm_fault).delete(admin::disarm_fault),
         )
+        .route("/api/admin/faults/kill-holder", post(admin::kill_holder))
         .route("/api/loadtests", post(loadtests::start))
         .route(
             "/api/runs",

@@ -51,6 +51,7 @@ const ADMIN_TOKEN: &str = "admin_token";
         admin::set_fencing,
         admin::arm_fault,
         admin::disarm_fault,
+        admin::kill_holder,
         loadtests::status,
         loadtests::start,
         runs::list,

@@ -549,3 +549,75 @@ async fn redis_atomic_gives_units_back_when_mysql_fails() {
         .expect("count");
     assert_eq!(orders, 0);
 }
+
+/// The dashboard's kill button: `POST /api/admin/faults/kill-holder` finds the replica
+/// holding the SKU's lock and sends it SIGKILL. Here a replica process holds the
+/// redis-lock for a 60 s critical section; the call names it, the process dies by
+/// SIGKILL, and the lock comes free for another replica within its lease. With nobody
+/// holding, the call answers 409 and kills nothing.
+#[tokio::test]
+async fn the_kill_button_kills_the_holder() {
+    use std::os::unix::process::ExitStatusExt;
+    let cluster = TestCluster::start(1, &["--lock-wait-ms", "20000"]).await;
+    let sku = "kill-button";
+    cluster.reset(sku, 5).await;
+    cluster.set_strategy("redis-lock").await;
+    let kill_url = cluster.url(0, "/api/admin/faults/kill-holder");
+    let idle = cluster
+        .http
+        .post(&kill_url)
+        .json(&json!({ "sku": sku }))
+        .send()
+        .await
+        .expect("answered");
+    assert_eq!(idle.status(), StatusCode::CONFLICT, "nobody holds the lock");
+
+    let lease = DOOMED_LEASE.as_millis().to_string();
+    let mut doomed = cluster
+        .spawn_process_replica(
+            env!("CARGO_BIN_EXE_flashsale"),
+            &["--work-ms", "60000", "--lock-lease-ms", &lease],
+        )
+        .await;
+    let stuck = {
+        let (http, url) = (
+            cluster.http.clone(),
+            format!("{}/api/orders", doomed.base_url),
+        );
+        tokio::spawn(async move {
+            let body = json!({ "sku": "kill-button", "user_id": "doomed", "quantity": 1 });
+            let _ = http.post(url).json(&body).send().await;
+        })
+    };
+    let probe = LockProbe::new(&cluster, "redis-lock").await;
+    assert_eq!(
+        probe.wait_for_holder(sku).await.as_deref(),
+        Some("replica-doomed")
+    );
+
+    let killed = cluster
+        .http
+        .post(&kill_url)
+        .json(&json!({ "sku": sku }))
+        .send()
+        .await
+        .expect("answered");
+    let status = killed.status();
+    let body: serde_json::Value = killed.json().await.unwrap_or_default();
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["replica"], "replica-doomed");
+    let exit = tokio::time::timeout(Duration::from_secs(10), doomed.child.wait())
+        .await
+        .expect("the holder died")
+        .expect("reaped");
+    assert_eq!(exit.signal(), Some(9), "killed by SIGKILL: {exit:?}");
+    stuck.abort();
+
+    let response = cluster.order(0, sku, "survivor", 1).await;
+    let status = response.status();
+    let body = response.text().await.unwrap_or_default();
+    assert_eq!(status, StatusCode::CREATED, "the lock came free: {body}");
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(stats["orders"], 1, "{stats}");
+    assert_eq!(stats["consistent"], true, "{stats}");
+}
