@@ -1,9 +1,24 @@
 # flashsale: the order service and the load test, for docker-compose.yml.
-FROM rust:1-bookworm AS build
+#
+# Dependencies are cached with cargo-chef rather than BuildKit cache mounts: its
+# cached dependencies are ordinary image layers, so they work with any builder and
+# survive in a CI registry cache, where a cache mount starts empty.
+FROM rust:1-bookworm AS chef
 # protoc: the etcd client crate generates its gRPC code at build time.
 RUN apt-get update && apt-get install -y --no-install-recommends protobuf-compiler \
     && rm -rf /var/lib/apt/lists/*
+RUN cargo install cargo-chef --locked --version 0.1.73
 WORKDIR /src
+
+# The recipe: manifests and Cargo.lock only, so it changes only when dependencies do.
+FROM chef AS planner
+COPY . .
+RUN cargo chef prepare --recipe-path recipe.json
+
+FROM chef AS build
+COPY --from=planner /src/recipe.json recipe.json
+# The dependency layer: rebuilt only when the recipe changes, not on source edits.
+RUN cargo chef cook --release --workspace --recipe-path recipe.json
 COPY . .
 RUN cargo build --release --locked --workspace \
     && cp target/release/flashsale target/release/loadtest /usr/local/bin/
@@ -12,6 +27,7 @@ FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates curl \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /usr/local/bin/flashsale /usr/local/bin/loadtest /usr/local/bin/
+# Served from disk while the binary does not embed static/; harmless once it does.
 COPY static /app/static
 WORKDIR /app
 ENV FLASHSALE_STATIC_DIR=/app/static

@@ -46,7 +46,6 @@ if [ ! -x "$venv/bin/schemathesis" ] || [ "$requirements" -nt "$venv/installed" 
   touch "$venv/installed"
 fi
 
-docker-compose --profile loadtest config -q
-echo "[test] docker-compose.yml is valid" >&2
+./scripts/check-deploy.sh  # docker-compose.yml, Prometheus and Grafana configuration
 
 cargo test --workspace "$@"
