@@ -27,9 +27,7 @@ FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates curl \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /usr/local/bin/flashsale /usr/local/bin/loadtest /usr/local/bin/
-# Served from disk while the binary does not embed static/; harmless once it does.
-COPY static /app/static
+# The dashboard is compiled into the binary: nothing else to copy.
 WORKDIR /app
-ENV FLASHSALE_STATIC_DIR=/app/static
 EXPOSE 8080
 CMD ["flashsale", "serve", "--bind", "0.0.0.0", "--port", "8080"]

@@ -57,7 +57,7 @@ cmd_up() {
     log "replicas already running (pid $(cat "$PIDFILE")); restarting them on the new build"
     cmd_stop
   fi
-  FLASHSALE_STATIC_DIR="$ROOT/static" FLASHSALE_WORK_MS="${FLASHSALE_WORK_MS:-2}" \
+  FLASHSALE_WORK_MS="${FLASHSALE_WORK_MS:-2}" \
     FLASHSALE_LOCK_LEASE_MS="${FLASHSALE_LOCK_LEASE_MS:-3000}" \
     nohup ./target/release/flashsale cluster \
     --replicas "$REPLICAS" --base-port "$BASE_PORT" >"$RUN/cluster.log" 2>&1 &

@@ -85,6 +85,7 @@ impl Server {
             metrics: crate::telemetry::prometheus(),
             orders_in_flight: TaskTracker::new(),
         };
+        crate::telemetry::register_events(&state.strategies.names());
         let advertised = config
             .advertise
             .clone()
@@ -108,7 +109,12 @@ impl Server {
             live_feed: crate::http::spawn_snapshots(state.clone()),
             loadtests: state.loadtests.clone(),
             orders_in_flight: state.orders_in_flight.clone(),
-            router: crate::http::router(state, &config.static_dir, limits, &config.cors_origins),
+            router: crate::http::router(
+                state,
+                config.static_dir.as_deref(),
+                limits,
+                &config.cors_origins,
+            ),
         })
     }
 

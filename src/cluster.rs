@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
+use clap::ValueEnum;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
@@ -26,6 +27,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::ClusterConfig;
+use crate::logging::LogFormat;
 
 const STOP_GRACE: Duration = Duration::from_secs(15);
 const FIRST_BACKOFF: Duration = Duration::from_millis(250);
@@ -36,7 +38,8 @@ const STABLE_AFTER: Duration = Duration::from_secs(30);
 /// How often a replica checks that its supervisor is still there.
 const ORPHAN_CHECK: Duration = Duration::from_secs(1);
 
-pub async fn run(config: ClusterConfig) -> anyhow::Result<()> {
+/// Runs the replicas until SIGINT/SIGTERM; they log in `log_format`, as the supervisor.
+pub async fn run(config: ClusterConfig, log_format: LogFormat) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating the flashsale binary")?;
     let stopping = CancellationToken::new();
     let mut keepers = Vec::new();
@@ -48,6 +51,7 @@ pub async fn run(config: ClusterConfig) -> anyhow::Result<()> {
         let replica = Replica {
             exe: exe.clone(),
             serve_args: config.serve_args.clone(),
+            log_format,
             port,
             id: format!("replica-{}", index + 1),
         };
@@ -67,6 +71,7 @@ pub async fn run(config: ClusterConfig) -> anyhow::Result<()> {
 struct Replica {
     exe: PathBuf,
     serve_args: Vec<String>,
+    log_format: LogFormat,
     port: u16,
     id: String,
 }
@@ -76,6 +81,12 @@ impl Replica {
         Command::new(&self.exe)
             .arg("serve")
             .args(&self.serve_args)
+            .env(
+                "FLASHSALE_LOG_FORMAT",
+                self.log_format
+                    .to_possible_value()
+                    .map_or("text".into(), |v| v.get_name().to_owned()),
+            )
             .env("FLASHSALE_PORT", self.port.to_string())
             .env("FLASHSALE_REPLICA_ID", &self.id)
             .env("FLASHSALE_RESTARTS", restarts.to_string())

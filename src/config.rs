@@ -9,6 +9,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use subtle::ConstantTimeEq;
+
+use crate::logging::LogFormat;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -17,6 +20,16 @@ use clap::{Args, Parser, Subcommand};
     about = "Flash-sale oversell lab: order service replicas"
 )]
 pub struct Cli {
+    /// `text` to read, `json` (one object per line) for a log pipeline.
+    #[arg(
+        long,
+        global = true,
+        env = "FLASHSALE_LOG_FORMAT",
+        value_enum,
+        default_value_t
+    )]
+    pub log_format: LogFormat,
+
     #[command(subcommand)]
     pub command: Command,
 }
@@ -173,9 +186,10 @@ pub struct ServeConfig {
           value_parser = parse_origin)]
     pub cors_origins: Vec<String>,
 
-    /// Folder with the dashboard's static files.
-    #[arg(long, env = "FLASHSALE_STATIC_DIR", default_value = "static")]
-    pub static_dir: PathBuf,
+    /// Serve the dashboard from this folder instead of the copy compiled into the
+    /// binary: for editing the page without rebuilding.
+    #[arg(long, env = "FLASHSALE_STATIC_DIR")]
+    pub static_dir: Option<PathBuf>,
 }
 
 impl ServeConfig {
@@ -270,15 +284,10 @@ pub struct ClusterConfig {
 pub struct AdminToken(String);
 
 impl AdminToken {
-    /// Constant-time comparison, so response timing does not reveal the token.
+    /// Constant-time comparison (`subtle`), so response timing does not reveal how
+    /// much of the token a guess got right.
     pub fn matches(&self, presented: &str) -> bool {
-        let (expected, presented) = (self.0.as_bytes(), presented.as_bytes());
-        expected.len() == presented.len()
-            && expected
-                .iter()
-                .zip(presented)
-                .fold(0u8, |diff, (a, b)| diff | (a ^ b))
-                == 0
+        self.0.as_bytes().ct_eq(presented.as_bytes()).into()
     }
 
     pub fn reveal(&self) -> &str {

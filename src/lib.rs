@@ -7,7 +7,8 @@
 //! - `lock`: distributed lock primitives per backend (knows no HTTP, no orders);
 //! - `store`: the Redis stock cache, the MySQL records and cluster-wide state;
 //! - `app`, `replica`, `cluster`: putting replicas together and running them;
-//! - `config`, `model`: options and the domain values;
+//! - `config`, `model`: options and the domain values; `logging`, `telemetry`: logs and
+//!   metrics;
 //! - `bench`: what the `lockbench` processes share (one lock alone, measured).
 
 pub mod app;
@@ -17,6 +18,7 @@ pub mod config;
 pub mod http;
 pub mod loadtests;
 pub mod lock;
+pub mod logging;
 pub mod model;
 pub mod replica;
 pub mod replica_kill;

@@ -235,6 +235,11 @@ impl LoadTests {
             let outcome = match status {
                 None => "stopped: this replica is shutting down".to_owned(),
                 Some(Ok(status)) if status.success() => "finished".to_owned(),
+                // The load test's own verdict (docs/report.md), its report written.
+                Some(Ok(status)) if status.code() == Some(1) => {
+                    "finished: a lock strategy oversold or ended inconsistent (see the report)"
+                        .to_owned()
+                }
                 Some(Ok(status)) => format!("failed ({status})"),
                 Some(Err(error)) => format!("failed ({error})"),
             };

@@ -2,17 +2,12 @@
 
 use clap::Parser;
 use flashsale::config::{Cli, Command};
-use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn,tower_http=info")),
-        )
-        .init();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    flashsale::logging::init(cli.log_format);
+    match cli.command {
         Command::Serve(config) => {
             let supervisor = config.supervisor_pid;
             let server = flashsale::app::Server::bind(config).await?;
@@ -25,6 +20,6 @@ async fn main() -> anyhow::Result<()> {
                 })
                 .await
         }
-        Command::Cluster(config) => flashsale::cluster::run(config).await,
+        Command::Cluster(config) => flashsale::cluster::run(config, cli.log_format).await,
     }
 }

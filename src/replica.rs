@@ -1,6 +1,6 @@
 //! A replica announces itself in Redis once a second (id, address, start time,
 //! requests served, orders waiting for a lock) so `/api/stats` and the dashboard can
-//! list the replicas alive. It deregisters on a clean shutdown; a killed replica simply
+//! list the replicas alive, and checks that Redis holds the sale's epoch. It deregisters on a clean shutdown; a killed replica simply
 //! stops beating and ages out.
 
 use std::sync::Arc;
@@ -80,6 +80,11 @@ impl Heartbeat {
         self.info.last_seen = Utc::now();
         if let Err(error) = self.cluster.heartbeat(&self.info).await {
             tracing::warn!(%error, "heartbeat failed");
+        }
+        // A change whose publication never reached Redis (Redis was down just then)
+        // would leave every order on the old epoch's stock: republish from MySQL.
+        if let Err(error) = self.flow.store.resync_settings().await {
+            tracing::debug!(%error, "could not compare the sale's epochs");
         }
     }
 }

@@ -9,10 +9,11 @@
 //! | `flashsale_orders_total` | strategy, outcome (the API code, `strategy::Outcome`) | `http::orders` |
 //! | `flashsale_lock_acquire_seconds` (histogram) | strategy | `strategy::flow` |
 //! | `flashsale_lock_hold_seconds` (histogram) | strategy | `strategy::flow` |
-//! | `flashsale_events_total` | strategy, event (`lock_timeouts`, `locks_lost`, `fencing_rejections`, `conflicts`, `gave_up`, `paused_holders`) | `store::ClusterState::count` |
+//! | `flashsale_lock_timeouts_total`, `flashsale_locks_lost_total`, `flashsale_fencing_rejections_total`, `flashsale_optimistic_conflicts_total`, `flashsale_optimistic_gave_up_total`, `flashsale_paused_holders_total` | strategy | `store::ClusterState::count` (`store::ClusterEvent`) |
 //! | `flashsale_lease_renewals_total` | outcome (`renewed`, `lost`, `error`) | `lock::lease` |
 //! | `flashsale_stock` (gauge) | sku, store (`redis`, `mysql`) | `/metrics`, from the records |
 //! | `flashsale_oversold` (gauge) | sku | `/metrics`, from the records |
+//! | `flashsale_consistent` (gauge) | sku | `/metrics`, from the records |
 //! | `flashsale_records_up` (gauge) | — | `/metrics`: 0 while the records cannot be read |
 //! | `flashsale_timeline_dropped_total` | — | `store::Timeline`, sections not recorded |
 
@@ -49,10 +50,9 @@ fn describe() {
         "flashsale_lock_hold_seconds",
         "Time a lock was held, by strategy"
     );
-    describe_counter!(
-        "flashsale_events_total",
-        "Cluster events counted by this replica: lock timeouts, lost locks, fencing rejections, optimistic conflicts and give-ups, paused holders"
-    );
+    for event in crate::store::ClusterEvent::ALL {
+        describe_counter!(event.metric(), event.help());
+    }
     describe_counter!(
         "flashsale_lease_renewals_total",
         "Lease renewals by the watchdog, by outcome"
@@ -64,6 +64,10 @@ fn describe() {
     describe_gauge!(
         "flashsale_oversold",
         "Units sold beyond the initial stock, per SKU"
+    );
+    describe_gauge!(
+        "flashsale_consistent",
+        "1 when a SKU's Redis stock, MySQL stock and initial minus ordered agree"
     );
     describe_gauge!(
         "flashsale_records_up",
@@ -104,4 +108,14 @@ pub fn prometheus() -> PrometheusHandle {
             handle
         })
         .clone()
+}
+
+/// Makes every event counter exist at 0 for every strategy, so its `# HELP` is there and
+/// a dashboard's rate reads 0 rather than "no data" before the first event.
+pub fn register_events(strategies: &[&'static str]) {
+    for event in crate::store::ClusterEvent::ALL {
+        for &strategy in strategies {
+            metrics::counter!(event.metric(), "strategy" => strategy).increment(0);
+        }
+    }
 }

@@ -6,7 +6,6 @@
 //! keeps buying for the grace period, then Goose's killswitch ends the attack; the
 //! `max_seconds` run time bounds it in any case.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -18,6 +17,8 @@ use goose::prelude::{GooseAttack, GooseDefault, GooseDefaultType};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::time::Instant;
+
+use crate::report::{Times, new_times};
 
 /// What one attack is told.
 pub struct CrowdPlan {
@@ -54,9 +55,10 @@ pub struct Sale {
     next_request: AtomicU64,
     sold_out: Vec<AtomicBool>,
     all_sold_out_at: Mutex<Option<Duration>>,
-    /// Goose's response times (ms → count) of the requests sent while stock remained.
-    /// Once sold out, answers are cheap refusals that would only dilute the figures.
-    selling_times: Mutex<BTreeMap<usize, usize>>,
+    /// Response times of the requests sent while stock remained, timed here (Goose
+    /// keeps whole milliseconds). Once sold out, answers are cheap refusals that would
+    /// only dilute the figures.
+    selling_times: Mutex<Times>,
 }
 
 #[derive(Deserialize)]
@@ -81,7 +83,7 @@ impl Sale {
             next_request: AtomicU64::new(0),
             sold_out,
             all_sold_out_at: Mutex::new(None),
-            selling_times: Mutex::new(BTreeMap::new()),
+            selling_times: Mutex::new(new_times()),
         })
     }
 
@@ -90,7 +92,7 @@ impl Sale {
     }
 
     /// Response times of the requests sent before the sale sold out.
-    pub fn selling_times(&self) -> BTreeMap<usize, usize> {
+    pub fn selling_times(&self) -> Times {
         self.selling_times
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -140,15 +142,14 @@ impl Sale {
             "quantity": 1,
         });
         let selling = self.sell_out_time().is_none();
+        let sent = Instant::now();
         let mut goose = user.post_json("/api/orders", &body).await?;
         if selling {
-            let ms = usize::try_from(goose.request.response_time).unwrap_or(usize::MAX);
-            *self
-                .selling_times
+            let us = u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX);
+            self.selling_times
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .entry(ms)
-                .or_insert(0) += 1;
+                .saturating_record(us);
         }
         let answer = match goose.response {
             Ok(response) => {

@@ -15,6 +15,8 @@ async fn main() -> ExitCode {
     }
 }
 
+/// Exit 0: every lock strategy sold within its stock and ended consistent; 1: one did
+/// not (after the report is written); 2: the run itself failed.
 async fn load_test(options: Options) -> ExitCode {
     let (service, strategies) = match loadtest::prepare(&options).await {
         Ok(prepared) => prepared,
@@ -27,13 +29,13 @@ async fn load_test(options: Options) -> ExitCode {
         Ok(report) => report,
         Err(error) => {
             eprintln!("loadtest: {error:#}");
-            return ExitCode::FAILURE;
+            return ExitCode::from(2);
         }
     };
     println!("\n{}", loadtest::report::text_table(&report));
     if let Err(error) = loadtest::report::write_files(&report, &options.out) {
         eprintln!("loadtest: writing the report: {error:#}");
-        return ExitCode::FAILURE;
+        return ExitCode::from(2);
     }
     println!(
         "Reports: {0}/report.json, {0}/report.md, {0}/goose-<strategy>.html",
@@ -44,7 +46,15 @@ async fn load_test(options: Options) -> ExitCode {
     {
         eprintln!("loadtest: warning: {error:#}");
     }
-    ExitCode::SUCCESS
+    let violations = loadtest::report::violations(&report);
+    for violation in &violations {
+        eprintln!("loadtest: FAILED: {violation}");
+    }
+    if violations.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 /// Exit 0: no violation; 1: a violation (printed with its replay); 2: the run itself

@@ -3,7 +3,6 @@
 //! Counts of answers and latency come from the crowd (Goose); oversold and the stock
 //! figures come from the service's own records after the run.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -11,32 +10,34 @@ use std::time::Duration;
 
 use flashsale_wire::report::{Latency, LoadReport, RunResult};
 use flashsale_wire::stats::SkuStats;
+use hdrhistogram::Histogram;
 
 use crate::crowd::Outcomes;
 
-/// Nearest-rank percentile (`p` in 0..=1) of a histogram of milliseconds → count.
-pub fn percentile(times: &BTreeMap<usize, usize>, p: f64) -> f64 {
-    let total: usize = times.values().sum();
-    if total == 0 {
-        return 0.0;
-    }
-    let rank = ((p * total as f64).ceil() as usize).clamp(1, total);
-    let mut seen = 0;
-    for (ms, count) in times {
-        seen += count;
-        if seen >= rank {
-            return *ms as f64;
-        }
-    }
-    times.keys().next_back().map_or(0.0, |ms| *ms as f64)
+/// Response times in microseconds, 3 significant digits: sub-millisecond resolution
+/// for fast strategies, up to a minute without resizing.
+pub type Times = Histogram<u64>;
+
+pub fn new_times() -> Times {
+    Histogram::new_with_bounds(1, 60_000_000, 3).expect("constant, valid bounds")
 }
 
-pub fn latency(times: &BTreeMap<usize, usize>) -> Latency {
+/// Percentiles in milliseconds (fractional) of times recorded in microseconds.
+pub fn latency(times: &Times) -> Latency {
+    let ms = |us: u64| us as f64 / 1000.0;
+    if times.is_empty() {
+        return Latency {
+            p50: 0.0,
+            p90: 0.0,
+            p99: 0.0,
+            max: 0.0,
+        };
+    }
     Latency {
-        p50: percentile(times, 0.50),
-        p90: percentile(times, 0.90),
-        p99: percentile(times, 0.99),
-        max: times.keys().next_back().map_or(0.0, |ms| *ms as f64),
+        p50: ms(times.value_at_quantile(0.50)),
+        p90: ms(times.value_at_quantile(0.90)),
+        p99: ms(times.value_at_quantile(0.99)),
+        max: ms(times.max()),
     }
 }
 
@@ -67,7 +68,7 @@ impl ServiceFigures {
 pub fn run_result(
     strategy: &str,
     outcomes: &Outcomes,
-    times: &BTreeMap<usize, usize>,
+    times: &Times,
     duration: Duration,
     sell_out: Option<Duration>,
     service: ServiceFigures,
@@ -131,9 +132,9 @@ fn row(run: &RunResult) -> [String; 13] {
         },
         format!("{:.0}", run.rps),
         format!("{:.0}", run.orders_per_s),
-        format!("{:.0}", run.latency_ms.p50),
-        format!("{:.0}", run.latency_ms.p90),
-        format!("{:.0}", run.latency_ms.p99),
+        format!("{:.2}", run.latency_ms.p50),
+        format!("{:.2}", run.latency_ms.p90),
+        format!("{:.2}", run.latency_ms.p99),
         run.busy.to_string(),
         run.errors.to_string(),
         run.sell_out_s.map_or("-".into(), |s| format!("{s:.2}")),
@@ -213,10 +214,33 @@ pub fn markdown(report: &LoadReport) -> String {
          MySQL stock) after each run; requests, latency and busy/errors from the crowd. \
          Oversold = orders − initial stock. Consistent = Redis stock, MySQL stock and \
          initial − ordered all agree. orders/s counts the time until sold out; latency \
-         percentiles (Goose's response times) cover the requests sent before sold out. Goose's own \
+         percentiles (measured by the crowd, microsecond resolution) cover the requests sent before sold out. Goose's own \
          HTML report per strategy is beside this file (its charts load from a CDN)."
     );
     md
+}
+
+/// What makes a run fail (its exit status): a lock strategy that oversold or left the
+/// stock inconsistent. `none` overselling is the lesson, not a failure.
+pub fn violations(report: &LoadReport) -> Vec<String> {
+    let mut found = Vec::new();
+    for run in report.runs.iter().filter(|r| r.strategy != "none") {
+        if run.oversold > 0 {
+            found.push(format!(
+                "{} oversold {} unit(s)",
+                run.strategy, run.oversold
+            ));
+        }
+        if !run.consistent {
+            found.push(format!(
+                "{} ended inconsistent (Redis {}, MySQL {})",
+                run.strategy,
+                run.stock_redis.map_or("missing".into(), |s| s.to_string()),
+                run.stock_mysql
+            ));
+        }
+    }
+    found
 }
 
 pub fn write_files(report: &LoadReport, out: &Path) -> anyhow::Result<()> {
@@ -233,18 +257,75 @@ pub fn write_files(report: &LoadReport, out: &Path) -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
-    fn histogram(pairs: &[(usize, usize)]) -> BTreeMap<usize, usize> {
-        pairs.iter().copied().collect()
+    /// Times in milliseconds (fractional allowed) → count.
+    fn times(pairs: &[(f64, u64)]) -> Times {
+        let mut times = new_times();
+        for &(ms, count) in pairs {
+            times.record_n((ms * 1000.0) as u64, count).unwrap();
+        }
+        times
     }
 
     #[test]
-    fn percentiles_use_nearest_rank() {
-        // 100 requests: 50 at 1 ms, 40 at 5 ms, 9 at 20 ms, 1 at 300 ms.
-        let times = histogram(&[(1, 50), (5, 40), (20, 9), (300, 1)]);
-        let l = latency(&times);
-        assert_eq!((l.p50, l.p90, l.p99, l.max), (1.0, 5.0, 20.0, 300.0));
-        assert_eq!(percentile(&times, 0.51), 5.0);
-        assert_eq!(percentile(&BTreeMap::new(), 0.5), 0.0);
+    fn percentiles_keep_sub_millisecond_resolution() {
+        // 100 requests: 50 at 0.4 ms, 40 at 5 ms, 9 at 20 ms, 1 at 300 ms.
+        let l = latency(&times(&[(0.4, 50), (5.0, 40), (20.0, 9), (300.0, 1)]));
+        let close = |a: f64, b: f64| (a - b).abs() <= b * 0.001;
+        assert!(close(l.p50, 0.4), "{l:?}");
+        assert!(
+            close(l.p90, 5.0) && close(l.p99, 20.0) && close(l.max, 300.0),
+            "{l:?}"
+        );
+        assert_eq!(latency(&new_times()).p99, 0.0);
+    }
+
+    #[test]
+    fn a_lock_strategy_that_oversold_or_diverged_fails_the_run_and_none_does_not() {
+        let run = |strategy: &str, oversold: i64, consistent: bool| RunResult {
+            strategy: strategy.into(),
+            oversold,
+            consistent,
+            ..run_result(
+                strategy,
+                &Outcomes::default(),
+                &new_times(),
+                Duration::from_secs(1),
+                None,
+                ServiceFigures::default(),
+            )
+        };
+        let report = |runs| LoadReport {
+            generated_at: chrono::Utc::now(),
+            config: flashsale_wire::report::LoadConfig {
+                targets: vec![],
+                users: 1,
+                stock: 1,
+                skus: 1,
+                max_seconds: 1,
+                grace_ms: 0,
+                strategies: vec![],
+                fault: None,
+                fencing: false,
+            },
+            runs,
+        };
+        assert!(
+            violations(&report(vec![
+                run("none", 5, false),
+                run("redis-lock", 0, true)
+            ]))
+            .is_empty()
+        );
+        assert_eq!(
+            violations(&report(vec![
+                run("redis-lock", 2, true),
+                run("etcd", 0, false)
+            ])),
+            vec![
+                "redis-lock oversold 2 unit(s)".to_owned(),
+                "etcd ended inconsistent (Redis missing, MySQL 0)".to_owned()
+            ]
+        );
     }
 
     fn sku(
@@ -304,7 +385,7 @@ mod tests {
         let run = run_result(
             "x",
             &outcomes,
-            &histogram(&[(2, 400)]),
+            &times(&[(2.0, 400)]),
             Duration::from_secs(4),
             Some(Duration::from_secs(2)),
             service,

@@ -1,6 +1,11 @@
 //! Limits that keep a replica answering under abuse or overload: a bound on how long a
-//! request may take and on how many run at once. Both answer 503 with a JSON error
-//! rather than queueing without bound. (Body size is limited where bodies are read.)
+//! request may take (tower's timeout) and on how many run at once. Both answer 503 with
+//! a JSON error rather than queueing without bound. (Body size is limited where bodies
+//! are read.)
+//!
+//! The in-flight bound is ours rather than tower's `ConcurrencyLimit`, which queues
+//! instead of refusing and frees the place when the response is sent, while an order
+//! must keep it until its own task ends (below).
 //!
 //! A request cut off by the timeout (or by its client hanging up) is dropped, but an
 //! order it started runs on in its own task (`orders.rs`). That task keeps the
@@ -10,7 +15,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::BoxError;
 use axum::extract::{Request, State};
+use axum::http::Uri;
 use axum::middleware::Next;
 use axum::response::Response;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -28,7 +35,9 @@ pub struct Limits {
 #[derive(Clone)]
 pub struct InFlight(#[allow(dead_code)] Arc<OwnedSemaphorePermit>);
 
-pub async fn enforce(
+/// Refuses a request when the replica already runs as many as it may; otherwise gives
+/// it a place, which travels with it (`InFlight`).
+pub async fn take_place(
     State(limits): State<Limits>,
     mut request: Request,
     next: Next,
@@ -37,11 +46,17 @@ pub async fn enforce(
         return Err(AppError::Overloaded);
     };
     request.extensions_mut().insert(InFlight(Arc::new(permit)));
-    let route = request.uri().path().to_owned();
-    tokio::time::timeout(limits.timeout, next.run(request))
-        .await
-        .map_err(|_| {
-            tracing::warn!(%route, timeout = ?limits.timeout, "request abandoned: too slow");
-            AppError::TimedOut(limits.timeout)
-        })
+    Ok(next.run(request).await)
+}
+
+/// The answer to a request that failed in the limits' layers: a timeout (tower's
+/// `Elapsed`) is a 503 saying how long we waited.
+pub async fn refused(uri: Uri, error: BoxError, timeout: Duration) -> AppError {
+    if error.is::<tower::timeout::error::Elapsed>() {
+        tracing::warn!(route = %uri.path(), ?timeout, "request abandoned: too slow");
+        AppError::TimedOut(timeout)
+    } else {
+        tracing::error!(%error, "request failed in a middleware");
+        AppError::Internal
+    }
 }

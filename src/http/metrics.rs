@@ -68,6 +68,8 @@ fn set_sku_gauges(skus: &[stats::SkuStats]) {
             metrics::gauge!("flashsale_stock", "sku" => name.clone(), "store" => "redis")
                 .set(redis as f64);
         }
-        metrics::gauge!("flashsale_oversold", "sku" => name).set(sku.oversold as f64);
+        metrics::gauge!("flashsale_oversold", "sku" => name.clone()).set(sku.oversold as f64);
+        metrics::gauge!("flashsale_consistent", "sku" => name)
+            .set(f64::from(u8::from(sku.consistent)));
     }
 }

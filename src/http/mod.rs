@@ -5,6 +5,7 @@
 //! directly but through `store` and `strategy`.
 
 mod admin;
+mod assets;
 mod auth;
 mod cors;
 mod crowd;
@@ -26,12 +27,17 @@ mod timeline;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
-use axum::Router;
+use axum::error_handling::HandleErrorLayer;
 use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::Uri;
+use axum::http::header::HeaderName;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{BoxError, Router};
+use tower::ServiceBuilder;
 use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::services::ServeDir;
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use tracing::Level;
@@ -41,6 +47,8 @@ pub use events::{Snapshots, spawn_snapshots};
 pub use json::ApiJson;
 pub use state::AppState;
 
+const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
 /// Request bodies larger than this are refused with 413 before they are parsed.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
 
@@ -49,10 +57,11 @@ pub const MAX_REPORT_BYTES: usize = 256 * 1024;
 
 pub fn router(
     state: AppState,
-    static_dir: &Path,
+    static_dir: Option<&Path>,
     limits: limits::Limits,
     cors_origins: &[String],
 ) -> Router {
+    let timeout = limits.timeout;
     // Calls that change the sale or start load: behind the admin token when one is set.
     let admin = Router::new()
         .route(
@@ -99,14 +108,25 @@ pub fn router(
         .route("/api/events", get(events::events))
         .route("/api/openapi.json", get(openapi::openapi_json));
 
-    let router = admin
+    let routes = admin
         .merge(public)
-        .route_layer(middleware::from_fn_with_state(limits, limits::enforce))
+        .route_layer(
+            ServiceBuilder::new()
+                .layer(middleware::from_fn_with_state(limits, limits::take_place))
+                .layer(HandleErrorLayer::new(move |uri: Uri, error: BoxError| {
+                    limits::refused(uri, error, timeout)
+                }))
+                .timeout(timeout),
+        )
         .merge(unlimited)
         // A route layer, so it runs after routing and sees the route template.
         .route_layer(middleware::from_fn(metrics::observe))
-        .method_not_allowed_fallback(method_not_allowed)
-        .fallback_service(ServeDir::new(static_dir))
+        .method_not_allowed_fallback(method_not_allowed);
+    let routes = match static_dir {
+        Some(dir) => routes.fallback_service(ServeDir::new(dir)),
+        None => routes.fallback(assets::serve),
+    };
+    let router = routes
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -119,13 +139,31 @@ pub fn router(
         // lock_timeout under contention). Real failures are logged where they happen,
         // with their detail (`error.rs`, `limits.rs`), and every status is counted in
         // /metrics.
-        .layer(TraceLayer::new_for_http().on_failure(DefaultOnFailure::new().level(Level::DEBUG)))
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(request_span)
+                .on_failure(DefaultOnFailure::new().level(Level::DEBUG)),
+        )
+        // Every request gets an id (or keeps the caller's), echoed in the answer and
+        // carried by every log line written while it is served.
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .with_state(state);
     // Outermost, so a browser's preflight is answered before auth and limits.
     match cors::layer(cors_origins) {
         Some(cors) => router.layer(cors),
         None => router,
     }
+}
+
+/// The span every log line of a request is written in: its id, method and path.
+fn request_span(request: &Request) -> tracing::Span {
+    let id = request
+        .headers()
+        .get(X_REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-");
+    tracing::info_span!("request", id, method = %request.method(), path = request.uri().path())
 }
 
 fn answer_panic(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {

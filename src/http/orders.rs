@@ -12,6 +12,7 @@ use super::error::{AppError, ErrorBody};
 use super::limits::InFlight;
 use crate::model::{NewOrder, Order, Sku, integer_in_range, parse_user_id};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::strategy::{OrderError, OrderOptions, Outcome};
 
@@ -101,14 +102,18 @@ pub async fn place_order(
     let running = strategy.clone();
     let placed = state
         .orders_in_flight
-        .spawn(async move {
-            // Counted in flight until the order ends, even if its shopper left.
-            let _in_flight = in_flight;
-            if options.client_gone.is_cancelled() {
-                return Err(OrderError::Abandoned);
+        .spawn(
+            async move {
+                // Counted in flight until the order ends, even if its shopper left.
+                let _in_flight = in_flight;
+                if options.client_gone.is_cancelled() {
+                    return Err(OrderError::Abandoned);
+                }
+                running.place_order(&flow, &order, options).await
             }
-            running.place_order(&flow, &order, options).await
-        })
+            // The task logs under the request's span (its id) like the handler.
+            .instrument(tracing::Span::current()),
+        )
         .await
         .map_err(|error| {
             tracing::error!(%error, "an order task failed");

@@ -35,6 +35,71 @@ return false
     )
 });
 
+/// Events every replica counts, cluster-wide in Redis and per replica in /metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClusterEvent {
+    LockTimeout,
+    LockLost,
+    FencingRejection,
+    OptimisticConflict,
+    OptimisticGaveUp,
+    PausedHolder,
+}
+
+impl ClusterEvent {
+    pub const ALL: [ClusterEvent; 6] = [
+        ClusterEvent::LockTimeout,
+        ClusterEvent::LockLost,
+        ClusterEvent::FencingRejection,
+        ClusterEvent::OptimisticConflict,
+        ClusterEvent::OptimisticGaveUp,
+        ClusterEvent::PausedHolder,
+    ];
+
+    /// The counter's name in `/api/stats` (`<strategy>.<counter>`).
+    pub fn counter(self) -> &'static str {
+        match self {
+            ClusterEvent::LockTimeout => "lock_timeouts",
+            ClusterEvent::LockLost => "locks_lost",
+            ClusterEvent::FencingRejection => "fencing_rejections",
+            ClusterEvent::OptimisticConflict => "conflicts",
+            ClusterEvent::OptimisticGaveUp => "gave_up",
+            ClusterEvent::PausedHolder => "paused_holders",
+        }
+    }
+
+    /// One Prometheus metric per event, so each gets its own `# HELP`.
+    pub fn metric(self) -> &'static str {
+        match self {
+            ClusterEvent::LockTimeout => "flashsale_lock_timeouts_total",
+            ClusterEvent::LockLost => "flashsale_locks_lost_total",
+            ClusterEvent::FencingRejection => "flashsale_fencing_rejections_total",
+            ClusterEvent::OptimisticConflict => "flashsale_optimistic_conflicts_total",
+            ClusterEvent::OptimisticGaveUp => "flashsale_optimistic_gave_up_total",
+            ClusterEvent::PausedHolder => "flashsale_paused_holders_total",
+        }
+    }
+
+    pub fn help(self) -> &'static str {
+        match self {
+            ClusterEvent::LockTimeout => {
+                "Orders refused because the lock was not acquired in time, by strategy"
+            }
+            ClusterEvent::LockLost => {
+                "Orders abandoned because their lock was lost mid-section, by strategy"
+            }
+            ClusterEvent::FencingRejection => {
+                "Stale holders' writes refused by the fence, by strategy"
+            }
+            ClusterEvent::OptimisticConflict => "Optimistic version conflicts (each retried)",
+            ClusterEvent::OptimisticGaveUp => {
+                "Optimistic orders that gave up after their last attempt"
+            }
+            ClusterEvent::PausedHolder => "Lock holders paused by the armed fault",
+        }
+    }
+}
+
 /// A replica is considered alive while its last heartbeat is younger than this.
 pub const REPLICA_TTL_MS: i64 = 5_000;
 
@@ -180,12 +245,12 @@ impl ClusterState {
         Ok(taken.as_deref().and_then(PauseFault::decode))
     }
 
-    /// Adds one to a cluster-wide counter such as `optimistic.conflicts`. Counting is
-    /// best effort: a failure is logged and never fails the order being counted.
-    pub async fn count(&self, strategy: &str, counter: &str) {
-        metrics::counter!("flashsale_events_total",
-            "strategy" => strategy.to_owned(), "event" => counter.to_owned())
-        .increment(1);
+    /// Adds one to the cluster-wide count of `event` under `strategy` (the counters
+    /// `/api/stats` shows) and to this replica's Prometheus counter. Counting is best
+    /// effort: a failure is logged and never fails the order being counted.
+    pub async fn count(&self, strategy: &str, event: ClusterEvent) {
+        metrics::counter!(event.metric(), "strategy" => strategy.to_owned()).increment(1);
+        let counter = event.counter();
         let counted = async {
             let mut conn = self.pool.get().await?;
             let () = conn

@@ -11,7 +11,7 @@ mod sale;
 mod stock_cache;
 mod timeline;
 
-pub use cluster_state::{ClusterSettings, ClusterState, PauseFault, ReplicaInfo};
+pub use cluster_state::{ClusterEvent, ClusterSettings, ClusterState, PauseFault, ReplicaInfo};
 pub use order_commit::{Committed, Fence, LockedProduct, Refusal, StockWrite};
 pub use records::{ProductRecord, Records};
 pub use sale::{SaleChange, SaleSettings, StockAt};

@@ -101,20 +101,30 @@ pub(crate) fn mysql_error_number(error: &sqlx::Error) -> Option<u16> {
 /// Registers a lock holder's token as the SKU's fence for its lock service, as soon as
 /// it holds the lock and before it reads anything. The fence only moves forward; a
 /// holder whose token is already overtaken finds out at its commit.
+///
+/// Only while the sale is still at the holder's `epoch` (a locking read of the epoch
+/// row, so it waits for a change in progress): a reset clears the SKU's fences so that
+/// a wiped lock service can fence again, and a holder of the old epoch must not put its
+/// old, high token back afterwards. Such a holder registers nothing; its commit is
+/// refused for the epoch anyway.
 impl Records {
     pub async fn register_fence(
         &self,
         sku: &Sku,
         lock_service: &str,
         token: u64,
+        epoch: u64,
     ) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO product_fences (sku, lock_service, fence) VALUES (?, ?, ?)
-         ON DUPLICATE KEY UPDATE fence = GREATEST(fence, VALUES(fence))",
+            "INSERT INTO product_fences (sku, lock_service, fence)
+             SELECT ?, ?, ? FROM cluster_settings
+             WHERE name = 'epoch' AND value = ? LOCK IN SHARE MODE
+             ON DUPLICATE KEY UPDATE fence = GREATEST(fence, VALUES(fence))",
         )
         .bind(sku.as_str())
         .bind(lock_service)
         .bind(token)
+        .bind(epoch.to_string())
         .execute(self.pool())
         .await?;
         Ok(())

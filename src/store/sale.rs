@@ -74,29 +74,32 @@ pub struct StockAt {
 /// clear a pending mark a newer holder depends on).
 ///
 /// - `newer` (an admin change): only over an older epoch, so of two concurrent
-///   changes the later one wins; stocks only over older versions.
+///   changes the later one wins.
 /// - `replace` (a resync: MySQL is the authority and Redis disagreed): only if Redis
 ///   still has the epoch the caller saw, so two resyncs and a change cannot undo each
-///   other. If Redis was *ahead* of MySQL (MySQL restored or replaced under a running
-///   cache) nothing cached is trusted and every stock is overwritten.
+///   other.
+///
+/// A publication that moves the epoch overwrites every stock it carries: nothing
+/// cached under another epoch is trusted (no order of that epoch can commit any more,
+/// and MySQL may have been restored or replaced under a running cache). One that
+/// keeps the epoch writes a stock only over an older version.
 static PUBLISH_SALE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 local seen = redis.call('GET', KEYS[3])
 local cached = tonumber(seen or '-1')
 local epoch = tonumber(ARGV[3])
-local ahead = false
 if ARGV[4] == 'newer' then
   if epoch <= cached then return {} end
 else
   if (seen or '') ~= ARGV[5] then return {} end
-  ahead = cached > epoch
 end
+local moves = cached ~= epoch
 local rewritten = {}
 for i = 0, (#KEYS - 3) / 3 - 1 do
   local k, a = 4 + 3 * i, 6 + 2 * i
   local version = tonumber(redis.call('GET', KEYS[k + 1]) or '-1')
-  if ahead or tonumber(ARGV[a + 1]) > version then
+  if moves or tonumber(ARGV[a + 1]) > version then
     if redis.call('GET', KEYS[k]) ~= ARGV[a] then table.insert(rewritten, i) end
     redis.call('SET', KEYS[k], ARGV[a])
     redis.call('SET', KEYS[k + 1], ARGV[a + 1])
@@ -127,7 +130,21 @@ const DEADLOCK_RETRIES: u32 = 5;
 impl Store {
     /// Applies an admin change; returns the SKUs whose Redis stock it rewrote with a
     /// different value (for reconcile's answer).
+    ///
+    /// The change runs in a task of its own: an admin who hangs up, or a request
+    /// timeout, must not stop it between its MySQL commit and its publication (Redis
+    /// would keep the old epoch's stock and refuse a restock as sold out). If the
+    /// publication fails all the same (Redis down), every replica's heartbeat
+    /// republishes (`resync_settings`).
     pub async fn change_sale(&self, change: SaleChange) -> Result<Vec<StockAt>, StoreError> {
+        let store = self.clone();
+        // Never cancelled, so the only failure is a panic, passed on as one.
+        tokio::spawn(async move { store.apply_and_publish(change).await })
+            .await
+            .unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()))
+    }
+
+    async fn apply_and_publish(&self, change: SaleChange) -> Result<Vec<StockAt>, StoreError> {
         let (settings, stocks) = self.records.apply_change(&change).await?;
         let rewritten = self.publish(&settings, &stocks, Publish::IfNewer).await?;
         if let SaleChange::Reset { sku, .. } = &change {
@@ -176,9 +193,10 @@ impl Store {
     }
 
     /// Publishes MySQL's settings to Redis when Redis's epoch differs: an order
-    /// refused for an epoch it never saw calls this, so a change whose publication
-    /// failed (the admin call died after its MySQL commit) cannot stall the sale, nor
-    /// can a Redis that is ahead of MySQL (MySQL restored under a running cache).
+    /// refused for an epoch it never saw calls this, and so does every heartbeat, so a
+    /// change whose publication failed (Redis down after the MySQL commit) cannot stall
+    /// the sale, nor can a Redis that is ahead of MySQL (MySQL restored under a running
+    /// cache).
     ///
     /// The stock is rewritten from the same MySQL snapshot in the same script:
     /// publishing an epoch before its rewrite would let its orders read a cache the
@@ -212,8 +230,10 @@ impl Store {
                 pause: cached.pause,
             });
         }
-        let durable = self.records.sale_settings().await?;
-        self.publish(&durable, &[], Publish::IfStill(cached.epoch))
+        // With the stocks of the same snapshot: the epoch never reaches Redis without
+        // them.
+        let (durable, stocks) = self.records.settings_and_stocks().await?;
+        self.publish(&durable, &stocks, Publish::IfStill(cached.epoch))
             .await?;
         Ok(ClusterSettings {
             strategy: durable.strategy,
@@ -292,8 +312,8 @@ impl Records {
                     .await?;
             }
             SaleChange::Reset { sku, stock } => {
-                // The version keeps growing across resets, so a cache write from
-                // before the reset can never pass for a newer one.
+                // The version keeps growing across resets (and is moved to this
+                // epoch's range below).
                 sqlx::query(
                     "INSERT INTO products (sku, stock, initial_stock, version) VALUES (?, ?, ?, 1)
                      ON DUPLICATE KEY UPDATE stock = VALUES(stock),
@@ -321,9 +341,16 @@ impl Records {
         // cached: a publication that rewrote only some would leave the others showing
         // what the old strategy had done to them (a unit taken by a redis-atomic order
         // that will never commit), and the new strategy would sell from that.
-        sqlx::query("UPDATE products SET version = version + 1")
-            .execute(&mut *tx)
-            .await?;
+        //
+        // Versions of epoch E start at E << 32 (orders add 1 each), so they never go
+        // backwards across changes, not even for a row deleted and created again: a
+        // cache write from before the change can never pass for a newer one.
+        sqlx::query(
+            "UPDATE products SET version = GREATEST(version + 1,
+                 (SELECT CAST(value AS UNSIGNED) FROM cluster_settings WHERE name = 'epoch') << 32)",
+        )
+        .execute(&mut *tx)
+        .await?;
         let rows: Vec<(String, i64, i64)> =
             sqlx::query_as("SELECT sku, stock, version FROM products ORDER BY sku")
                 .fetch_all(&mut *tx)

@@ -16,10 +16,14 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use tracing::{Instrument, debug_span};
+
 use super::{OrderError, OrderOptions, Outcome};
 use crate::lock::{DistributedLock, HeldLock, acquisition_token};
 use crate::model::{NewOrder, Order, PausePoint};
-use crate::store::{Committed, Fence, ReadToSell, Refusal, Section, StockWrite, Store, StoreError};
+use crate::store::{
+    ClusterEvent, Committed, Fence, ReadToSell, Refusal, Section, StockWrite, Store, StoreError,
+};
 
 /// How often a lock holder rebuilds a suspect stock from MySQL before giving up.
 const REPAIRS: usize = 3;
@@ -52,23 +56,31 @@ impl SaleFlow {
             let acquired = lock.acquire(order.sku.as_str(), self.lock_wait).await;
             acquired.map_err(OrderError::from)
         };
-        let guard = self.wait_for_lock(strategy, &options, acquire).await?;
+        let guard = self
+            .wait_for_lock(strategy, &options, acquire)
+            .instrument(debug_span!("acquire", strategy))
+            .await?;
         let holding = Instant::now();
         let critical = self.sell(order, strategy, Some(&guard), &options);
         let sold = self
             .section(order, strategy, guard.fencing_token(), critical)
             .await;
-        if let Err(error) = guard.release().await {
+        if let Err(error) = guard.release().instrument(debug_span!("release")).await {
             tracing::warn!(%error, sku = %order.sku, strategy, "lock release failed");
         }
         metrics::histogram!("flashsale_lock_hold_seconds", "strategy" => strategy.to_owned())
             .record(holding.elapsed().as_secs_f64());
         match &sold {
-            Err(OrderError::LockLost(_)) => self.store.cluster.count(strategy, "locks_lost").await,
+            Err(OrderError::LockLost(_)) => {
+                self.store
+                    .cluster
+                    .count(strategy, ClusterEvent::LockLost)
+                    .await
+            }
             Err(OrderError::Fenced { .. } | OrderError::StaleRead) => {
                 self.store
                     .cluster
-                    .count(strategy, "fencing_rejections")
+                    .count(strategy, ClusterEvent::FencingRejection)
                     .await;
             }
             _ => {}
@@ -102,7 +114,10 @@ impl SaleFlow {
         metrics::histogram!("flashsale_lock_acquire_seconds", "strategy" => strategy.to_owned())
             .record(started.elapsed().as_secs_f64());
         if let Err(OrderError::Busy(_)) = &acquired {
-            self.store.cluster.count(strategy, "lock_timeouts").await;
+            self.store
+                .cluster
+                .count(strategy, ClusterEvent::LockTimeout)
+                .await;
         }
         if acquired.is_ok() && options.client_gone.is_cancelled() {
             return Err(OrderError::Abandoned);
@@ -126,9 +141,10 @@ impl SaleFlow {
         options: &OrderOptions,
     ) -> Result<Order, OrderError> {
         let token = match hold {
-            Some(hold) if options.fencing => {
-                Some(self.register_fence(hold, order, strategy).await?)
-            }
+            Some(hold) if options.fencing => Some(
+                self.register_fence(hold, order, strategy, options.epoch)
+                    .await?,
+            ),
             _ => None,
         };
         self.pause_at(PausePoint::BeforeRead, hold, strategy, options)
@@ -137,7 +153,9 @@ impl SaleFlow {
         // `store::stock_cache`); without a lock there is nobody to protect.
         let mark = hold.map_or_else(String::new, |_| acquisition_token(&self.replica_id));
         let stock = if hold.is_some() {
-            self.read_to_sell(order, &mark, options.epoch).await?
+            self.read_to_sell(order, &mark, options.epoch)
+                .instrument(debug_span!("read"))
+                .await?
         } else {
             match self.store.cache.stock(&order.sku).await? {
                 Some(stock) => stock,
@@ -165,10 +183,17 @@ impl SaleFlow {
         };
         let committed = self
             .commit(order, write, strategy, options.epoch, &mark)
+            .instrument(debug_span!("commit"))
             .await?;
-        self.pause_at(PausePoint::AfterCommit, hold, strategy, options)
-            .await?;
+        // The order is committed: from here on nothing may turn it into a failure.
+        if let Err(error) = self
+            .pause_at(PausePoint::AfterCommit, hold, strategy, options)
+            .await
+        {
+            tracing::warn!(%error, sku = %order.sku, "the after-commit pause failed; the order stands");
+        }
         self.write_cache(order, new_stock, committed.version, &mark)
+            .instrument(debug_span!("cache_write"))
             .await;
         Ok(committed.order)
     }
@@ -220,6 +245,7 @@ impl SaleFlow {
         hold: &dyn HeldLock,
         order: &NewOrder,
         strategy: &str,
+        epoch: u64,
     ) -> Result<u64, OrderError> {
         let Some(token) = hold.fencing_token() else {
             return Err(OrderError::LockBackend {
@@ -229,7 +255,7 @@ impl SaleFlow {
         };
         self.store
             .records
-            .register_fence(&order.sku, strategy, token)
+            .register_fence(&order.sku, strategy, token, epoch)
             .await?;
         Ok(token)
     }
@@ -415,7 +441,10 @@ impl SaleFlow {
         );
         hold.suspend_renewal();
         tokio::time::sleep(Duration::from_millis(fault.ms)).await;
-        self.store.cluster.count(strategy, "paused_holders").await;
+        self.store
+            .cluster
+            .count(strategy, ClusterEvent::PausedHolder)
+            .await;
         Ok(())
     }
 }

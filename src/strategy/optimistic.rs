@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock};
 use crate::lock::jittered_backoff;
 use crate::model::{NewOrder, Order, Sku};
-use crate::store::{Refusal, StockWrite};
+use crate::store::{ClusterEvent, Refusal, StockWrite};
 
 const BACKOFF_BASE: Duration = Duration::from_millis(2);
 const BACKOFF_CAP: Duration = Duration::from_millis(100);
@@ -107,10 +107,16 @@ impl OptimisticStrategy {
                 Ok(Err(refusal)) => return Err(flow.refused(order, refusal).await),
                 Err(error) => return Err(flow.commit_failed(order, error).await),
             }
-            store.cluster.count(self.name(), "conflicts").await;
+            store
+                .cluster
+                .count(self.name(), ClusterEvent::OptimisticConflict)
+                .await;
             tokio::time::sleep(jittered_backoff(attempt, BACKOFF_BASE, BACKOFF_CAP)).await;
         }
-        store.cluster.count(self.name(), "gave_up").await;
+        store
+            .cluster
+            .count(self.name(), ClusterEvent::OptimisticGaveUp)
+            .await;
         Err(OrderError::GaveUp(format!(
             "{} optimistic attempts all conflicted with other writers; try again",
             self.max_attempts

@@ -19,6 +19,7 @@ mod lock_strategies;
 mod lockbench;
 mod none_strategy;
 mod openapi_fuzz;
+mod operations;
 mod row_lock_queue;
 mod sale_changes;
 mod support;
