@@ -11,11 +11,18 @@
 # Sections:
 #   lockbench   each lock primitive alone (target/release/lockbench), every lock
 #               repeated, median and min-max
+#   orders      orders/s per strategy on one hot SKU, measured by wrk (an independent
+#               generator) against three replicas and counted in MySQL, as a ratio to
+#               `none` with one connection in the same repeat
+#
+#   scripts/bench.sh [--no-stack] lockbench|orders   only that section
 #
 # Settings, from the environment:
 #   BENCH_CONTENDERS (8), BENCH_SECONDS (3), BENCH_REPEAT (3),
 #   BENCH_LOCKS (redis-lock,db-unique,zookeeper,db-for-update,etcd,redlock,none),
-#   FLASHSALE_LOCK_LEASE_MS and FLASHSALE_ZK_SESSION_MS as for `flashsale serve`.
+#   FLASHSALE_LOCK_LEASE_MS and FLASHSALE_ZK_SESSION_MS as for `flashsale serve`;
+#   BENCH_ORDER_SECONDS (5), BENCH_CONNECTIONS (10 per replica), BENCH_PORT (8181,
+#   the first of the three replicas this script starts and stops).
 # Every run is bounded in time; the whole default run takes about two minutes after
 # the build.
 set -euo pipefail
@@ -27,9 +34,11 @@ log() { printf '[bench] %s\n' "$*" >&2; }
 die() { printf '[bench] ERROR: %s\n' "$*" >&2; exit 1; }
 
 use_stack=1
+sections=()
 for arg in "$@"; do
   case "$arg" in
     --no-stack) use_stack=0 ;;
+    lockbench | orders) sections+=("$arg") ;;
     -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$arg' (see --help)" ;;
   esac
@@ -152,4 +161,9 @@ EOF
   replace_section lockbench "$WORK/lockbench.md"
 }
 
-section_lockbench
+source scripts/bench/orders.sh
+
+[ ${#sections[@]} -gt 0 ] || sections=(lockbench orders)
+for section in "${sections[@]}"; do
+  "section_$section"
+done

@@ -1,10 +1,16 @@
-//! The crowd: one Goose attack of shoppers buying against every target.
+//! The crowd, in one of two shapes:
 //!
-//! Each Goose user sticks to one target (users are spread evenly over them) and buys
-//! one unit at a time, back to back, cycling over the SKUs. Every answer is classified
-//! (order, sold out, busy, error). Once every SKU has answered "sold out", the crowd
-//! keeps buying for the grace period, then Goose's killswitch ends the attack; the
-//! `max_seconds` run time bounds it in any case.
+//! - closed loop (`attack`): a Goose attack of shoppers, each sticking to one target
+//!   (users are spread evenly over them) and buying one unit at a time, back to back;
+//! - open model (`arrive`): orders arrive at a fixed rate whatever the earlier ones
+//!   are doing, each timed from the moment it was due, so a slow service cannot slow
+//!   the arrivals down and hide its own latency (coordinated omission).
+//!
+//! Either way the crowd gathers first and nobody buys before the doors open: the
+//! figures measure the sale, not the crowd arriving. Orders cycle over the SKUs; every
+//! answer is classified (order, sold out, busy, error). Once every SKU has answered
+//! "sold out", the crowd keeps buying for the grace period, then stops; `max_seconds`
+//! after the doors opened bounds it in any case.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,6 +33,8 @@ pub struct CrowdPlan {
     pub users: u64,
     pub max_seconds: u64,
     pub grace: Duration,
+    /// How long the crowd has to gather before the doors open.
+    pub gather: Duration,
 }
 
 /// The answers counted during one attack.
@@ -51,7 +59,8 @@ impl Outcomes {
 pub struct Sale {
     plan: CrowdPlan,
     pub outcomes: Outcomes,
-    started: Instant,
+    /// When the first order may be sent; every time in the figures counts from here.
+    doors_open: Instant,
     next_request: AtomicU64,
     sold_out: Vec<AtomicBool>,
     all_sold_out_at: Mutex<Option<Duration>>,
@@ -76,10 +85,11 @@ enum Answer {
 impl Sale {
     pub fn new(plan: CrowdPlan) -> Arc<Sale> {
         let sold_out = plan.skus.iter().map(|_| AtomicBool::new(false)).collect();
+        let gather = plan.gather;
         Arc::new(Sale {
             plan,
             outcomes: Outcomes::default(),
-            started: Instant::now(),
+            doors_open: Instant::now() + gather,
             next_request: AtomicU64::new(0),
             sold_out,
             all_sold_out_at: Mutex::new(None),
@@ -87,8 +97,15 @@ impl Sale {
         })
     }
 
+    /// Time since the doors opened (zero before).
     pub fn elapsed(&self) -> Duration {
-        self.started.elapsed()
+        Instant::now().saturating_duration_since(self.doors_open)
+    }
+
+    /// Sold out everywhere and the grace period over.
+    fn finished(&self) -> bool {
+        self.sell_out_time()
+            .is_some_and(|at| self.elapsed() >= at + self.plan.grace)
     }
 
     /// Response times of the requests sent before the sale sold out.
@@ -122,45 +139,49 @@ impl Sale {
         if !self.sold_out.iter().all(|s| s.load(Ordering::Relaxed)) {
             return;
         }
-        let sold_out_at = *self
-            .all_sold_out_at
+        self.all_sold_out_at
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get_or_insert_with(|| self.started.elapsed());
-        if self.started.elapsed() >= sold_out_at + self.plan.grace {
-            goose::trigger_killswitch("every SKU sold out and the grace period is over");
-        }
+            .get_or_insert_with(|| self.elapsed());
     }
 
-    /// One purchase by `user`: POST an order, classify the answer.
-    async fn buy(&self, user: &mut GooseUser) -> TransactionResult {
+    /// The next order's SKU (round robin) and body.
+    fn next_order(&self, shopper: &str) -> (usize, serde_json::Value) {
         let n = self.next_request.fetch_add(1, Ordering::Relaxed);
         let sku = usize::try_from(n).unwrap_or(0) % self.plan.skus.len();
         let body = json!({
             "sku": self.plan.skus[sku],
-            "user_id": format!("shopper-{}", user.weighted_users_index),
+            "user_id": shopper,
             "quantity": 1,
         });
-        let selling = self.sell_out_time().is_none();
-        let sent = Instant::now();
-        let mut goose = user.post_json("/api/orders", &body).await?;
+        (sku, body)
+    }
+
+    /// Times the requests sent while stock remained. Once sold out, answers are cheap
+    /// refusals that would only dilute the figures.
+    fn record_time(&self, since: Instant, selling: bool) {
         if selling {
-            let us = u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX);
+            let us = u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX);
             self.selling_times
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .saturating_record(us);
         }
+    }
+
+    /// One purchase by a Goose `user`: POST an order, classify the answer.
+    async fn buy(&self, user: &mut GooseUser) -> TransactionResult {
+        tokio::time::sleep_until(self.doors_open).await;
+        let (sku, body) = self.next_order(&format!("shopper-{}", user.weighted_users_index));
+        let selling = self.sell_out_time().is_none();
+        let sent = Instant::now();
+        let mut goose = user.post_json("/api/orders", &body).await?;
+        self.record_time(sent, selling);
         let answer = match goose.response {
             Ok(response) => {
                 let status = response.status().as_u16();
                 let code = response.json::<ErrorBody>().await.map(|b| b.error).ok();
-                match (status, code.as_deref()) {
-                    (201, _) => Answer::Order,
-                    (409, Some("sold_out")) => Answer::SoldOut,
-                    (503, Some("lock_timeout")) => Answer::Busy,
-                    _ => Answer::Error,
-                }
+                classify(status, code.as_deref())
             }
             Err(_) => Answer::Error,
         };
@@ -169,8 +190,81 @@ impl Sale {
             user.set_success(&mut goose.request)?;
         }
         self.record(sku, &answer);
+        if self.finished() {
+            goose::trigger_killswitch("every SKU sold out and the grace period is over");
+        }
         Ok(())
     }
+
+    /// One order of the open model, due at `due`: timed from then, not from when it
+    /// could be sent.
+    async fn arrive_once(&self, client: &reqwest::Client, target: &str, due: Instant, n: u64) {
+        let (sku, body) = self.next_order(&format!("arrival-{n}"));
+        let selling = self.sell_out_time().is_none();
+        let sent = client
+            .post(format!("{target}/api/orders"))
+            .json(&body)
+            .send()
+            .await;
+        let answer = match sent {
+            Ok(response) => {
+                let status = response.status().as_u16();
+                let code = response.json::<ErrorBody>().await.map(|b| b.error).ok();
+                classify(status, code.as_deref())
+            }
+            Err(_) => Answer::Error,
+        };
+        self.record_time(due, selling);
+        self.record(sku, &answer);
+    }
+}
+
+fn classify(status: u16, code: Option<&str>) -> Answer {
+    match (status, code) {
+        (201, _) => Answer::Order,
+        (409, Some("sold_out")) => Answer::SoldOut,
+        (503, Some("lock_timeout")) => Answer::Busy,
+        _ => Answer::Error,
+    }
+}
+
+/// Orders in flight at once in the open model; an arrival beyond is counted as an
+/// error (the service is that far behind) rather than queued, which would delay the
+/// arrivals after it.
+const MAX_ARRIVALS_IN_FLIGHT: usize = 4096;
+
+/// The open model: `rate` orders per second from the doors opening, round robin over
+/// the targets, until sold out plus grace or `max_seconds`.
+pub async fn arrive(sale: Arc<Sale>, rate: f64) -> anyhow::Result<()> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(15))
+        .build()?;
+    let interval = Duration::from_secs_f64(1.0 / rate);
+    let closing = sale.doors_open + Duration::from_secs(sale.plan.max_seconds);
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_ARRIVALS_IN_FLIGHT));
+    let mut orders = tokio::task::JoinSet::new();
+    for n in 0u64.. {
+        let due = sale.doors_open + interval.mul_f64(n as f64);
+        if due >= closing || sale.finished() {
+            break;
+        }
+        tokio::time::sleep_until(due).await;
+        let Ok(place) = in_flight.clone().try_acquire_owned() else {
+            sale.outcomes.errors.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let targets = &sale.plan.targets;
+        let target = targets[usize::try_from(n).unwrap_or(0) % targets.len()].clone();
+        let (sale, client) = (sale.clone(), client.clone());
+        orders.spawn(async move {
+            let _place = place;
+            sale.arrive_once(&client, &target, due, n).await;
+        });
+        // Reap finished orders as we go, so the set stays small.
+        while orders.try_join_next().is_some() {}
+    }
+    while orders.join_next().await.is_some() {}
+    Ok(())
 }
 
 /// Runs one Goose attack; the figures accumulate in `sale`.
@@ -203,9 +297,12 @@ pub async fn attack(sale: Arc<Sale>, html_report: &Path) -> anyhow::Result<()> {
         )
         .set_default(GooseDefault::Host, plan.targets[0].as_str())?
         .set_default(GooseDefault::Users, users)?
-        // Every shopper arrives within the first second: a flash sale opens at once.
+        // Every shopper arrives within the first second, then waits for the doors.
         .set_default(GooseDefault::HatchRate, users.to_string().as_str())?
-        .set_default(GooseDefault::RunTime, usize::try_from(plan.max_seconds)?)?
+        .set_default(
+            GooseDefault::RunTime,
+            usize::try_from(plan.max_seconds + plan.gather.as_secs().saturating_add(1))?,
+        )?
         .set_default(GooseDefault::NoResetMetrics, true)?
         .set_default(GooseDefault::NoPrintMetrics, true)?
         .set_default(GooseDefault::NoErrorSummary, true)?

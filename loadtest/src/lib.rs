@@ -20,6 +20,11 @@ use crate::options::{Fault, Options, Switch};
 use crate::report::ServiceFigures;
 use crate::service::Service;
 
+/// How long the closed-loop crowd gathers before the doors open: Goose starts the
+/// shoppers over one second.
+const GATHER_CROWD: Duration = Duration::from_millis(1500);
+const GATHER_OPEN: Duration = Duration::from_millis(300);
+
 /// Checks everything that can be checked before any load is sent: targets answer,
 /// strategies exist. Returns the service client and the strategies to run.
 pub async fn prepare(options: &Options) -> anyhow::Result<(Service, Vec<String>)> {
@@ -61,25 +66,22 @@ pub async fn run(
     }
     let fencing = service.stats(None).await?.fencing;
     let mut runs = Vec::new();
-    for (index, strategy) in strategies.iter().enumerate() {
-        eprintln!(
-            "[{}/{}] {strategy}: restocking and switching the cluster",
-            index + 1,
-            strategies.len()
-        );
-        let run = run_strategy(options, service, strategy, &skus)
-            .await
-            .with_context(|| format!("running {strategy}"))?;
-        eprintln!(
-            "[{}/{}] {strategy}: {} orders for {} units, {} oversold, {:.1} s",
-            index + 1,
-            strategies.len(),
-            run.orders,
-            run.initial_stock,
-            run.oversold,
-            run.duration_s
-        );
-        runs.push(run);
+    // Interleaved (every strategy, then every strategy again), so a slow spell of
+    // the machine spreads over all of them instead of spoiling one.
+    let total = strategies.len() * options.repeat as usize;
+    for repeat in 1..=options.repeat {
+        for strategy in strategies {
+            let n = runs.len() + 1;
+            eprintln!("[{n}/{total}] {strategy}: restocking and switching the cluster");
+            let run = run_strategy(options, service, strategy, &skus, repeat)
+                .await
+                .with_context(|| format!("running {strategy}"))?;
+            eprintln!(
+                "[{n}/{total}] {strategy}: {} orders for {} units, {} oversold, {:.1} s",
+                run.orders, run.initial_stock, run.oversold, run.duration_s
+            );
+            runs.push(run);
+        }
     }
     Ok(LoadReport {
         generated_at: Utc::now(),
@@ -93,6 +95,8 @@ pub async fn run(
             strategies: strategies.to_vec(),
             fault: options.fault.map(|_| "pause-holder".to_owned()),
             fencing,
+            repeat: options.repeat,
+            rate: options.rate,
         },
         runs,
     })
@@ -103,6 +107,7 @@ async fn run_strategy(
     service: &Service,
     strategy: &str,
     skus: &[String],
+    repeat: u32,
 ) -> anyhow::Result<RunResult> {
     service.switch_strategy(strategy).await?;
     for sku in skus {
@@ -118,6 +123,13 @@ async fn run_strategy(
         users: options.users,
         max_seconds: options.max_seconds,
         grace: Duration::from_millis(options.grace_ms),
+        // Goose starts every shopper within the first second; the open model only
+        // needs its client ready.
+        gather: if options.rate.is_some() {
+            GATHER_OPEN
+        } else {
+            GATHER_CROWD
+        },
     });
     std::fs::create_dir_all(&options.out)?;
     let html = options.out.join(format!("goose-{strategy}.html"));
@@ -126,7 +138,10 @@ async fn run_strategy(
         strategy.to_owned(),
         options.stock * skus.len() as i64,
     ));
-    let attack = crowd::attack(sale.clone(), &html).await;
+    let attack = match options.rate {
+        Some(rate) => crowd::arrive(sale.clone(), rate).await,
+        None => crowd::attack(sale.clone(), &html).await,
+    };
     progress.abort();
     attack?;
     let duration = sale.elapsed();
@@ -136,6 +151,7 @@ async fn run_strategy(
     let figures = ServiceFigures::sum(&settled_stats(service, skus).await?);
     Ok(report::run_result(
         strategy,
+        repeat,
         &sale.outcomes,
         &sale.selling_times(),
         duration,

@@ -85,6 +85,24 @@ pub struct Options {
     /// Switch fencing tokens on or off for the runs (default: leave as it is).
     #[arg(long, value_enum)]
     pub fencing: Option<Switch>,
+
+    /// Run every strategy this many times (interleaved: all strategies, then all
+    /// again); the table shows each figure's median and min-max.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub repeat: u32,
+
+    /// Open model: this many orders arrive per second, spread over the targets, each
+    /// sent on time whatever the earlier ones are doing, and timed from when it was due
+    /// (no coordinated omission). Without it, `--users` shoppers buy back to back.
+    #[arg(long, value_parser = parse_rate)]
+    pub rate: Option<f64>,
+}
+
+fn parse_rate(raw: &str) -> Result<f64, String> {
+    match raw.parse::<f64>() {
+        Ok(rate) if (0.1..=100_000.0).contains(&rate) => Ok(rate),
+        _ => Err("a rate between 0.1 and 100000 orders per second".into()),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

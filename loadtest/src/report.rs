@@ -67,6 +67,7 @@ impl ServiceFigures {
 
 pub fn run_result(
     strategy: &str,
+    repeat: u32,
     outcomes: &Outcomes,
     times: &Times,
     duration: Duration,
@@ -85,6 +86,7 @@ pub fn run_result(
     };
     RunResult {
         strategy: strategy.to_owned(),
+        repeat,
         requests,
         orders: service.orders,
         orders_acknowledged: outcomes.orders.load(Ordering::Relaxed),
@@ -147,19 +149,97 @@ fn row(run: &RunResult) -> [String; 13] {
     ]
 }
 
+/// The table's header and rows: one row per run, or with `--repeat` one per strategy
+/// with the median and the min-max of its runs.
+fn table(report: &LoadReport) -> (Vec<String>, Vec<Vec<String>>) {
+    if report.config.repeat <= 1 {
+        let header = HEADER.iter().map(|h| (*h).to_owned()).collect();
+        return (
+            header,
+            report.runs.iter().map(|r| row(r).to_vec()).collect(),
+        );
+    }
+    let header = [
+        "strategy",
+        "runs",
+        "orders/s",
+        "p50 ms",
+        "p99 ms",
+        "oversold (worst)",
+        "busy",
+        "errors",
+        "consistent",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let mut strategies: Vec<&str> = Vec::new();
+    for run in &report.runs {
+        if !strategies.contains(&run.strategy.as_str()) {
+            strategies.push(&run.strategy);
+        }
+    }
+    let rows = strategies
+        .into_iter()
+        .map(|name| {
+            let runs: Vec<&RunResult> = report.runs.iter().filter(|r| r.strategy == name).collect();
+            let worst = runs.iter().map(|r| r.oversold).max().unwrap_or(0);
+            vec![
+                name.to_owned(),
+                runs.len().to_string(),
+                spread(runs.iter().map(|r| r.orders_per_s), 0),
+                spread(runs.iter().map(|r| r.latency_ms.p50), 2),
+                spread(runs.iter().map(|r| r.latency_ms.p99), 2),
+                if worst > 0 {
+                    format!("{worst} OVERSOLD")
+                } else {
+                    "0".into()
+                },
+                runs.iter().map(|r| r.busy).sum::<u64>().to_string(),
+                runs.iter().map(|r| r.errors).sum::<u64>().to_string(),
+                if runs.iter().all(|r| r.consistent) {
+                    "yes".into()
+                } else {
+                    "NO".into()
+                },
+            ]
+        })
+        .collect();
+    (header, rows)
+}
+
+/// "median (min–max)" of the values, with `digits` decimals.
+pub fn spread(values: impl Iterator<Item = f64>, digits: usize) -> String {
+    let mut values: Vec<f64> = values.collect();
+    if values.is_empty() {
+        return "-".into();
+    }
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    let median = if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    };
+    format!(
+        "{median:.digits$} ({:.digits$}–{:.digits$})",
+        values[0],
+        values[n - 1]
+    )
+}
+
 /// The results as an aligned text table for the terminal.
 pub fn text_table(report: &LoadReport) -> String {
-    let rows: Vec<[String; 13]> = report.runs.iter().map(row).collect();
-    let widths: Vec<usize> = (0..HEADER.len())
+    let (header, rows) = table(report);
+    let widths: Vec<usize> = (0..header.len())
         .map(|i| {
             rows.iter()
-                .map(|r| r[i].len())
-                .chain([HEADER[i].len()])
+                .map(|r| r[i].chars().count())
+                .chain([header[i].len()])
                 .max()
                 .unwrap_or(0)
         })
         .collect();
-    let line = |cells: Vec<&str>| {
+    let line = |cells: &[String]| {
         cells
             .iter()
             .zip(&widths)
@@ -167,10 +247,10 @@ pub fn text_table(report: &LoadReport) -> String {
             .collect::<Vec<_>>()
             .join("  ")
     };
-    let mut out = line(HEADER.to_vec());
+    let mut out = line(&header);
     out.push('\n');
     for r in &rows {
-        out.push_str(&line(r.iter().map(String::as_str).collect()));
+        out.push_str(&line(r));
         out.push('\n');
     }
     out
@@ -203,10 +283,24 @@ pub fn markdown(report: &LoadReport) -> String {
         "off"
     };
     let _ = writeln!(md, "Fencing tokens: {fencing}.\n");
-    let _ = writeln!(md, "| {} |", HEADER.join(" | "));
-    let _ = writeln!(md, "|{}", "---|".repeat(HEADER.len()));
-    for run in &report.runs {
-        let _ = writeln!(md, "| {} |", row(run).join(" | "));
+    let (header, rows) = table(report);
+    if c.repeat > 1 {
+        let _ = writeln!(
+            md,
+            "Each strategy run {} times, interleaved; each cell: median (min–max).\n",
+            c.repeat
+        );
+    }
+    if let Some(rate) = c.rate {
+        let _ = writeln!(
+            md,
+            "Open model: {rate} orders arriving per second, each timed from when it was due.\n"
+        );
+    }
+    let _ = writeln!(md, "| {} |", header.join(" | "));
+    let _ = writeln!(md, "|{}", "---|".repeat(header.len()));
+    for row in &rows {
+        let _ = writeln!(md, "| {} |", row.join(" | "));
     }
     let _ = writeln!(
         md,
@@ -267,6 +361,13 @@ mod tests {
     }
 
     #[test]
+    fn a_spread_is_the_median_and_the_range() {
+        assert_eq!(spread([3.0, 1.0, 2.0].into_iter(), 1), "2.0 (1.0–3.0)");
+        assert_eq!(spread([4.0, 1.0].into_iter(), 0), "2 (1–4)");
+        assert_eq!(spread(std::iter::empty(), 0), "-");
+    }
+
+    #[test]
     fn percentiles_keep_sub_millisecond_resolution() {
         // 100 requests: 50 at 0.4 ms, 40 at 5 ms, 9 at 20 ms, 1 at 300 ms.
         let l = latency(&times(&[(0.4, 50), (5.0, 40), (20.0, 9), (300.0, 1)]));
@@ -287,6 +388,7 @@ mod tests {
             consistent,
             ..run_result(
                 strategy,
+                1,
                 &Outcomes::default(),
                 &new_times(),
                 Duration::from_secs(1),
@@ -306,6 +408,8 @@ mod tests {
                 strategies: vec![],
                 fault: None,
                 fencing: false,
+                repeat: 1,
+                rate: None,
             },
             runs,
         };
@@ -384,6 +488,7 @@ mod tests {
         };
         let run = run_result(
             "x",
+            1,
             &outcomes,
             &times(&[(2.0, 400)]),
             Duration::from_secs(4),

@@ -203,8 +203,14 @@ impl Store {
     /// change meant to replace.
     pub async fn resync_settings(&self) -> Result<(), StoreError> {
         let cached = self.cluster.cached_settings().await?;
+        // Redis that lost its data entirely (restarted empty) is `settings`' case: the
+        // stocks stay missing until an admin reconciles, because a holder from before
+        // the loss may still commit, and its pending mark is gone.
+        let Some(cached_epoch) = cached.epoch else {
+            return Ok(());
+        };
         // Cheap first: most refused orders find Redis already caught up.
-        if cached.epoch == Some(self.records.sale_settings().await?.epoch) {
+        if cached_epoch == self.records.sale_settings().await?.epoch {
             return Ok(());
         }
         let (durable, stocks) = self.records.settings_and_stocks().await?;
@@ -230,9 +236,16 @@ impl Store {
                 pause: cached.pause,
             });
         }
-        // With the stocks of the same snapshot: the epoch never reaches Redis without
-        // them.
-        let (durable, stocks) = self.records.settings_and_stocks().await?;
+        // Redis restarted empty: the settings only. The stocks stay missing (orders
+        // answer 503 `unavailable`) until an admin reconciles once the holders from
+        // before the loss are done: their pending marks went with the data, so a stock
+        // rebuilt now could miss a commit still under way. If only some settings went
+        // missing, they come back with the stocks of the same snapshot, so an epoch
+        // never reaches Redis without its stocks.
+        let (durable, stocks) = match cached.epoch {
+            None => (self.records.sale_settings().await?, Vec::new()),
+            Some(_) => self.records.settings_and_stocks().await?,
+        };
         self.publish(&durable, &stocks, Publish::IfStill(cached.epoch))
             .await?;
         Ok(ClusterSettings {

@@ -100,6 +100,73 @@ async fn report_figures_are_the_services_records() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// The open model and `--repeat`: arrivals at a fixed rate, every strategy run twice
+/// (interleaved), each run's figures MySQL's, the table one row per strategy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_open_model_repeated_run_is_counted_from_the_records() {
+    let cluster = TestCluster::start(2, &["--lock-wait-ms", "20000"]).await;
+    let targets = format!(
+        "{},{}",
+        cluster.replicas[0].base_url, cluster.replicas[1].base_url
+    );
+    let options = Options::parse_from([
+        "loadtest",
+        "--targets",
+        &targets,
+        "--strategies",
+        "redis-lock,redis-atomic",
+        "--rate",
+        "300",
+        "--repeat",
+        "2",
+        "--stock",
+        "40",
+        "--max-seconds",
+        "20",
+        "--grace-ms",
+        "200",
+        "--no-history",
+    ]);
+    let (service, strategies) = loadtest::prepare(&options).await.expect("targets ready");
+    let report = loadtest::run(&options, &service, &strategies)
+        .await
+        .expect("load ran");
+    let order: Vec<(&str, u32)> = report
+        .runs
+        .iter()
+        .map(|r| (r.strategy.as_str(), r.repeat))
+        .collect();
+    assert_eq!(
+        order,
+        [
+            ("redis-lock", 1),
+            ("redis-atomic", 1),
+            ("redis-lock", 2),
+            ("redis-atomic", 2)
+        ]
+    );
+    for run in &report.runs {
+        assert_eq!(
+            (run.orders, run.oversold, run.consistent),
+            (40, 0, true),
+            "{run:?}"
+        );
+        assert_eq!(run.orders_acknowledged, 40, "{run:?}");
+        assert!(run.sell_out_s.is_some(), "sold out: {run:?}");
+    }
+    assert!(loadtest::report::violations(&report).is_empty());
+    let table = loadtest::report::text_table(&report);
+    assert_eq!(
+        table.lines().count(),
+        3,
+        "a header and one row per strategy:\n{table}"
+    );
+    assert!(
+        table.contains("redis-atomic") && table.contains('–'),
+        "{table}"
+    );
+}
+
 #[tokio::test]
 async fn bad_arguments_stop_before_any_load() {
     assert!(

@@ -34,6 +34,17 @@ pub struct LoadConfig {
     /// Whether fencing tokens were checked during the runs.
     #[serde(default)]
     pub fencing: bool,
+    /// How often each strategy was run (`--repeat`); its runs are interleaved.
+    #[serde(default = "one")]
+    pub repeat: u32,
+    /// Open model: orders arriving per second, whatever the answers (`--rate`); `None`
+    /// for the closed loop of `users` shoppers buying back to back.
+    #[serde(default)]
+    pub rate: Option<f64>,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// One strategy's run: client-side counts and latency, then the stock figures from
@@ -41,6 +52,9 @@ pub struct LoadConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct RunResult {
     pub strategy: String,
+    /// Which of the strategy's repeated runs this is, from 1.
+    #[serde(default = "one")]
+    pub repeat: u32,
     pub requests: u64,
     /// Orders recorded in MySQL for the run's SKUs.
     pub orders: u64,
