@@ -20,6 +20,7 @@ use std::time::Duration;
 use goose::config::GooseConfiguration;
 use goose::goose::{GooseUser, Scenario, Transaction, TransactionResult};
 use goose::prelude::{GooseAttack, GooseDefault, GooseDefaultType};
+use gumdrop::Options as _;
 use serde::Deserialize;
 use serde_json::json;
 use tokio::time::Instant;
@@ -35,6 +36,8 @@ pub struct CrowdPlan {
     pub grace: Duration,
     /// How long the crowd has to gather before the doors open.
     pub gather: Duration,
+    /// Goose's own command-line options, passed through (`--goose`).
+    pub goose_options: Vec<String>,
 }
 
 /// The answers counted during one attack.
@@ -288,7 +291,8 @@ pub async fn attack(sale: Arc<Sale>, html_report: &Path) -> anyhow::Result<()> {
 
     let plan = &sale.plan;
     let users = usize::try_from(plan.users)?;
-    let configuration = GooseConfiguration::default();
+    let configuration = GooseConfiguration::parse_args_default(&plan.goose_options)
+        .map_err(|error| anyhow::anyhow!("--goose options: {error}"))?;
     GooseAttack::initialize_with_config(configuration)?
         .register_scenario(
             Scenario::new("shoppers")

@@ -28,6 +28,10 @@ const GATHER_OPEN: Duration = Duration::from_millis(300);
 /// Checks everything that can be checked before any load is sent: targets answer,
 /// strategies exist. Returns the service client and the strategies to run.
 pub async fn prepare(options: &Options) -> anyhow::Result<(Service, Vec<String>)> {
+    <goose::config::GooseConfiguration as gumdrop::Options>::parse_args_default(
+        &options.goose_options,
+    )
+    .map_err(|error| anyhow::anyhow!("--goose options: {error}"))?;
     let service = Service::new(&options.targets, options.admin_token.as_deref())?;
     service.check_targets().await?;
     let known = service.strategy_names().await?;
@@ -130,6 +134,7 @@ async fn run_strategy(
         } else {
             GATHER_CROWD
         },
+        goose_options: options.goose_options.clone(),
     });
     std::fs::create_dir_all(&options.out)?;
     let html = options.out.join(format!("goose-{strategy}.html"));

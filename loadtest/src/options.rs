@@ -96,6 +96,16 @@ pub struct Options {
     /// (no coordinated omission). Without it, `--users` shoppers buy back to back.
     #[arg(long, value_parser = parse_rate)]
     pub rate: Option<f64>,
+
+    /// One of Goose's own options for the closed-loop crowd, repeatable, e.g.
+    /// `--goose=--request-log=requests.csv` or `--goose=--throttle-requests=200`.
+    /// Ours (users, run time, report file...) are defaults Goose's take precedence over.
+    #[arg(
+        long = "goose",
+        value_name = "GOOSE_OPTION",
+        allow_hyphen_values = true
+    )]
+    pub goose_options: Vec<String>,
 }
 
 fn parse_rate(raw: &str) -> Result<f64, String> {

@@ -16,6 +16,10 @@ async fn report_figures_are_the_services_records() {
     let out = std::env::temp_dir().join(format!("flashsale-loadtest-{}", cluster.namespace));
     let mysql = cluster.mysql().await;
 
+    let request_log = format!(
+        "--goose=--request-log={}",
+        out.join("requests.csv").display()
+    );
     for strategy in ["none", "redis-lock"] {
         let options = Options::parse_from([
             "loadtest",
@@ -33,6 +37,8 @@ async fn report_figures_are_the_services_records() {
             "30",
             "--grace-ms",
             "200",
+            // Goose's own options pass through.
+            &request_log,
             "--out",
             &out.to_string_lossy(),
         ]);
@@ -87,6 +93,10 @@ async fn report_figures_are_the_services_records() {
     .expect("report.json parses as docs/report.md's report");
     assert_eq!(written.runs[0].strategy, "redis-lock");
     assert!(out.join("report.md").exists() && out.join("goose-none.html").exists());
+    assert!(
+        out.join("requests.csv").exists(),
+        "Goose's request log, asked for with --goose"
+    );
     let history = cluster.get_json(0, "/api/runs").await;
     assert_eq!(
         history.as_array().map(Vec::len),
@@ -177,6 +187,13 @@ async fn bad_arguments_stop_before_any_load() {
         Options::try_parse_from(["loadtest", "--stock", "-3"]).is_err(),
         "negative stock"
     );
+
+    let options = Options::parse_from(["loadtest", "--goose=--no-such-goose-option"]);
+    let error = loadtest::prepare(&options)
+        .await
+        .err()
+        .expect("bad Goose option");
+    assert!(error.to_string().contains("--goose options"), "{error}");
 
     let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
     let unreachable = format!("http://{}", closed.local_addr().expect("address"));
