@@ -1,17 +1,24 @@
 // The flashsale dashboard. One EventSource brings a snapshot per second (stats, lock
 // state) and the output of a running load test; everything else is plain fetch calls
 // to the JSON API. Text is always set with textContent, never parsed as HTML.
+// charts.js (uPlot and bar charts) and history.js (the load-test history) load first.
 "use strict";
 
 const state = {
   strategies: [],        // from /api/strategies
   latestRun: new Map(),  // strategy -> run of the newest report
   lastTotal: null,       // { orders, at } of the previous snapshot, for orders/s
-  lastRequests: new Map(), // replica id -> { requests, at }
   rate: { t: [], v: [] },  // orders/s over the last minute
   lastSnapshotAt: 0,
   strategyPicked: false, // the menu holds a choice not yet switched to
   charts: {},
+  timing: null,          // { lease, wait, work } in ms, as the replica reports them
+  walkthrough: null,     // the timings of a pause this page armed, until a buy starts its clock
+  walkthroughClock: 0,   // the interval of that clock
+  replicas: new Map(),   // replica id -> what the page knows of it (see trackReplicas)
+  replicasAt: 0,         // the time of the snapshot the replica table shows
+  // The live feed: its EventSource, the next reconnection's wait (s), the status shown.
+  feed: { source: null, retryIn: 1, retryTimer: 0, openedAt: 0, down: false, diagnosing: false, diagnosedAt: 0 },
 };
 
 // ---- small helpers ------------------------------------------------------------
@@ -77,6 +84,81 @@ function duration(seconds) {
   return s < 120 ? `${s} s` : s < 7200 ? `${Math.floor(s / 60)} min` : `${Math.floor(s / 3600)} h`;
 }
 
+// "13.5 s", "50 ms": a duration in milliseconds, as a person reads it.
+function span(ms) {
+  if (ms < 1000) return `${Math.round(ms)} ms`;
+  const seconds = ms / 1000;
+  return `${Number.isInteger(seconds) ? seconds : seconds.toFixed(1)} s`;
+}
+
+// ---- the paused-holder walkthrough -----------------------------------------------
+
+/** The longest pause `POST /api/admin/faults` takes. */
+const MAX_PAUSE_MS = 120000;
+const roundUp = (ms, step) => Math.ceil(ms / step) * step;
+
+// When the walkthrough's steps must happen, counted from the first shopper's buy, from
+// the replica's lease, lock wait and work (ms). The page used to assume demo.sh's 3 s
+// lease; with the service's 10 s default a second shopper sent "a second later" gave up
+// waiting for the lock (503 lock_timeout) long before the lease ran out.
+// - The paused holder stops renewing its lease once its work is done, so the lease
+//   ends at most `lease + work` after the buy. A second shopper waits `wait` for the
+//   lock: it must come after `lease + work - wait`, or its wait ends first.
+// - The pause outlasts the lease and the second shopper's sale, with room for a
+//   person's click: the second sells while the first still sleeps, as the story goes.
+function walkthroughTimings({ lease, wait, work }) {
+  const margin = 1000;
+  const leaseEnds = lease + work;
+  const earliest = roundUp(Math.max(margin, leaseEnds - wait + margin), 500);
+  const secondSold = Math.max(earliest, leaseEnds) + work;
+  const pause = Math.min(MAX_PAUSE_MS, roundUp(secondSold + 3 * margin, 500));
+  const latest = pause - margin;
+  return { pause, earliest, latest, feasible: latest > earliest && pause > leaseEnds };
+}
+
+// The line under the fault buttons: the walkthrough's timings for this replica. Set
+// only when it changes, since snapshots come every second.
+function renderWalkthrough(timing) {
+  const node = document.getElementById("walkthrough");
+  let text;
+  if (!timing.lease) {
+    text = "This replica does not report its lease (an older version): the pause takes the " +
+      "service's default, 1.5 leases + 0.5 s; send the second shopper once the lease has run out.";
+  } else {
+    const t = walkthroughTimings(timing);
+    const settings = `lease ${span(timing.lease)}, lock wait ${span(timing.wait)}, work ${span(timing.work)}`;
+    text = t.feasible
+      ? `Paused-holder walkthrough, timed for this replica (${settings}): the pause lasts ${span(t.pause)}. ` +
+        `Reset the stock to 1, press Pause, let 1 shopper buy, then 1 more between ${span(t.earliest)} and ` +
+        `${span(t.latest)} later. Sooner, its ${span(timing.wait)} lock wait ends before the lease does ` +
+        "(503 lock_timeout); later, the paused holder has woken."
+      : `This replica's lease (${span(timing.lease)}) is too long for the walkthrough: a pause may last ` +
+        `${span(MAX_PAUSE_MS)} at most. Start the replicas with a shorter FLASHSALE_LOCK_LEASE_MS (demo.sh uses 3 s).`;
+  }
+  if (node.textContent !== text) node.textContent = text;
+}
+
+// After the first buy of a walkthrough, counts down to the second shopper's window and
+// through it. A ticker: deliberately not a live region (see index.html).
+function startWalkthroughClock(timings) {
+  const started = Date.now();
+  const node = document.getElementById("walkthrough-clock");
+  clearInterval(state.walkthroughClock);
+  const tick = () => {
+    const elapsed = Date.now() - started;
+    if (elapsed < timings.earliest) {
+      node.textContent = `Second shopper: wait ${span(roundUp(timings.earliest - elapsed, 100))}…`;
+    } else if (elapsed < timings.latest) {
+      node.textContent = `Second shopper: buy now (${span(roundUp(timings.latest - elapsed, 100))} left).`;
+    } else {
+      node.textContent = "";
+      clearInterval(state.walkthroughClock);
+    }
+  };
+  tick();
+  state.walkthroughClock = setInterval(tick, 200);
+}
+
 // ---- controls -----------------------------------------------------------------
 
 function setUpControls() {
@@ -119,6 +201,11 @@ function setUpControls() {
     event.preventDefault();
     const sku = document.getElementById("buy-sku").value.trim();
     const shoppers = Math.min(500, Math.max(1, Number(document.getElementById("buy-count").value) || 1));
+    // The first buy after this page armed a pause starts the walkthrough's clock.
+    if (state.walkthrough) {
+      startWalkthroughClock(state.walkthrough);
+      state.walkthrough = null;
+    }
     // The server plays the crowd: a browser could send only five orders at once.
     try {
       const done = await api("POST", "/api/admin/crowd", { sku, shoppers });
@@ -144,9 +231,17 @@ function setUpControls() {
     event.preventDefault();
     try {
       const at = document.getElementById("pause-at").value;
-      const armed = await api("POST", "/api/admin/faults", { at });
+      // Timed from the replica's lease; without it, the service's default pause.
+      const timings = state.timing && state.timing.lease ? walkthroughTimings(state.timing) : null;
+      const body = timings && timings.feasible ? { at, pause_holder_ms: timings.pause } : { at };
+      const armed = await api("POST", "/api/admin/faults", body);
       const where = document.getElementById("pause-at").selectedOptions[0].textContent;
-      say(`The next lock holder will pause ${armed.pause_holder_ms} ms ${where}.`);
+      state.walkthrough = body.pause_holder_ms ? { ...timings, armedAt: Date.now() } : null;
+      say(`The next lock holder will pause ${span(armed.pause_holder_ms)} ${where}` +
+        (state.walkthrough
+          ? ` (its lease: ${span(state.timing.lease)}). Now let 1 shopper buy, and a second one ` +
+            `${span(timings.earliest)} to ${span(timings.latest)} after it.`
+          : "."));
     } catch (error) {
       say(`Could not arm the fault: ${error.message}`, true);
     }
@@ -156,6 +251,7 @@ function setUpControls() {
     const sku = document.getElementById("buy-sku").value.trim();
     try {
       const killed = await api("POST", "/api/admin/faults/kill-holder", { sku });
+      noteKilled(killed.replica, killed.pid);
       say(`kill -9 sent to ${killed.replica} (pid ${killed.pid}), which held ${sku}'s lock. ` +
         "Its lock frees itself when the lease (or session) runs out; the supervisor restarts it.");
     } catch (error) {
@@ -222,6 +318,13 @@ function renderLearnCards() {
 function onSnapshot(snapshot) {
   state.lastSnapshotAt = Date.now();
   const stats = snapshot.stats;
+  state.timing = { lease: stats.lock_lease_ms || 0, wait: stats.lock_wait_ms || 0, work: stats.work_ms || 0 };
+  renderWalkthrough(state.timing);
+  // A pause claimed (or withdrawn) before this page's next buy is no walkthrough's. A
+  // snapshot may be a second old when it arrives: one just after the arming proves nothing.
+  if (!stats.pause_armed_ms && state.walkthrough && Date.now() - state.walkthrough.armedAt > 2500) {
+    state.walkthrough = null;
+  }
   document.getElementById("active-strategy").textContent = stats.strategy;
   const select = document.getElementById("strategy-select");
   if (!state.strategyPicked && document.activeElement !== select) select.value = stats.strategy;
@@ -229,7 +332,7 @@ function onSnapshot(snapshot) {
   if (document.activeElement !== fencing) fencing.checked = stats.fencing;
   document.getElementById("fencing-state").textContent = stats.fencing ? "on: MySQL refuses stale holders" : "off";
   document.getElementById("fault-state").textContent = stats.pause_armed_ms
-    ? `armed: the next holder stalls ${stats.pause_armed_ms} ms (${(stats.pause_armed_at || "before_commit").replace("_", " ")})` : "";
+    ? `armed: the next holder stalls ${span(stats.pause_armed_ms)} (${(stats.pause_armed_at || "before_commit").replace("_", " ")})` : "";
   renderSkus(stats.skus);
   renderRate(stats.skus, snapshot.at);
   renderReplicas(stats.replicas, snapshot.at);
@@ -356,21 +459,104 @@ function renderRate(skus, at) {
   state.lastTotal = { orders: total, at: now };
 }
 
+// ---- replicas: alive, gone and back -----------------------------------------------
+
+// A replica beats once a second; one not heard from for this long is probably down
+// (the registry forgets it after 5 s).
+const SILENT_AFTER_MS = 3000;
+// A replica gone from the registry stays in the table, marked gone, this long.
+const GONE_KEPT_MS = 120000;
+const REPLICA_EVENTS = 8;
+
 function renderReplicas(replicas, at) {
-  const now = Date.parse(at) / 1000;
-  const rows = replicas.map((r) => {
-    const previous = state.lastRequests.get(r.id);
-    const rate = previous && now > previous.at ? (r.requests - previous.requests) / (now - previous.at) : null;
-    state.lastRequests.set(r.id, { requests: r.requests, at: now });
-    // The supervisor restarts a replica that died; the count and the new uptime say so.
-    const up = `up ${duration(now - Date.parse(r.started_at) / 1000)}`;
-    return el("tr", { dataset: { replica: r.id } },
-      el("td", {}, r.id), el("td", {}, r.address), el("td", {}, fmt(rate)),
-      el("td", {}, r.lock_waiters), el("td", {}, r.requests),
-      el("td", { class: r.restarts ? "restarts bad" : "restarts" },
-        r.restarts ? `restarted ${r.restarts}× · ${up}` : up));
-  });
+  const now = Date.parse(at);
+  trackReplicas(replicas, now);
+  state.replicasAt = now;
+  drawReplicas();
+}
+
+// Compares a snapshot's replicas with what the page knew: one listed under a new pid
+// was restarted (by its supervisor), one no longer listed is gone. Each change goes to
+// the list of events under the table, so a restart quicker than a snapshot still shows.
+function trackReplicas(replicas, now) {
+  const listed = new Set(replicas.map((r) => r.id));
+  for (const r of replicas) {
+    const known = state.replicas.get(r.id);
+    const sameProcess = Boolean(known) && known.info.pid === r.pid;
+    if (known && !sameProcess) {
+      const sinceKill = known.killed ? `, ${span(Date.now() - known.killed.at)} after the kill` : "";
+      logReplicaEvent(`${r.id} is back as pid ${r.pid}` +
+        (r.restarts ? `, restarted ${r.restarts}×` : "") + `${sinceKill}.`);
+    } else if (known && known.goneSince) {
+      logReplicaEvent(`${r.id} (pid ${r.pid}) is heard from again.`);
+    }
+    state.replicas.set(r.id, {
+      info: r,
+      at: now,
+      // A new process starts counting its requests from zero: no rate for it yet.
+      rate: sameProcess && now > known.at ? (r.requests - known.info.requests) / ((now - known.at) / 1000) : null,
+      killed: sameProcess ? known.killed : null,
+      goneSince: null,
+    });
+  }
+  for (const [id, known] of state.replicas) {
+    if (listed.has(id)) continue;
+    if (!known.goneSince) {
+      known.goneSince = now;
+      logReplicaEvent(`${id} (pid ${known.info.pid}) is gone: no heartbeat for 5 s.`);
+    } else if (now - known.goneSince > GONE_KEPT_MS) {
+      state.replicas.delete(id);
+    }
+  }
+}
+
+// The kill button hit `id`: the table says so at once, until a snapshot shows the
+// replica back under a new pid (or gone from the registry).
+function noteKilled(id, pid) {
+  const known = state.replicas.get(id);
+  if (known && known.info.pid === pid) known.killed = { pid, at: Date.now() };
+  logReplicaEvent(`${id} (pid ${pid}) was sent kill -9 from this page.`);
+  drawReplicas();
+}
+
+function drawReplicas() {
+  const now = state.replicasAt;
+  const rows = [...state.replicas.entries()]
+    .sort(([a], [b]) => a.localeCompare(b))
+    .map(([id, known]) => replicaRow(id, known, now));
   document.querySelector("#replicas tbody").replaceChildren(...rows);
+}
+
+function replicaRow(id, known, now) {
+  const r = known.info;
+  const status = replicaStatus(known, now);
+  return el("tr", { dataset: { replica: id }, class: status.down ? "gone" : "" },
+    el("td", {}, id), el("td", {}, r.address),
+    el("td", {}, status.down ? "–" : fmt(known.rate)),
+    el("td", {}, status.down ? "–" : r.lock_waiters), el("td", {}, r.requests),
+    el("td", { class: status.bad ? "restarts bad" : "restarts" }, status.text));
+}
+
+// What the last column says of a replica: up, and how often its supervisor restarted
+// it; or why it is not up.
+function replicaStatus(known, now) {
+  const r = known.info;
+  const silence = now - Date.parse(r.last_seen);
+  const heard = `last heartbeat ${duration(silence / 1000)} ago`;
+  if (known.goneSince) {
+    return { down: true, bad: true, text: `gone (pid ${r.pid}${known.killed ? ", killed from this page" : ""}) · ${heard}` };
+  }
+  if (known.killed) return { down: true, bad: true, text: `killed (pid ${r.pid}), waiting for its supervisor · ${heard}` };
+  if (silence > SILENT_AFTER_MS) return { down: true, bad: true, text: `silent, down? · ${heard}` };
+  const up = `up ${duration((now - Date.parse(r.started_at)) / 1000)}`;
+  return { down: false, bad: r.restarts > 0, text: r.restarts ? `restarted ${r.restarts}× · ${up}` : up };
+}
+
+function logReplicaEvent(text) {
+  const list = document.getElementById("replica-events");
+  list.querySelectorAll("li.muted").forEach((placeholder) => placeholder.remove());
+  list.prepend(el("li", {}, el("time", {}, new Date().toLocaleTimeString()), ` ${text}`));
+  while (list.children.length > REPLICA_EVENTS) list.lastElementChild.remove();
 }
 
 function renderLocks(strategy, locks, replicas) {
@@ -410,87 +596,121 @@ async function refreshLoadTestStatus() {
   } else {
     button.disabled = status.running;
     button.textContent = status.running ? "Load test running…" : "Start load test";
-    text.textContent = status.running ? "A load test is running; its progress streams below." : "Runs the built load test against every replica alive.";
+    // A live region: set only when the words change, so it is announced once.
+    const words = status.running ? "A load test is running; its progress streams below." : "Runs the built load test against every replica alive.";
+    if (text.textContent !== words) text.textContent = words;
   }
   const log = document.getElementById("loadtest-log");
   if (!log.textContent && status.recent.length) log.textContent = status.recent.join("\n") + "\n";
 }
 
-// ---- history --------------------------------------------------------------------
-
-async function loadHistory() {
-  const reports = await api("GET", "/api/runs");
-  state.latestRun = new Map((reports[0] ? reports[0].runs : []).map((run) => [run.strategy, run]));
-  renderLearnCards();
-
-  const rows = [];
-  reports.forEach((report, index) => {
-    const when = new Date(report.generated_at).toLocaleString();
-    for (const run of report.runs) {
-      rows.push(el("tr", {},
-        el("td", {}, `#${reports.length - index} ${when}`), el("td", {}, run.strategy),
-        el("td", {}, run.orders),
-        el("td", { class: run.oversold > 0 ? "bad" : "" }, run.oversold > 0 ? `${run.oversold} OVERSOLD` : "0"),
-        el("td", {}, fmt(run.orders_per_s)), el("td", {}, fmt(run.latency_ms.p50)),
-        el("td", {}, fmt(run.latency_ms.p99)), el("td", {}, run.busy),
-        el("td", {}, run.consistent ? "yes" : "NO")));
-    }
-  });
-  document.querySelector("#history-table tbody").replaceChildren(
-    ...(rows.length ? rows : [el("tr", {}, el("td", { colspan: "9" }, "No load test yet."))]));
-
-  // One series per strategy over the runs, oldest first (x = run number).
-  const chronological = [...reports].reverse();
-  const x = chronological.map((_, i) => i + 1);
-  const names = [...new Set(chronological.flatMap((r) => r.runs.map((run) => run.strategy)))];
-  const palette = ["#a40e26", "#0550ae", "#116329", "#8250df", "#bc4c00", "#1b7c83", "#6e7781", "#cf222e", "#953800"];
-  const series = names.map((name, i) => ({ label: name, stroke: palette[i % palette.length], spanGaps: true }));
-  const column = (pick) => names.map((name) => chronological.map((r) => {
-    const run = r.runs.find((candidate) => candidate.strategy === name);
-    return run ? pick(run) : null;
-  }));
-  drawChart("orders", "history-orders", [x, ...column((r) => r.orders_per_s)], series);
-  drawChart("p99", "history-p99", [x, ...column((r) => r.latency_ms.p99)], series);
-  drawChart("oversold", "history-oversold", [x, ...column((r) => r.oversold)], series);
-}
-
-function drawChart(key, containerId, data, series) {
-  const container = document.getElementById(containerId);
-  const width = Math.max(300, container.clientWidth || 400);
-  const existing = state.charts[key];
-  if (existing && existing.series.length === series.length + 1) {
-    existing.setData(data);
-    return;
-  }
-  if (existing) existing.destroy();
-  const isTime = key === "rate";
-  state.charts[key] = new uPlot({
-    width, height: 200,
-    scales: { x: { time: isTime } },
-    axes: [{ label: isTime ? "" : "run" }, {}],
-    series: [{}, ...series.map((s) => ({ width: 2, points: { show: !isTime }, ...s }))],
-  }, data, container);
-}
-
 // ---- live feed ------------------------------------------------------------------
 
+// Snapshots come once a second: after this long without one, the page asks the
+// replica why (GET /healthz) and says so.
+const STALE_AFTER_MS = 3000;
+// A feed silent this long while the replica and its backends are fine is reopened.
+const STALLED_AFTER_MS = 10000;
+const MAX_RETRY_S = 15;
+
+// Opens the feed. The browser reconnects a dropped stream by itself, but gives up for
+// good when an answer is not an event stream (a 502 from a proxy, a replica that
+// answered 503): then the page reopens it, waiting longer each time, up to 15 s.
 function connect() {
-  const status = document.getElementById("connection");
-  const events = new EventSource("/api/events");
-  events.addEventListener("snapshot", (event) => onSnapshot(JSON.parse(event.data)));
-  events.addEventListener("loadtest", (event) => appendLog(event.data));
-  events.onerror = () => { status.textContent = "disconnected, retrying…"; status.classList.add("down"); };
+  const feed = state.feed;
+  if (feed.source) feed.source.close();
+  const source = new EventSource("/api/events");
+  feed.source = source;
+  source.addEventListener("open", () => {
+    if (!state.lastSnapshotAt) setFeedState("connected, waiting for the first update…", false);
+  });
+  source.addEventListener("snapshot", (event) => {
+    feed.retryIn = 1;
+    setFeedState("live", false);
+    onSnapshot(JSON.parse(event.data));
+  });
+  source.addEventListener("loadtest", (event) => appendLog(event.data));
+  source.addEventListener("error", () => {
+    if (source.readyState === EventSource.CLOSED) reconnectLater();
+    diagnose();
+  });
+}
+
+function reconnectLater() {
+  const feed = state.feed;
+  clearTimeout(feed.retryTimer);
+  feed.retryTimer = setTimeout(connect, feed.retryIn * 1000);
+  feed.retryIn = Math.min(feed.retryIn * 2, MAX_RETRY_S);
+}
+
+// The calm status (a live region): changed only when the feed's state changes.
+function setFeedState(text, down) {
+  const node = document.getElementById("connection");
+  if (node.textContent !== text) node.textContent = text;
+  node.classList.toggle("down", down);
+  state.feed.down = down;
+}
+
+// Why no update comes, in words: the replica does not answer, or it answers but a
+// backend fails (its /healthz names which, and the error), or all is well and the
+// stream itself stalled (then it is reopened).
+async function diagnose() {
+  const feed = state.feed;
+  if (feed.diagnosing) return;
+  feed.diagnosing = true;
+  feed.diagnosedAt = Date.now();
+  try {
+    const { text, healthy } = await healthReason();
+    // A snapshot that arrived meanwhile has the last word.
+    if (Date.now() - state.lastSnapshotAt < STALE_AFTER_MS) return;
+    setFeedState(text, true);
+    // All is well but nothing comes: the stream itself stalled, so open a new one.
+    const silence = Date.now() - (state.lastSnapshotAt || feed.openedAt);
+    if (healthy && silence > STALLED_AFTER_MS && feed.source.readyState !== EventSource.CONNECTING) connect();
+  } finally {
+    feed.diagnosing = false;
+  }
+}
+
+const BACKEND_NAMES = { redis: "Redis", mysql: "MySQL" };
+
+async function healthReason() {
+  let response;
+  try {
+    response = await fetch("/healthz", { cache: "no-store", signal: AbortSignal.timeout(3000) });
+  } catch {
+    return { text: `down: the replica at ${location.host} does not answer; retrying…`, healthy: false };
+  }
+  const health = await response.json().catch(() => null);
+  if (!health || !Array.isArray(health.backends)) {
+    return { text: `down: the replica answers ${response.status} without a health report; retrying…`, healthy: false };
+  }
+  const failing = health.backends.filter((backend) => !backend.ok);
+  if (!failing.length) {
+    return { text: `reconnecting: replica ${health.replica} and its backends are up, but no update came`, healthy: true };
+  }
+  const what = failing.map((b) => `${BACKEND_NAMES[b.name] || b.name} failing (${b.error || "no answer"})`).join(", ");
+  return { text: `down: replica ${health.replica} up but ${what}; retrying…`, healthy: false };
+}
+
+// The ticker beside the status (not a live region): how old the page's figures are.
+// A stale feed is diagnosed again every few seconds until it recovers.
+function watchFeed() {
+  const age = document.getElementById("connection-age");
   setInterval(() => {
-    if (!state.lastSnapshotAt) return;
-    const age = (Date.now() - state.lastSnapshotAt) / 1000;
-    status.classList.toggle("down", age > 5);
-    status.textContent = age > 5 ? `no update for ${age.toFixed(0)} s` : `live · updated ${age.toFixed(1)} s ago`;
+    const silence = Date.now() - (state.lastSnapshotAt || state.feed.openedAt);
+    if (state.lastSnapshotAt) {
+      age.textContent = state.feed.down ? `last update ${duration(silence / 1000)} ago` : `updated ${(silence / 1000).toFixed(1)} s ago`;
+    }
+    if (silence > STALE_AFTER_MS && Date.now() - (state.feed.diagnosedAt || 0) > STALE_AFTER_MS) diagnose();
   }, 500);
 }
 
 async function main() {
   setUpControls();
+  state.feed.openedAt = Date.now();
   connect();
+  watchFeed();
   await loadStrategies().catch((error) => say(`Cannot load strategies: ${error.message}`, true));
   await Promise.all([loadHistory(), refreshLoadTestStatus()]).catch((error) => say(error.message, true));
 }

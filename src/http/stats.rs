@@ -79,6 +79,9 @@ pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppEr
         epoch: settings.epoch,
         pause_armed_ms: settings.pause.map(|p| p.ms),
         pause_armed_at: settings.pause.map(|p| p.at),
+        lock_lease_ms: millis(state.flow.lock_lease),
+        lock_wait_ms: millis(state.flow.lock_wait),
+        work_ms: millis(state.flow.work),
         replicas: store.cluster.live_replicas().await?,
         counters: store.cluster.counters().await?,
         skus: records
@@ -87,6 +90,11 @@ pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppEr
             .map(|(record, redis)| sku_stats(record, redis))
             .collect(),
     })
+}
+
+/// A configured duration in whole milliseconds, as the stats report it.
+fn millis(duration: std::time::Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

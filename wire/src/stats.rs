@@ -24,6 +24,16 @@ pub struct Stats {
     /// Where in the critical section that holder will pause.
     #[serde(default)]
     pub pause_armed_at: Option<PausePoint>,
+    /// This replica's lock lease (`FLASHSALE_LOCK_LEASE_MS`), so the dashboard can time
+    /// its paused-holder walkthrough; 0 from replicas older than this field.
+    #[serde(default)]
+    pub lock_lease_ms: u64,
+    /// How long this replica's orders wait for a lock (`FLASHSALE_LOCK_WAIT_MS`).
+    #[serde(default)]
+    pub lock_wait_ms: u64,
+    /// This replica's simulated work inside the critical section (`FLASHSALE_WORK_MS`).
+    #[serde(default)]
+    pub work_ms: u64,
     pub replicas: Vec<ReplicaInfo>,
     pub skus: Vec<SkuStats>,
     /// Cluster-wide event counts by `strategy.counter` (lock timeouts, locks lost,
@@ -60,4 +70,21 @@ pub struct ReplicaInfo {
     #[serde(default)]
     pub restarts: u32,
     pub last_seen: DateTime<Utc>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_of_a_replica_without_the_timing_fields_still_parse() {
+        // What a replica answered before the lease, wait and work were part of it.
+        let old = r#"{"strategy": "none", "fencing": false, "pause_armed_ms": null,
+                      "replicas": [], "skus": [], "counters": {}}"#;
+        let stats: Stats = serde_json::from_str(old).expect("old stats parse");
+        assert_eq!(
+            (stats.lock_lease_ms, stats.lock_wait_ms, stats.work_ms),
+            (0, 0, 0)
+        );
+    }
 }
