@@ -34,7 +34,8 @@ pub fn kill_replica(replica: &ReplicaInfo) -> Result<(), NotKillable> {
         return Err(elsewhere(replica));
     }
     let cmdline = std::fs::read(format!("/proc/{}/cmdline", replica.pid)).unwrap_or_default();
-    if !serves_port(&cmdline, port) {
+    let environ = std::fs::read(format!("/proc/{}/environ", replica.pid)).unwrap_or_default();
+    if !serves_port(&cmdline, &environ, port) {
         return Err(NotKillable::NotTheReplica {
             id: replica.id.clone(),
             pid: replica.pid,
@@ -66,16 +67,20 @@ fn is_loopback(host: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback() || ip.is_unspecified())
 }
 
-/// Whether a `/proc/<pid>/cmdline` (arguments separated by NUL) is `flashsale serve`
-/// listening on `port`.
-fn serves_port(cmdline: &[u8], port: &str) -> bool {
+/// Whether a process with this `/proc/<pid>/cmdline` and `environ` (entries separated
+/// by NUL) is `flashsale serve` listening on `port`: given as `--port`, or, as `flashsale
+/// cluster` starts its replicas, in `FLASHSALE_PORT`.
+fn serves_port(cmdline: &[u8], environ: &[u8], port: &str) -> bool {
     let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
     let is_flashsale = args.first().is_some_and(|exe| exe.ends_with(b"flashsale"));
     let serves = args.contains(&b"serve".as_slice());
     let on_port = args
         .windows(2)
         .any(|pair| pair[0] == b"--port" && pair[1] == port.as_bytes())
-        || args.contains(&format!("--port={port}").as_bytes());
+        || args.contains(&format!("--port={port}").as_bytes())
+        || environ
+            .split(|b| *b == 0)
+            .any(|entry| entry == format!("FLASHSALE_PORT={port}").as_bytes());
     is_flashsale && serves && on_port
 }
 
@@ -94,13 +99,19 @@ mod tests {
             "--port",
             "8082",
         ]);
-        assert!(serves_port(&ours, "8082"));
-        assert!(!serves_port(&ours, "8081"), "another port");
+        assert!(serves_port(&ours, b"", "8082"));
+        assert!(!serves_port(&ours, b"", "8081"), "another port");
         let python = cmdline(&["/usr/bin/python3", "serve", "--port", "8082"]);
-        assert!(!serves_port(&python, "8082"));
+        assert!(!serves_port(&python, b"", "8082"));
         let supervisor = cmdline(&["/bin/flashsale", "cluster", "--port", "8082"]);
-        assert!(!serves_port(&supervisor, "8082"));
-        assert!(!serves_port(b"", "8082"), "no such process");
+        assert!(!serves_port(&supervisor, b"", "8082"));
+        assert!(!serves_port(b"", b"", "8082"), "no such process");
+        // As `flashsale cluster` starts a replica: the port in the environment.
+        let supervised = cmdline(&["/bin/flashsale", "serve"]);
+        let environ = b"HOME=/root\0FLASHSALE_PORT=8082\0FLASHSALE_REPLICA_ID=replica-2";
+        assert!(serves_port(&supervised, environ, "8082"));
+        assert!(!serves_port(&supervised, environ, "8083"));
+        assert!(!serves_port(&supervised, b"FLASHSALE_PORT=80820", "8082"));
     }
 
     #[test]

@@ -80,10 +80,8 @@ impl Supervised {
         let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_flashsale"))
             .args(["cluster", "--replicas", "1", "--base-port", &port, "--"])
             // The supervisor names its replicas replica-1, replica-2...: this one joins
-            // the test's in-process replica-1 under another name. The supervisor gives
-            // the port in FLASHSALE_PORT, but the kill button (src/replica_kill.rs) only
-            // takes a replica whose command line names its port, so it is named again.
-            .args(["--port", &port, "--replica-id", "replica-2"])
+            // the test's in-process replica-1 under another name.
+            .args(["--replica-id", "replica-2"])
             .args(["--database-url", &cluster.database_url])
             .args(["--namespace", &cluster.namespace])
             .args(["--db-pool", "4", "--redis-pool", "8"])
