@@ -83,8 +83,12 @@ impl Heartbeat {
         }
         // A change whose publication never reached Redis (Redis was down just then)
         // would leave every order on the old epoch's stock: republish from MySQL.
-        if let Err(error) = self.flow.store.resync_settings().await {
-            tracing::debug!(%error, "could not compare the sale's epochs");
+        // Bounded, so a silent database cannot stop the beat (the replica would age
+        // out of the list).
+        match tokio::time::timeout(INTERVAL * 2, self.flow.store.resync_settings()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::debug!(%error, "could not compare the sale's epochs"),
+            Err(_) => tracing::debug!("comparing the sale's epochs took too long"),
         }
     }
 }

@@ -73,8 +73,10 @@ pub struct StockAt {
 /// older publication arriving late changes nothing (not even a stock: it would
 /// clear a pending mark a newer holder depends on).
 ///
-/// - `newer` (an admin change): only over an older epoch, so of two concurrent
-///   changes the later one wins.
+/// - `newer` (an admin change): only over an older epoch or its own, so of two
+///   concurrent changes the later one wins. Its own: a resync may have published the
+///   change's epoch first (with settings only, after Redis lost its data), and the
+///   change must still write its stocks; at the same epoch only newer versions land.
 /// - `replace` (a resync: MySQL is the authority and Redis disagreed): only if Redis
 ///   still has the epoch the caller saw, so two resyncs and a change cannot undo each
 ///   other.
@@ -90,7 +92,7 @@ local seen = redis.call('GET', KEYS[3])
 local cached = tonumber(seen or '-1')
 local epoch = tonumber(ARGV[3])
 if ARGV[4] == 'newer' then
-  if epoch <= cached then return {} end
+  if epoch < cached then return {} end
 else
   if (seen or '') ~= ARGV[5] then return {} end
 end
@@ -139,9 +141,16 @@ impl Store {
     pub async fn change_sale(&self, change: SaleChange) -> Result<Vec<StockAt>, StoreError> {
         let store = self.clone();
         // Never cancelled, so the only failure is a panic, passed on as one.
-        tokio::spawn(async move { store.apply_and_publish(change).await })
-            .await
-            .unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()))
+        tokio::spawn(async move {
+            let applied = store.apply_and_publish(change).await;
+            if let Err(error) = &applied {
+                // Logged here: the caller may be gone.
+                tracing::warn!(%error, "an admin change failed");
+            }
+            applied
+        })
+        .await
+        .unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()))
     }
 
     async fn apply_and_publish(&self, change: SaleChange) -> Result<Vec<StockAt>, StoreError> {
@@ -240,10 +249,14 @@ impl Store {
         // answer 503 `unavailable`) until an admin reconciles once the holders from
         // before the loss are done: their pending marks went with the data, so a stock
         // rebuilt now could miss a commit still under way. If only some settings went
-        // missing, they come back with the stocks of the same snapshot, so an epoch
-        // never reaches Redis without its stocks.
+        // missing under another epoch than MySQL's, they come back with the stocks of
+        // the same snapshot, so an epoch never reaches Redis without its stocks.
+        let durable = self.records.sale_settings().await?;
         let (durable, stocks) = match cached.epoch {
-            None => (self.records.sale_settings().await?, Vec::new()),
+            // Same epoch: its stocks are in Redis already (rewriting them from MySQL
+            // would put back units redis-atomic has taken and not yet committed).
+            None => (durable, Vec::new()),
+            Some(epoch) if epoch == durable.epoch => (durable, Vec::new()),
             Some(_) => self.records.settings_and_stocks().await?,
         };
         self.publish(&durable, &stocks, Publish::IfStill(cached.epoch))

@@ -33,8 +33,10 @@ use crate::model::Sku;
 /// `newer` (a committer's write) lands only over an older version. `repair` (a holder
 /// that read MySQL because the cache was suspect or stale) also over the same version,
 /// but only while the sale is still at the repairer's epoch (an order of a strategy
-/// switched off must not rewrite a stock the new one is taking from), and never
-/// recreates a dropped stock (that waits for a reconcile).
+/// switched off must not rewrite a stock the new one is taking from). Neither recreates
+/// a stock that is not there: a dropped stock, or one Redis lost with its data, waits
+/// for a reconcile. (A holder paused across a Redis restart would otherwise put back
+/// the stock of its own old commit, and the next holders would sell from it.)
 static WRITE_STOCK: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
@@ -43,8 +45,8 @@ local version = tonumber(ARGV[2])
 local allowed = version > cached
 if ARGV[4] == 'repair' then
   allowed = version >= cached and redis.call('GET', KEYS[4]) == ARGV[5]
-    and redis.call('EXISTS', KEYS[1]) == 1
 end
+allowed = allowed and redis.call('EXISTS', KEYS[1]) == 1
 local written = 0
 if allowed then
   redis.call('SET', KEYS[1], ARGV[1])

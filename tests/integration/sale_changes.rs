@@ -497,3 +497,43 @@ async fn a_recreated_product_is_published_despite_a_higher_cached_version() {
     assert_eq!(stats["stock_redis"], 0, "{stats}");
     assert_eq!(stats["consistent"], true, "{stats}");
 }
+
+/// A holder paused after its commit across a Redis restart wakes and writes its cache:
+/// that write must not recreate the stock Redis lost (the next holders would sell from
+/// the old stock of its own commit, and unfenced their writes oversell). A lost or
+/// dropped stock waits for a reconcile, whoever writes late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_cache_write_does_not_recreate_a_lost_stock() {
+    use deadpool_redis::redis::AsyncCommands;
+    use flashsale::model::Sku;
+    use flashsale::store::StockCache;
+    let cluster = TestCluster::start(1, &[]).await;
+    let sku = "lost";
+    cluster.reset(sku, 5).await;
+    let mut redis = crate::support::redis_pool().get().await.expect("redis");
+    let stock_key = format!("{}:stock:{sku}", cluster.namespace);
+    let version_key = format!("{}:stock-version:{sku}", cluster.namespace);
+    let () = redis
+        .del(&[&stock_key, &version_key])
+        .await
+        .expect("DEL, as a restart would");
+
+    let cache = StockCache::new(crate::support::redis_pool(), cluster.namespace.clone());
+    cache
+        .set_stock_if_newer(&Sku::parse(sku).expect("sku"), 4, i64::MAX, "")
+        .await
+        .expect("the late write runs");
+    let exists: bool = redis.exists(&stock_key).await.expect("EXISTS");
+    assert!(!exists, "the late write recreated the lost stock");
+    let answer = cluster.order(0, sku, "after", 1).await;
+    assert_eq!(
+        answer.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "unavailable until reconciled"
+    );
+    cluster.reconcile().await;
+    assert_eq!(
+        cluster.order(0, sku, "reconciled", 1).await.status(),
+        StatusCode::CREATED
+    );
+}
