@@ -384,10 +384,21 @@ function renderRace(sku, sections) {
   const [width, label] = [1000, 110];
   const height = top + 18;
   const x = (t) => label + ((t - t0) / span) * (width - label - 10);
-  const overlapping = sections.map((a, i) => sections.some((b, j) => i !== j && a.start_ms < b.end_ms && b.start_ms < a.end_ms));
+  const overlaps_ = (a, b) => a !== b && a.start_ms < b.end_ms && b.start_ms < a.end_ms;
+  const overlapping = sections.map((a) => sections.some((b) => overlaps_(a, b)));
+  // Under a lock, a sale that began while another holder was still inside means that
+  // holder's lock had gone (a paused holder, woken past its lease): the earlier one is
+  // the stale holder, and its write is the oversell.
+  const stale = sections.map((a) => a.strategy !== "none" && a.outcome === "created" &&
+    sections.some((b) => b !== a && b.outcome === "created" && b.start_ms > a.start_ms && b.start_ms < a.end_ms));
   const ns = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(ns, "svg");
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  const defs = document.createElementNS(ns, "defs");
+  defs.innerHTML = '<pattern id="stale-stripes" width="6" height="6" patternUnits="userSpaceOnUse" ' +
+    'patternTransform="rotate(45)"><rect width="6" height="6" fill="#2da44e"/>' +
+    '<rect width="3" height="6" fill="#cf222e"/></pattern>';
+  svg.appendChild(defs);
   const add = (tag, attrs, text) => {
     const node = document.createElementNS(ns, tag);
     for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
@@ -401,7 +412,7 @@ function renderRace(sku, sections) {
     const bar = add("rect", {
       x: x(s.start_ms), y: rowTop.get(s.replica) + laneOf.get(s) * laneHeight,
       width: Math.max(x(s.end_ms) - x(s.start_ms), 2), height: laneHeight - 3,
-      class: `${known}${overlapping[i] ? " overlap" : ""}`,
+      class: `${known}${overlapping[i] ? " overlap" : ""}${stale[i] ? " stale" : ""}`,
     });
     const title = document.createElementNS(ns, "title");
     title.textContent = `${s.replica} ${s.strategy}: ${s.outcome}, ${(s.end_ms - s.start_ms).toFixed(1)} ms` +
@@ -411,8 +422,10 @@ function renderRace(sku, sections) {
   add("text", { x: label, y: height - 6 }, `${span.toFixed(0)} ms from the first section shown to the last`);
   chart.replaceChildren(svg);
   const overlaps = overlapping.filter(Boolean).length;
+  const staleSales = stale.filter(Boolean).length;
   document.getElementById("race-legend").textContent =
-    `${overlaps} of ${sections.length} sections overlap another · green: sold · grey: sold out · red: refused (lock lost or fenced)`;
+    `${overlaps} of ${sections.length} sections overlap another · green: sold · grey: sold out · red: refused (lock lost or fenced)` +
+    (staleSales ? ` · striped: ${staleSales} stale holder(s) sold after their lock had gone` : "");
 }
 
 // The SKUs most recently active first; a long tail of old SKUs is summarised.

@@ -103,6 +103,10 @@ try {
   await expectText(card("walk", "oversold"), /OVERSOLD by 1/, "the stale holder's late write", ms(pause) + 10000);
   const walked = (await getJson(`${base}/api/stats?sku=walk`)).skus[0];
   if (walked.orders !== 2) throw new Error(`walk: ${JSON.stringify(walked)}`);
+  step("the timeline marks the stale holder: its section runs past the next holder's start");
+  await expectText(page.locator("#race-legend"), /striped: 1 stale holder\(s\) sold after their lock had gone/,
+    "the stale holder on the timeline");
+  await shot("#race", "race-stale.png");
 
   step("switch to none, restock 5, twenty shoppers at once: oversold");
   await page.selectOption("#strategy-select", "none");
