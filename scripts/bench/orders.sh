@@ -8,7 +8,7 @@ PORT=${BENCH_PORT:-8181}
 STRATEGIES=(none redis-lock db-unique optimistic zookeeper db-for-update etcd redlock redis-atomic)
 SKU=bench-hot
 # Enough that nothing sells out within a run.
-STOCK=100000000
+STOCK=10000000
 
 admin() {
   curl -sf -X "$1" -H 'content-type: application/json' "http://127.0.0.1:$PORT$2" -d "$3" >/dev/null
