@@ -12,13 +12,13 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use anyhow::Context;
-use deadpool_redis::{PoolConfig, Runtime, Timeouts};
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
 use crate::config::ServeConfig;
 use crate::http::{AppState, Snapshots};
 use crate::loadtests::LoadTests;
+use crate::redis_pool;
 use crate::replica::Heartbeat;
 use crate::store::{ClusterState, Records, StockCache, Store, Timeline};
 use crate::strategy::{self, Backends, SaleFlow};
@@ -46,7 +46,8 @@ impl Server {
             .clone()
             .unwrap_or_else(|| format!("replica-{}", address.port()));
 
-        let redis = redis_pool(&config.redis_url, config.redis_pool)?;
+        let redis = redis_pool::pool(&config.redis_url, config.redis_pool)
+            .context("creating the Redis pool")?;
         let records = Records::connect(
             &config.database_url,
             config.db_pool,
@@ -164,7 +165,7 @@ impl Server {
 fn backends(
     config: &ServeConfig,
     replica_id: &str,
-    redis: &deadpool_redis::Pool,
+    redis: &redis_pool::Pool,
     records: &Records,
 ) -> anyhow::Result<Backends> {
     Ok(Backends {
@@ -180,7 +181,7 @@ fn backends(
         redlock_nodes: config
             .redlock_urls
             .iter()
-            .map(|url| redis_pool(url, config.redis_pool))
+            .map(|url| redis_pool::pool(url, config.redis_pool))
             .collect::<anyhow::Result<_>>()?,
         etcd: config.etcd.clone(),
         optimistic_attempts: config.optimistic_attempts,
@@ -189,24 +190,6 @@ fn backends(
 
 /// How long shutdown waits for orders still running after their requests ended.
 const ORDER_DRAIN: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// A Redis pool whose waits are bounded, so an outage answers 503 instead of hanging.
-fn redis_pool(url: &str, size: usize) -> anyhow::Result<deadpool_redis::Pool> {
-    let mut redis = deadpool_redis::Config::from_url(url);
-    let bound = Some(std::time::Duration::from_secs(2));
-    redis.pool = Some(PoolConfig {
-        max_size: size,
-        timeouts: Timeouts {
-            wait: bound,
-            create: bound,
-            recycle: bound,
-        },
-        ..PoolConfig::default()
-    });
-    redis
-        .create_pool(Some(Runtime::Tokio1))
-        .context("creating the Redis pool")
-}
 
 /// Completes on SIGINT or SIGTERM.
 pub async fn shutdown_signal() {

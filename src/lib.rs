@@ -20,6 +20,7 @@ pub mod loadtests;
 pub mod lock;
 pub mod logging;
 pub mod model;
+pub mod redis_pool;
 pub mod replica;
 pub mod replica_kill;
 /// The load-test report: a wire type, shared with the `loadtest` crate.

@@ -438,22 +438,9 @@ async fn contender_main(cli: &Cli, lock: LockKind, who: usize) -> anyhow::Result
     Ok(ExitCode::SUCCESS)
 }
 
-/// A Redis pool of this contender's own, its waits bounded like the service's.
-fn redis_pool(url: &str) -> anyhow::Result<deadpool_redis::Pool> {
-    let mut config = deadpool_redis::Config::from_url(url);
-    let bound = Some(Duration::from_secs(2));
-    config.pool = Some(deadpool_redis::PoolConfig {
-        max_size: 4,
-        timeouts: deadpool_redis::Timeouts {
-            wait: bound,
-            create: bound,
-            recycle: bound,
-        },
-        ..deadpool_redis::PoolConfig::default()
-    });
-    config
-        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-        .context("creating a Redis pool")
+/// A Redis pool of this contender's own, built as the service builds its pools.
+fn redis_pool(url: &str) -> anyhow::Result<flashsale::redis_pool::Pool> {
+    flashsale::redis_pool::pool(url, 4).context("creating a Redis pool")
 }
 
 struct Contender<'a> {

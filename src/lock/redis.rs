@@ -27,9 +27,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::time::Duration;
 
+use crate::redis_pool::{Connection, Pool};
 use async_trait::async_trait;
 use deadpool_redis::redis::{self, Script};
-use deadpool_redis::{Connection, Pool};
 use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio::time::Instant;

@@ -40,8 +40,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::redis_pool::Pool;
 use async_trait::async_trait;
-use deadpool_redis::Pool;
 use deadpool_redis::redis;
 use futures::future::join_all;
 use tokio::time::{Instant, timeout};

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use chrono::Utc;
 use std::sync::LazyLock;
 
-use deadpool_redis::Pool;
+use crate::redis_pool::Pool;
 use deadpool_redis::redis::{AsyncCommands, Script};
 
 use super::StoreError;

@@ -37,7 +37,7 @@ pub enum StoreError {
     #[error("redis: {0}")]
     Redis(#[from] RedisError),
     #[error("redis pool: {0}")]
-    RedisPool(#[from] deadpool_redis::PoolError),
+    RedisPool(#[from] crate::redis_pool::PoolError),
     #[error("mysql: {0}")]
     Mysql(#[from] sqlx::Error),
     /// COMMIT failed: MySQL may or may not have committed (the connection dropped).

@@ -22,7 +22,7 @@
 
 use std::sync::LazyLock;
 
-use deadpool_redis::Pool;
+use crate::redis_pool::Pool;
 use deadpool_redis::redis::{AsyncCommands, Script};
 
 use super::StoreError;
@@ -174,7 +174,7 @@ impl StockCache {
         epoch_key(&self.namespace)
     }
 
-    pub(super) async fn connection(&self) -> Result<deadpool_redis::Connection, StoreError> {
+    pub(super) async fn connection(&self) -> Result<crate::redis_pool::Connection, StoreError> {
         Ok(self.pool.get().await?)
     }
 

@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use deadpool_redis::Pool;
+use crate::redis_pool::Pool;
 use deadpool_redis::redis::{self, AsyncCommands};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;

@@ -227,7 +227,7 @@ impl From<LockError> for OrderError {
 /// opened per request) and the lock settings.
 pub struct Backends {
     pub redis_client: deadpool_redis::redis::Client,
-    pub redis_pool: deadpool_redis::Pool,
+    pub redis_pool: crate::redis_pool::Pool,
     pub mysql: sqlx::MySqlPool,
     pub namespace: String,
     pub replica_id: String,
@@ -236,7 +236,7 @@ pub struct Backends {
     pub zookeeper: String,
     pub zookeeper_session_timeout: Duration,
     /// One pool per independent Redis node of the Redlock strategy.
-    pub redlock_nodes: Vec<deadpool_redis::Pool>,
+    pub redlock_nodes: Vec<crate::redis_pool::Pool>,
     /// etcd endpoints, comma-separated.
     pub etcd: String,
     pub optimistic_attempts: u32,

@@ -119,7 +119,7 @@ fn report(what: &str, acquired: usize, patient: Duration) {
     println!("{what}: {acquired} acquisitions in the storm; patient contender waited {patient:?}");
 }
 
-async fn redis_keys(pool: &deadpool_redis::Pool, pattern: &str) -> Vec<String> {
+async fn redis_keys(pool: &flashsale::redis_pool::Pool, pattern: &str) -> Vec<String> {
     let mut conn = pool.get().await.expect("redis");
     redis::cmd("KEYS")
         .arg(pattern)

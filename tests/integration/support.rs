@@ -59,14 +59,12 @@ pub fn redlock_urls() -> Vec<String> {
 }
 
 /// A fresh Redis pool: a separate client, as a separate replica would have.
-pub fn redis_pool() -> deadpool_redis::Pool {
+pub fn redis_pool() -> flashsale::redis_pool::Pool {
     pool_for(&redis_url())
 }
 
-pub fn pool_for(url: &str) -> deadpool_redis::Pool {
-    deadpool_redis::Config::from_url(url)
-        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-        .expect("Redis pool")
+pub fn pool_for(url: &str) -> flashsale::redis_pool::Pool {
+    flashsale::redis_pool::pool(url, 16).expect("Redis pool")
 }
 
 pub fn redis_client() -> deadpool_redis::redis::Client {
