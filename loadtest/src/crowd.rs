@@ -13,7 +13,7 @@
 //! after the doors opened bounds it in any case.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -38,6 +38,28 @@ pub struct CrowdPlan {
     pub gather: Duration,
     /// Goose's own command-line options, passed through (`--goose`).
     pub goose_options: Vec<String>,
+    /// Which share of a crowd split over processes this is (`--part`); the whole crowd
+    /// otherwise.
+    pub share: Share,
+}
+
+/// One process's share of the crowd: shoppers `first_user..` of the whole crowd (their
+/// names and replicas are the ones they have in a single process), and every
+/// `stride`-th arrival of the open model from `phase` on, so the shares together
+/// send exactly what one process would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Share {
+    pub first_user: u64,
+    pub stride: u64,
+    pub phase: u64,
+}
+
+impl Share {
+    pub const WHOLE: Share = Share {
+        first_user: 0,
+        stride: 1,
+        phase: 0,
+    };
 }
 
 /// The answers counted during one attack.
@@ -65,7 +87,8 @@ pub struct Sale {
     /// When the first order may be sent; every time in the figures counts from here.
     doors_open: Instant,
     next_request: AtomicU64,
-    sold_out: Vec<AtomicBool>,
+    /// When each SKU first answered sold out, from the doors opening.
+    sold_out_at: Mutex<Vec<Option<Duration>>>,
     all_sold_out_at: Mutex<Option<Duration>>,
     /// Response times of the requests sent while stock remained, timed here (Goose
     /// keeps whole milliseconds). Once sold out, answers are cheap refusals that would
@@ -87,14 +110,14 @@ enum Answer {
 
 impl Sale {
     pub fn new(plan: CrowdPlan) -> Arc<Sale> {
-        let sold_out = plan.skus.iter().map(|_| AtomicBool::new(false)).collect();
+        let sold_out = plan.skus.iter().map(|_| None).collect();
         let gather = plan.gather;
         Arc::new(Sale {
             plan,
             outcomes: Outcomes::default(),
             doors_open: Instant::now() + gather,
             next_request: AtomicU64::new(0),
-            sold_out,
+            sold_out_at: Mutex::new(sold_out),
             all_sold_out_at: Mutex::new(None),
             selling_times: Mutex::new(new_times()),
         })
@@ -138,14 +161,23 @@ impl Sale {
         if !matches!(answer, Answer::SoldOut) {
             return;
         }
-        self.sold_out[sku].store(true, Ordering::Relaxed);
-        if !self.sold_out.iter().all(|s| s.load(Ordering::Relaxed)) {
-            return;
+        let now = self.elapsed();
+        let mut sold_out = self.sold_out_at.lock().unwrap_or_else(|e| e.into_inner());
+        sold_out[sku].get_or_insert(now);
+        if sold_out.iter().all(Option::is_some) {
+            self.all_sold_out_at
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(now);
         }
-        self.all_sold_out_at
+    }
+
+    /// When each SKU first answered sold out, from the doors opening (`None`: never).
+    pub fn sold_out_times(&self) -> Vec<Option<Duration>> {
+        self.sold_out_at
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get_or_insert_with(|| self.elapsed());
+            .clone()
     }
 
     /// The next order's SKU (round robin) and body.
@@ -175,7 +207,8 @@ impl Sale {
     /// One purchase by a Goose `user`: POST an order, classify the answer.
     async fn buy(&self, user: &mut GooseUser) -> TransactionResult {
         tokio::time::sleep_until(self.doors_open).await;
-        let (sku, body) = self.next_order(&format!("shopper-{}", user.weighted_users_index));
+        let shopper = self.plan.share.first_user + user.weighted_users_index as u64;
+        let (sku, body) = self.next_order(&format!("shopper-{shopper}"));
         let selling = self.sell_out_time().is_none();
         let sent = Instant::now();
         let mut goose = user.post_json("/api/orders", &body).await?;
@@ -237,7 +270,8 @@ fn classify(status: u16, code: Option<&str>) -> Answer {
 const MAX_ARRIVALS_IN_FLIGHT: usize = 4096;
 
 /// The open model: `rate` orders per second from the doors opening, round robin over
-/// the targets, until sold out plus grace or `max_seconds`.
+/// the targets, until sold out plus grace or `max_seconds`. A share sends only its
+/// arrivals (every `stride`-th from `phase`), at the times they have in the whole.
 pub async fn arrive(sale: Arc<Sale>, rate: f64) -> anyhow::Result<()> {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(15))
@@ -246,7 +280,8 @@ pub async fn arrive(sale: Arc<Sale>, rate: f64) -> anyhow::Result<()> {
     let closing = sale.doors_open + Duration::from_secs(sale.plan.max_seconds);
     let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_ARRIVALS_IN_FLIGHT));
     let mut orders = tokio::task::JoinSet::new();
-    for n in 0u64.. {
+    let Share { stride, phase, .. } = sale.plan.share;
+    for n in (phase..).step_by(usize::try_from(stride)?) {
         let due = sale.doors_open + interval.mul_f64(n as f64);
         if due >= closing || sale.finished() {
             break;
@@ -273,8 +308,10 @@ pub async fn arrive(sale: Arc<Sale>, rate: f64) -> anyhow::Result<()> {
 /// Runs one Goose attack; the figures accumulate in `sale`.
 pub async fn attack(sale: Arc<Sale>, html_report: &Path) -> anyhow::Result<()> {
     let targets = sale.plan.targets.clone();
+    let first_user = sale.plan.share.first_user;
     let pick_target: Transaction = Transaction::new(Arc::new(move |user: &mut GooseUser| {
-        let target = targets[user.weighted_users_index % targets.len()].clone();
+        let shopper = usize::try_from(first_user).unwrap_or(0) + user.weighted_users_index;
+        let target = targets[shopper % targets.len()].clone();
         Box::pin(async move {
             user.set_base_url(&target)?;
             Ok(())

@@ -4,9 +4,11 @@
 
 pub mod crowd;
 pub mod explore;
+pub mod merge;
 pub mod options;
 pub mod report;
 pub mod service;
+pub mod split;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,15 +17,15 @@ use anyhow::{Context, bail};
 use chrono::Utc;
 use flashsale_wire::report::{LoadConfig, LoadReport, RunResult};
 
-use crate::crowd::{CrowdPlan, Sale};
+use crate::crowd::{CrowdPlan, Sale, Share};
 use crate::options::{Fault, Options, Switch};
 use crate::report::ServiceFigures;
 use crate::service::Service;
 
 /// How long the closed-loop crowd gathers before the doors open: Goose starts the
 /// shoppers over one second.
-const GATHER_CROWD: Duration = Duration::from_millis(1500);
-const GATHER_OPEN: Duration = Duration::from_millis(300);
+pub(crate) const GATHER_CROWD: Duration = Duration::from_millis(1500);
+pub(crate) const GATHER_OPEN: Duration = Duration::from_millis(300);
 
 /// Checks everything that can be checked before any load is sent: targets answer,
 /// strategies exist. Returns the service client and the strategies to run.
@@ -32,6 +34,7 @@ pub async fn prepare(options: &Options) -> anyhow::Result<(Service, Vec<String>)
         &options.goose_options,
     )
     .map_err(|error| anyhow::anyhow!("--goose options: {error}"))?;
+    split::check(options)?;
     let service = Service::new(&options.targets, options.admin_token.as_deref())?;
     service.check_targets().await?;
     let known = service.strategy_names().await?;
@@ -89,21 +92,27 @@ pub async fn run(
     }
     Ok(LoadReport {
         generated_at: Utc::now(),
-        config: LoadConfig {
-            targets: options.targets.clone(),
-            users: options.users,
-            stock: options.stock,
-            skus: options.skus,
-            max_seconds: options.max_seconds,
-            grace_ms: options.grace_ms,
-            strategies: strategies.to_vec(),
-            fault: options.fault.map(|_| "pause-holder".to_owned()),
-            fencing,
-            repeat: options.repeat,
-            rate: options.rate,
-        },
+        config: load_config(options, strategies, fencing),
         runs,
     })
+}
+
+/// How the run was made, for its report.
+pub(crate) fn load_config(options: &Options, strategies: &[String], fencing: bool) -> LoadConfig {
+    LoadConfig {
+        targets: options.targets.clone(),
+        users: options.users,
+        stock: options.stock,
+        skus: options.skus,
+        max_seconds: options.max_seconds,
+        grace_ms: options.grace_ms,
+        strategies: strategies.to_vec(),
+        fault: options.fault.map(|_| "pause-holder".to_owned()),
+        fencing,
+        repeat: options.repeat,
+        rate: options.rate,
+        parts: options.part.map_or(1, |part| part.of),
+    }
 }
 
 async fn run_strategy(
@@ -135,6 +144,7 @@ async fn run_strategy(
             GATHER_CROWD
         },
         goose_options: options.goose_options.clone(),
+        share: Share::WHOLE,
     });
     std::fs::create_dir_all(&options.out)?;
     let html = options.out.join(format!("goose-{strategy}.html"));
@@ -194,7 +204,7 @@ async fn await_paused_holder(
 
 /// The service's figures once no more orders land (requests cut off by the end of the
 /// attack may still be committing).
-async fn settled_stats(
+pub(crate) async fn settled_stats(
     service: &Service,
     skus: &[String],
 ) -> anyhow::Result<Vec<flashsale_wire::stats::SkuStats>> {
@@ -214,7 +224,7 @@ async fn settled_stats(
     bail!("orders kept changing for 10 s after the crowd stopped")
 }
 
-async fn show_progress(sale: Arc<Sale>, strategy: String, units: i64) {
+pub(crate) async fn show_progress(sale: Arc<Sale>, strategy: String, units: i64) {
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let o = &sale.outcomes;

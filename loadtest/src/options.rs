@@ -1,12 +1,16 @@
 //! The load test's command line: `loadtest [OPTIONS]` runs the load test (as it always
-//! has, so scripts and the dashboard need no change), `loadtest explore` the fault
-//! explorer.
+//! has, so scripts and the dashboard need no change; `--part K/N` plays one share of a
+//! crowd split over machines), `loadtest merge` adds the shares up, `loadtest explore`
+//! runs the fault explorer.
 
 use std::path::PathBuf;
 
+use chrono::{DateTime, Utc};
 use clap::{Parser, Subcommand};
 
 use crate::explore::ExploreOptions;
+use crate::merge::MergeOptions;
+use crate::split::Part;
 
 #[derive(Parser)]
 #[command(
@@ -25,6 +29,8 @@ pub struct Cli {
 pub enum Command {
     /// Seeded fault explorer: short sales under random faults, checked from the records.
     Explore(ExploreOptions),
+    /// One report from the partial reports of a crowd split with `--part K/N`.
+    Merge(MergeOptions),
 }
 
 #[derive(Clone, Parser)]
@@ -106,6 +112,20 @@ pub struct Options {
         allow_hyphen_values = true
     )]
     pub goose_options: Vec<String>,
+
+    /// Play share K of a crowd split over N processes or machines (`2/4`): its shoppers
+    /// (or its arrivals with --rate), on the schedule every part derives from
+    /// --doors-open. Part 1 also switches and restocks the cluster and reads its
+    /// records. Every part writes part-K-of-N.json to --out and prints it on stdout;
+    /// `loadtest merge` makes the report. Give every part the same other options.
+    #[arg(long, value_name = "K/N")]
+    pub part: Option<Part>,
+
+    /// With --part: when the first strategy's doors open, the same for every part
+    /// (RFC 3339, e.g. 2030-01-01T12:00:00Z, or Unix time in milliseconds). Strategy i
+    /// (from 0) opens at this moment + i × (max-seconds + 6 s). Clocks must agree.
+    #[arg(long, env = "FLASHSALE_DOORS_OPEN", value_parser = crate::split::parse_doors_open)]
+    pub doors_open: Option<DateTime<Utc>>,
 }
 
 fn parse_rate(raw: &str) -> Result<f64, String> {

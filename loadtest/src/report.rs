@@ -42,7 +42,7 @@ pub fn latency(times: &Times) -> Latency {
 }
 
 /// The service's figures for the run's SKUs, added up.
-#[derive(Debug, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ServiceFigures {
     pub orders: u64,
     pub initial_stock: i64,
@@ -283,6 +283,15 @@ pub fn markdown(report: &LoadReport) -> String {
         "off"
     };
     let _ = writeln!(md, "Fencing tokens: {fencing}.\n");
+    if c.parts > 1 {
+        let _ = writeln!(
+            md,
+            "The crowd was split over {} processes (`loadtest --part K/N`), their figures \
+             merged (`loadtest merge`): counts added up, latency from their histograms \
+             merged, the records read once.\n",
+            c.parts
+        );
+    }
     let (header, rows) = table(report);
     if c.repeat > 1 {
         let _ = writeln!(
@@ -410,6 +419,7 @@ mod tests {
                 fencing: false,
                 repeat: 1,
                 rate: None,
+                parts: 1,
             },
             runs,
         };

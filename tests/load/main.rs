@@ -9,3 +9,4 @@ mod support;
 
 mod explore;
 mod report_matches_mysql;
+mod split_merge;

@@ -41,10 +41,18 @@ pub struct LoadConfig {
     /// for the closed loop of `users` shoppers buying back to back.
     #[serde(default)]
     pub rate: Option<f64>,
+    /// How many processes shared the crowd (`loadtest --part K/N`, then `loadtest
+    /// merge`); 1, and left out, for a single process.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub parts: u32,
 }
 
 fn one() -> u32 {
     1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }
 
 /// One strategy's run: client-side counts and latency, then the stock figures from
