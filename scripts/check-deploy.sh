@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Validates the container deployment, which no CI machine runs (no Docker engine):
-# docker-compose.yml with every profile, the Prometheus configuration, and Grafana's
-# provisioning and dashboard, with the tools made for them (docker-compose, promtool).
+# Validates the container deployment, which no CI machine runs (no Docker engine, no
+# cluster): docker-compose.yml with every profile, the Prometheus configuration,
+# Grafana's provisioning and dashboard, and the Kubernetes manifests, with the tools
+# made for them (docker-compose, promtool, kubectl kustomize, kubernetes-validate).
 # Installs the missing Debian packages. scripts/test.sh runs it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -14,6 +15,9 @@ log() { printf '[check-deploy] %s\n' "$*" >&2; }
 missing=()
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v promtool >/dev/null || missing+=(prometheus)
+# kubectl renders the kustomizations offline (machine images carry Google's kubectl).
+command -v kubectl >/dev/null || missing+=(kubectl)
+python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 python=
 for candidate in python3 /usr/bin/python3; do
   if command -v "$candidate" >/dev/null && "$candidate" -c 'import yaml' 2>/dev/null; then
@@ -272,4 +276,35 @@ PY
 
 # 4. Every dashboard query parses as PromQL (promtool reads them as recording rules).
 promtool check rules "$tmp/dashboard-rules.yml" >&2
+
+# 5. The Kubernetes manifests: every kustomization under deploy/kubernetes rendered
+#    offline, each rendering validated against Kubernetes' own schemas, strictly (no
+#    unknown fields), for the oldest and newest version we claim; kubernetes-validate
+#    from PyPI bundles them, pinned in deploy/kubernetes/requirements.txt, in a venv of
+#    its own. Then what the schemas cannot say (deploy/kubernetes/check.py): compose's
+#    settings, references that resolve, probes and resources everywhere.
+k8s=deploy/kubernetes
+venv=$k8s/.venv
+if [ ! -x "$venv/bin/kubernetes-validate" ] || [ "$k8s/requirements.txt" -nt "$venv/installed" ]; then
+  log "installing kubernetes-validate into $venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$k8s/requirements.txt"
+  touch "$venv/installed"
+fi
+mkdir -p "$tmp/k8s"
+rendered=0
+while IFS= read -r kustomization; do
+  dir=$(dirname "$kustomization")
+  name=${dir#"$k8s"/}
+  name=${name//\//-}
+  kubectl kustomize "$dir" >"$tmp/k8s/$name.yaml"
+  for version in 1.27.0 1.37.0; do
+    "$venv/bin/kubernetes-validate" --strict --quiet --kubernetes-version "$version" \
+      "$tmp/k8s/$name.yaml" >&2
+  done
+  rendered=$((rendered + 1))
+done < <(find "$k8s" -name kustomization.yaml -not -path '*/.venv/*' | sort)
+log "$rendered kustomizations under $k8s render and validate against Kubernetes 1.27 and 1.37"
+"$venv/bin/python" "$k8s/check.py" "$tmp/compose.yml" "$tmp/k8s"
+
 log "deploy/ is valid"
