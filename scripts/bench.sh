@@ -22,7 +22,8 @@
 #   BENCH_LOCKS (redis-lock,db-unique,zookeeper,db-for-update,etcd,redlock,none),
 #   FLASHSALE_LOCK_LEASE_MS and FLASHSALE_ZK_SESSION_MS as for `flashsale serve`;
 #   BENCH_ORDER_SECONDS (5), BENCH_CONNECTIONS (10 per replica), BENCH_PORT (8181,
-#   the first of the three replicas this script starts and stops).
+#   the first of the three replicas this script starts and stops), BENCH_STRATEGIES
+#   (space-separated, default all), BENCH_BINARY (default target/release/flashsale).
 # Every run is bounded in time; the whole default run takes about two minutes after
 # the build.
 set -euo pipefail

@@ -5,7 +5,9 @@
 ORDER_SECONDS=${BENCH_ORDER_SECONDS:-5}
 CONNECTIONS=${BENCH_CONNECTIONS:-10}
 PORT=${BENCH_PORT:-8181}
-STRATEGIES=(none redis-lock db-unique optimistic zookeeper db-for-update etcd redlock redis-atomic)
+read -r -a STRATEGIES <<<"${BENCH_STRATEGIES:-none redis-lock db-unique optimistic zookeeper db-for-update etcd redlock redis-atomic}"
+# Another build to measure (e.g. an older commit's, for a before/after in one run).
+BINARY=${BENCH_BINARY:-target/release/flashsale}
 SKU=bench-hot
 # Enough that nothing sells out within a run.
 STOCK=10000000
@@ -63,7 +65,7 @@ subprocess.run(["mariadb", "--no-defaults", "-h", u.hostname, "-P", str(u.port o
 PY
   # No simulated work: the figures are the strategies' cost.
   FLASHSALE_WORK_MS=0 FLASHSALE_DATABASE_URL="$url" FLASHSALE_NAMESPACE=flashsale-bench \
-    target/release/flashsale cluster --replicas 3 --base-port "$PORT" \
+    "$BINARY" cluster --replicas 3 --base-port "$PORT" \
     >"$WORK/cluster.log" 2>&1 &
   CLUSTER_PID=$!
   local i
