@@ -44,6 +44,14 @@ pub struct Manager {
     client: Client,
 }
 
+impl Manager {
+    /// The client the pool's connections come from (for a pub/sub connection of the
+    /// same server, which a pool cannot lend).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+}
+
 /// A pooled connection and whether it failed in use.
 pub struct Tracked {
     connection: MultiplexedConnection,

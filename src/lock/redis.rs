@@ -412,12 +412,12 @@ impl Drop for PendingSet {
 /// Local waiters per lock channel. Each waiter holds an `Arc<Notify>`; the map keeps
 /// only weak references so finished locks leave nothing behind.
 #[derive(Default)]
-struct Waiters {
+pub(super) struct Waiters {
     by_channel: Mutex<HashMap<String, Weak<Notify>>>,
 }
 
 impl Waiters {
-    fn register(&self, channel: &str) -> Arc<Notify> {
+    pub(super) fn register(&self, channel: &str) -> Arc<Notify> {
         let mut map = self.by_channel.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(existing) = map.get(channel).and_then(Weak::upgrade) {
             return existing;
@@ -437,7 +437,11 @@ impl Waiters {
 }
 
 /// Forwards release messages to local waiters, reconnecting after a Redis outage.
-async fn listen_for_releases(client: redis::Client, pattern: String, waiters: Arc<Waiters>) {
+pub(super) async fn listen_for_releases(
+    client: redis::Client,
+    pattern: String,
+    waiters: Arc<Waiters>,
+) {
     loop {
         match client.get_async_pubsub().await {
             Ok(mut pubsub) => match pubsub.psubscribe(&pattern).await {

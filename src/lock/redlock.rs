@@ -30,8 +30,15 @@
 //!   on a local FIFO mutex and only the first runs the algorithm (Redisson does the
 //!   same with a semaphore per lock). Without it, hundreds of contenders each win one
 //!   node, nobody reaches a majority, all back off and retry: a livelock seen here
-//!   with 300 buyers on one SKU. A local successor starts with the same random delay
-//!   as remote contenders, so the lock does not stay on one replica.
+//!   with 300 buyers on one SKU.
+//! - **Woken, not polling**: a release publishes on every node (the single-node
+//!   release script), and each replica listens on every node, so the waiting head of
+//!   each replica's queue retries as soon as the lock is free, after a jitter of a few
+//!   milliseconds that keeps the replicas from splitting the nodes' votes. A local
+//!   successor starts with the same jitter, so the lock does not stay on one replica.
+//!   A lost notice costs only time: the random retry delay stays as the fallback.
+//!   (Polling alone, every 5-50 ms, made each handoff cost 27 ms on average: 84
+//!   orders/s on a hot SKU against 678 for redis-lock.)
 //!
 //! Redlock's safety rests on timing: bounded network delay, bounded process pauses and
 //! clocks that drift by less than the allowance. A pause longer than the validity
@@ -50,13 +57,17 @@ use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
 use super::local_queue::{LocalQueues, Turn};
 use super::redis::{PendingSet, SEED_FENCE, Target, delete_on, millis, redis_error, renew_on};
-use super::task::Tasks;
+use super::redis::{Waiters, listen_for_releases};
+use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, LockError, LockView, acquisition_token, token_owner};
 
 /// Bound on one node's answer: far below the lease, so a dead node cannot eat the
 /// validity time.
 const NODE_TIMEOUT: Duration = Duration::from_millis(50);
 const RETRY_DELAY_MS: std::ops::RangeInclusive<u64> = 5..=50;
+/// The delay before a retry after a release notice, in microseconds: spread enough
+/// that the replicas' heads do not all send their `SET` in the same instant.
+const WAKE_JITTER_US: std::ops::RangeInclusive<u64> = 0..=3_000;
 
 pub struct Redlock {
     nodes: Arc<Vec<Pool>>,
@@ -67,6 +78,9 @@ pub struct Redlock {
     local_queues: LocalQueues,
     fence_floor: Option<Arc<dyn FenceFloor>>,
     tasks: Tasks,
+    /// This replica's waiting heads, woken by the release notices of every node.
+    waiters: Arc<Waiters>,
+    _listeners: Vec<AbortOnDrop>,
 }
 
 /// One node's part in a round: the attempt on it, if a connection was had, and
@@ -78,7 +92,21 @@ struct NodeAttempt {
 }
 
 impl Redlock {
+    /// Starts a release listener on each node (pub/sub needs a connection of its own).
     pub fn new(nodes: Vec<Pool>, namespace: &str, owner: &str, lease: Duration) -> Redlock {
+        let waiters = Arc::new(Waiters::default());
+        let pattern = released_channel(&format!("{namespace}:redlock:*"));
+        let listeners = nodes
+            .iter()
+            .map(|node| {
+                let client = node.manager().client().clone();
+                AbortOnDrop::spawn(listen_for_releases(
+                    client,
+                    pattern.clone(),
+                    waiters.clone(),
+                ))
+            })
+            .collect();
         Redlock {
             nodes: Arc::new(nodes),
             namespace: namespace.to_owned(),
@@ -87,6 +115,8 @@ impl Redlock {
             local_queues: LocalQueues::default(),
             fence_floor: None,
             tasks: Tasks::default(),
+            waiters,
+            _listeners: listeners,
         }
     }
 
@@ -242,16 +272,20 @@ impl DistributedLock for Redlock {
             .turn(&key, deadline)
             .await
             .ok_or(LockError::Timeout { waited: wait })?;
+        let wakeup = self.waiters.register(&released_channel(&key));
         if turn.waited {
             // Our turn came because a local holder released: start with the same
-            // random delay other replicas' contenders are sleeping, or this replica
-            // would keep the lock to itself.
-            let pause = Duration::from_millis(rand::random_range(RETRY_DELAY_MS));
-            tokio::time::sleep_until(deadline.min(Instant::now() + pause)).await;
+            // jitter as the other replicas' heads, woken by the same release, or this
+            // replica would keep the lock to itself.
+            tokio::time::sleep_until(deadline.min(Instant::now() + wake_jitter())).await;
         }
         let turn = Arc::new(turn);
         let drift = self.lease / 100 + Duration::from_millis(2);
         loop {
+            // Listen before trying, so a release between the try and the wait is seen.
+            let released = wakeup.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
             let token = acquisition_token(&self.owner);
             let started = Instant::now();
             let mut attempts = self.set_everywhere(&key, &token).await;
@@ -299,7 +333,12 @@ impl DistributedLock for Redlock {
                 return Err(LockError::Timeout { waited: wait });
             }
             let pause = Duration::from_millis(rand::random_range(RETRY_DELAY_MS));
-            tokio::time::sleep_until(deadline.min(now + pause)).await;
+            tokio::select! {
+                () = &mut released => {
+                    tokio::time::sleep_until(deadline.min(Instant::now() + wake_jitter())).await;
+                }
+                () = tokio::time::sleep_until(deadline.min(now + pause)) => {}
+            }
         }
     }
 
@@ -333,6 +372,10 @@ impl DistributedLock for Redlock {
 
 fn released_channel(key: &str) -> String {
     format!("{key}:released")
+}
+
+fn wake_jitter() -> Duration {
+    Duration::from_micros(rand::random_range(WAKE_JITTER_US))
 }
 
 /// One Redlock acquisition: the same key and token on every node.
