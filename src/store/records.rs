@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
-use sqlx::{Connection, MySql, Row, Transaction};
+use sqlx::{MySql, Row, Transaction};
 
 use super::StoreError;
 use crate::model::{NewOrder, Order, Sku};
@@ -30,9 +30,6 @@ pub struct ProductRecord {
     pub updated_at: DateTime<Utc>,
 }
 
-/// A pooled MySQL connection idle for longer is checked before use.
-const PING_IF_IDLE_FOR: Duration = Duration::from_secs(5);
-
 impl Records {
     /// Connects, retrying until `patience` runs out (the database may still be
     /// starting, as under docker-compose), then applies the migrations.
@@ -42,19 +39,11 @@ impl Records {
             let attempt = MySqlPoolOptions::new()
                 .max_connections(pool_size)
                 .acquire_timeout(Duration::from_secs(3))
-                // sqlx pings every connection before handing it out: a round trip
-                // before every transaction of every order. Only a connection idle for
-                // a while may have been closed by the server, so only those are
-                // pinged; one that broke while in use is dropped when it comes back.
-                .test_before_acquire(false)
-                .before_acquire(|conn, meta| {
-                    Box::pin(async move {
-                        if meta.idle_for < PING_IF_IDLE_FOR {
-                            return Ok(true);
-                        }
-                        Ok(conn.ping().await.is_ok())
-                    })
-                })
+                // sqlx pings every connection before handing it out: one round trip
+                // per transaction, but a connection MariaDB dropped (a restart) is
+                // replaced there, so an order sent during a short outage waits for the
+                // database instead of failing on a dead connection
+                // (`faults::mariadb_blip_mid_sale` fails without the ping).
                 .connect(url)
                 .await;
             match attempt {
