@@ -7,7 +7,9 @@
 //! Here a connection used in the last two seconds is handed out as it is; only an idle
 //! one is pinged first. What the ping was for, not handing out a dead connection, is
 //! kept another way: a connection whose command failed at the connection level (Redis
-//! restarted, the socket dropped) is marked and replaced instead of handed out again.
+//! restarted, the socket dropped) is marked and replaced instead of handed out again,
+//! and one whose caller gave up waiting for an answer (Redlock's 50 ms per node) is
+//! pinged before its next use: a node that went silent never answers with an error.
 //! Nothing in this code uses `WATCH`, so there is nothing to `UNWATCH`.
 
 use std::time::Duration;
@@ -52,10 +54,12 @@ impl Manager {
     }
 }
 
-/// A pooled connection and whether it failed in use.
+/// A pooled connection, whether it failed in use, and whether a command sent on it
+/// was dropped before its answer came.
 pub struct Tracked {
     connection: MultiplexedConnection,
     broken: bool,
+    unanswered: bool,
 }
 
 impl Tracked {
@@ -81,6 +85,7 @@ impl managed::Manager for Manager {
         Ok(Tracked {
             connection: self.client.get_multiplexed_async_connection().await?,
             broken: false,
+            unanswered: false,
         })
     }
 
@@ -88,13 +93,14 @@ impl managed::Manager for Manager {
         if tracked.broken {
             return Err(RecycleError::message("the connection failed in use"));
         }
-        if metrics.last_used() < PING_IF_IDLE_FOR {
+        if !tracked.unanswered && metrics.last_used() < PING_IF_IDLE_FOR {
             return Ok(());
         }
         let answer: String = redis::cmd("PING")
             .query_async(&mut tracked.connection)
             .await?;
         if answer == "PONG" {
+            tracked.unanswered = false;
             Ok(())
         } else {
             Err(RecycleError::message("unexpected answer to PING"))
@@ -116,7 +122,10 @@ impl From<managed::Object<Manager>> for Connection {
 impl ConnectionLike for Connection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
+            // Stays set if this future is dropped before the answer.
+            self.object.unanswered = true;
             let answer = self.object.connection.req_packed_command(cmd).await;
+            self.object.unanswered = false;
             self.object.note(&answer);
             answer
         })
@@ -129,11 +138,13 @@ impl ConnectionLike for Connection {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
+            self.object.unanswered = true;
             let answer = self
                 .object
                 .connection
                 .req_packed_commands(pipeline, offset, count)
                 .await;
+            self.object.unanswered = false;
             self.object.note(&answer);
             answer
         })

@@ -88,13 +88,14 @@ return 0
     )
 });
 
-/// Compare-and-delete, then wake the waiters.
+/// Compare-and-delete, then wake the waiters (unless the channel is empty: the undo
+/// of a Redlock round that did not reach a majority frees no lock anyone waits for).
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], ARGV[1])
+  if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], ARGV[1]) end
   return 1
 end
 return 0

@@ -178,7 +178,10 @@ impl Redlock {
                         let target = Target {
                             pool: node.clone(),
                             key: key.to_owned(),
-                            channel: released_channel(key),
+                            // Undoing a round that missed the majority publishes
+                            // nothing: the lock's holder still holds it, and a notice
+                            // would wake every head (this one too) into a retry storm.
+                            channel: String::new(),
                             token: token.to_owned(),
                         };
                         let pending =
