@@ -148,17 +148,14 @@ async fn run_strategy(
     });
     std::fs::create_dir_all(&options.out)?;
     let html = options.out.join(format!("goose-{strategy}.html"));
-    let progress = tokio::spawn(show_progress(
-        sale.clone(),
+    play(
+        &sale,
         strategy.to_owned(),
         options.stock * skus.len() as i64,
-    ));
-    let attack = match options.rate {
-        Some(rate) => crowd::arrive(sale.clone(), rate).await,
-        None => crowd::attack(sale.clone(), &html).await,
-    };
-    progress.abort();
-    attack?;
+        options.rate,
+        &html,
+    )
+    .await?;
     let duration = sale.elapsed();
     if let Some(pause_ms) = pause {
         await_paused_holder(service, strategy, pause_ms).await?;
@@ -224,7 +221,25 @@ pub(crate) async fn settled_stats(
     bail!("orders kept changing for 10 s after the crowd stopped")
 }
 
-pub(crate) async fn show_progress(sale: Arc<Sale>, strategy: String, units: i64) {
+/// Plays one crowd, the closed loop or the open model at `rate`, with a progress line
+/// every second.
+pub(crate) async fn play(
+    sale: &Arc<Sale>,
+    label: String,
+    units: i64,
+    rate: Option<f64>,
+    html: &std::path::Path,
+) -> anyhow::Result<()> {
+    let progress = tokio::spawn(show_progress(sale.clone(), label, units));
+    let attack = match rate {
+        Some(rate) => crowd::arrive(sale.clone(), rate).await,
+        None => crowd::attack(sale.clone(), html).await,
+    };
+    progress.abort();
+    attack
+}
+
+async fn show_progress(sale: Arc<Sale>, strategy: String, units: i64) {
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let o = &sale.outcomes;

@@ -27,7 +27,7 @@ use flashsale_wire::report::LoadConfig;
 use hdrhistogram::serialization::{Deserializer, Serializer as _, V2DeflateSerializer};
 use serde::{Deserialize, Serialize};
 
-use crate::crowd::{self, CrowdPlan, Sale, Share};
+use crate::crowd::{CrowdPlan, Sale, Share};
 use crate::options::{Options, Switch};
 use crate::report::{ServiceFigures, Times};
 use crate::service::Service;
@@ -404,17 +404,14 @@ async fn play(
         let html = options
             .out
             .join(format!("goose-{strategy}-part{}.html", part.number));
-        let progress = tokio::spawn(crate::show_progress(
-            sale.clone(),
+        crate::play(
+            &sale,
             format!("{strategy} (part {}/{})", part.number, part.of),
             options.stock * skus.len() as i64,
-        ));
-        let attack = match options.rate {
-            Some(rate) => crowd::arrive(sale.clone(), rate).await,
-            None => crowd::attack(sale.clone(), &html).await,
-        };
-        progress.abort();
-        attack?;
+            options.rate,
+            &html,
+        )
+        .await?;
         let o = &sale.outcomes;
         let count = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
         run.requests = o.requests();
