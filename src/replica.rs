@@ -1,7 +1,8 @@
 //! A replica announces itself in Redis once a second (id, address, start time,
 //! requests served, orders waiting for a lock) so `/api/stats` and the dashboard can
-//! list the replicas alive, and checks that Redis holds the sale's epoch. It deregisters on a clean shutdown; a killed replica simply
-//! stops beating and ages out.
+//! list the replicas alive, and checks that Redis holds the sale's epoch. It
+//! deregisters on a clean shutdown; a killed replica simply stops beating and ages
+//! out.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -89,7 +89,6 @@ pub struct Sale {
     next_request: AtomicU64,
     /// When each SKU first answered sold out, from the doors opening.
     sold_out_at: Mutex<Vec<Option<Duration>>>,
-    all_sold_out_at: Mutex<Option<Duration>>,
     /// Response times of the requests sent while stock remained, timed here (Goose
     /// keeps whole milliseconds). Once sold out, answers are cheap refusals that would
     /// only dilute the figures.
@@ -118,7 +117,6 @@ impl Sale {
             doors_open: Instant::now() + gather,
             next_request: AtomicU64::new(0),
             sold_out_at: Mutex::new(sold_out),
-            all_sold_out_at: Mutex::new(None),
             selling_times: Mutex::new(new_times()),
         })
     }
@@ -142,12 +140,16 @@ impl Sale {
             .clone()
     }
 
-    /// When every SKU had answered sold out, measured from the attack's start.
+    /// When every SKU had answered sold out (the last of them to), from the doors
+    /// opening.
     pub fn sell_out_time(&self) -> Option<Duration> {
-        *self
-            .all_sold_out_at
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let sold_out = self.sold_out_at.lock().unwrap_or_else(|e| e.into_inner());
+        sold_out
+            .iter()
+            .copied()
+            .collect::<Option<Vec<Duration>>>()?
+            .into_iter()
+            .max()
     }
 
     fn record(&self, sku: usize, answer: &Answer) {
@@ -162,14 +164,7 @@ impl Sale {
             return;
         }
         let now = self.elapsed();
-        let mut sold_out = self.sold_out_at.lock().unwrap_or_else(|e| e.into_inner());
-        sold_out[sku].get_or_insert(now);
-        if sold_out.iter().all(Option::is_some) {
-            self.all_sold_out_at
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get_or_insert(now);
-        }
+        self.sold_out_at.lock().unwrap_or_else(|e| e.into_inner())[sku].get_or_insert(now);
     }
 
     /// When each SKU first answered sold out, from the doors opening (`None`: never).

@@ -58,44 +58,51 @@ impl ClusterEvent {
 
     /// The counter's name in `/api/stats` (`<strategy>.<counter>`).
     pub fn counter(self) -> &'static str {
-        match self {
-            ClusterEvent::LockTimeout => "lock_timeouts",
-            ClusterEvent::LockLost => "locks_lost",
-            ClusterEvent::FencingRejection => "fencing_rejections",
-            ClusterEvent::OptimisticConflict => "conflicts",
-            ClusterEvent::OptimisticGaveUp => "gave_up",
-            ClusterEvent::PausedHolder => "paused_holders",
-        }
+        self.names().0
     }
 
     /// One Prometheus metric per event, so each gets its own `# HELP`.
     pub fn metric(self) -> &'static str {
-        match self {
-            ClusterEvent::LockTimeout => "flashsale_lock_timeouts_total",
-            ClusterEvent::LockLost => "flashsale_locks_lost_total",
-            ClusterEvent::FencingRejection => "flashsale_fencing_rejections_total",
-            ClusterEvent::OptimisticConflict => "flashsale_optimistic_conflicts_total",
-            ClusterEvent::OptimisticGaveUp => "flashsale_optimistic_gave_up_total",
-            ClusterEvent::PausedHolder => "flashsale_paused_holders_total",
-        }
+        self.names().1
     }
 
     pub fn help(self) -> &'static str {
+        self.names().2
+    }
+
+    /// Counter, metric and help of the event, in one place.
+    fn names(self) -> (&'static str, &'static str, &'static str) {
         match self {
-            ClusterEvent::LockTimeout => {
-                "Orders refused because the lock was not acquired in time, by strategy"
-            }
-            ClusterEvent::LockLost => {
-                "Orders abandoned because their lock was lost mid-section, by strategy"
-            }
-            ClusterEvent::FencingRejection => {
-                "Stale holders' writes refused by the fence, by strategy"
-            }
-            ClusterEvent::OptimisticConflict => "Optimistic version conflicts (each retried)",
-            ClusterEvent::OptimisticGaveUp => {
-                "Optimistic orders that gave up after their last attempt"
-            }
-            ClusterEvent::PausedHolder => "Lock holders paused by the armed fault",
+            ClusterEvent::LockTimeout => (
+                "lock_timeouts",
+                "flashsale_lock_timeouts_total",
+                "Orders refused because the lock was not acquired in time, by strategy",
+            ),
+            ClusterEvent::LockLost => (
+                "locks_lost",
+                "flashsale_locks_lost_total",
+                "Orders abandoned because their lock was lost mid-section, by strategy",
+            ),
+            ClusterEvent::FencingRejection => (
+                "fencing_rejections",
+                "flashsale_fencing_rejections_total",
+                "Stale holders' writes refused by the fence, by strategy",
+            ),
+            ClusterEvent::OptimisticConflict => (
+                "conflicts",
+                "flashsale_optimistic_conflicts_total",
+                "Optimistic version conflicts (each retried)",
+            ),
+            ClusterEvent::OptimisticGaveUp => (
+                "gave_up",
+                "flashsale_optimistic_gave_up_total",
+                "Optimistic orders that gave up after their last attempt",
+            ),
+            ClusterEvent::PausedHolder => (
+                "paused_holders",
+                "flashsale_paused_holders_total",
+                "Lock holders paused by the armed fault",
+            ),
         }
     }
 }

@@ -251,13 +251,20 @@ impl Store {
         // rebuilt now could miss a commit still under way. If only some settings went
         // missing under another epoch than MySQL's, they come back with the stocks of
         // the same snapshot, so an epoch never reaches Redis without its stocks.
-        let durable = self.records.sale_settings().await?;
         let (durable, stocks) = match cached.epoch {
-            // Same epoch: its stocks are in Redis already (rewriting them from MySQL
-            // would put back units redis-atomic has taken and not yet committed).
-            None => (durable, Vec::new()),
-            Some(epoch) if epoch == durable.epoch => (durable, Vec::new()),
-            Some(_) => self.records.settings_and_stocks().await?,
+            None => (self.records.sale_settings().await?, Vec::new()),
+            Some(epoch) => {
+                let (durable, stocks) = self.records.settings_and_stocks().await?;
+                // Same epoch: its stocks are in Redis already (rewriting them from
+                // MySQL would put back units redis-atomic has taken and not yet
+                // committed).
+                let stocks = if durable.epoch == epoch {
+                    Vec::new()
+                } else {
+                    stocks
+                };
+                (durable, stocks)
+            }
         };
         self.publish(&durable, &stocks, Publish::IfStill(cached.epoch))
             .await?;

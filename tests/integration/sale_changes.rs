@@ -537,3 +537,55 @@ async fn a_late_cache_write_does_not_recreate_a_lost_stock() {
         StatusCode::CREATED
     );
 }
+
+/// An admin whose call is dropped (a hang-up, the request timeout) at any point of the
+/// change: the change still reaches Redis. Here no replica runs, so no heartbeat can
+/// repair a change cut between its MySQL commit and its publication: only the change
+/// running in a task of its own keeps Redis on MySQL's epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_change_dropped_by_its_caller_still_reaches_redis() {
+    use flashsale::model::Sku;
+    use flashsale::store::{ClusterState, Records, SaleChange, StockCache, Store, Timeline};
+    let cluster = TestCluster::start(0, &[]).await;
+    let records = Records::connect(&cluster.database_url, 4, Duration::from_secs(10))
+        .await
+        .expect("MySQL");
+    let pool = crate::support::redis_pool();
+    let namespace = cluster.namespace.clone();
+    let store = Store {
+        cache: StockCache::new(pool.clone(), namespace.clone()),
+        records,
+        cluster: ClusterState::new(pool.clone(), namespace.clone()),
+        timeline: Timeline::start(pool, namespace),
+    };
+    let sku = Sku::parse("dropped-change").expect("sku");
+    let reset = || SaleChange::Reset {
+        sku: sku.clone(),
+        stock: 5,
+    };
+    store
+        .change_sale(reset())
+        .await
+        .expect("a first change, whole");
+    // The caller gives up after 0, 0.25, 0.5, ... 10 ms: some of these fall between
+    // the change's MySQL commit and its publication.
+    for quarter_ms in 0..40u64 {
+        let change = store.change_sale(reset());
+        let _ = tokio::time::timeout(Duration::from_micros(quarter_ms * 250), change).await;
+        // Room for a change that runs on to finish.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mysql = store
+            .records
+            .sale_settings()
+            .await
+            .expect("MySQL epoch")
+            .epoch;
+        let redis = store.cluster.cached_settings().await.expect("Redis").epoch;
+        assert_eq!(
+            redis,
+            Some(mysql),
+            "a change dropped after {} µs left Redis behind MySQL",
+            quarter_ms * 250
+        );
+    }
+}
