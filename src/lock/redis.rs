@@ -533,8 +533,8 @@ impl LeaseHold for RedisHold {
     }
 
     /// From `INCR <ns>:fence:<name>` at acquisition.
-    fn fencing_token(&self) -> u64 {
-        self.fence
+    fn fencing_token(&self) -> Option<u64> {
+        Some(self.fence)
     }
 }
 

@@ -25,6 +25,10 @@
 //!   so the next holder reads at least this token and goes above it. A node that lost
 //!   its data has no counter: then the floor also comes from the fence MySQL checks
 //!   (`fence_floor`). This rests, like the lock itself, on holders not overlapping.
+//!   Those are two more rounds on every granting node, so they are only made for a
+//!   caller that asked for a token (`acquire`; with fencing off the flow calls
+//!   `acquire_unfenced`, whose hold has none). Counters left alone meanwhile stay
+//!   valid floors: a fenced holder only ever raises them.
 //!
 //! - **Local queue**: within one replica, contenders for the same key wait their turn
 //!   on a local FIFO mutex and only the first runs the algorithm (Redisson does the
@@ -261,13 +265,15 @@ impl Redlock {
             .then(|| fences.into_iter().max())
             .flatten())
     }
-}
 
-#[async_trait]
-impl DistributedLock for Redlock {
-    type Guard = LeaseGuard<RedlockHold>;
-
-    async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
+    /// The algorithm (module comment); with `fenced`, the hold also takes a fencing
+    /// token, two more rounds on the granting nodes.
+    async fn acquire_with(
+        &self,
+        name: &str,
+        wait: Duration,
+        fenced: bool,
+    ) -> Result<LeaseGuard<RedlockHold>, LockError> {
         let key = self.key(name);
         let deadline = Instant::now() + wait;
         let turn = self
@@ -294,7 +300,15 @@ impl DistributedLock for Redlock {
             let mut attempts = self.set_everywhere(&key, &token).await;
             let granted = attempts.iter().filter(|a| a.granted).count();
             if granted >= self.quorum() && started.elapsed() + drift < self.lease {
-                let fence = self.next_fence(name, &token, &mut attempts).await?;
+                // The token if asked for one; `None` when its rounds missed the
+                // majority, which fails the whole round.
+                let fence = if fenced {
+                    self.next_fence(name, &token, &mut attempts)
+                        .await?
+                        .map(Some)
+                } else {
+                    Some(None)
+                };
                 if let Some(fence) = fence
                     && started.elapsed() + drift < self.lease
                 {
@@ -344,6 +358,19 @@ impl DistributedLock for Redlock {
             }
         }
     }
+}
+
+#[async_trait]
+impl DistributedLock for Redlock {
+    type Guard = LeaseGuard<RedlockHold>;
+
+    async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
+        self.acquire_with(name, wait, true).await
+    }
+
+    async fn acquire_unfenced(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
+        self.acquire_with(name, wait, false).await
+    }
 
     async fn view(&self, name: &str) -> Result<LockView, LockError> {
         let key = self.key(name);
@@ -388,7 +415,8 @@ pub struct RedlockHold {
     quorum: usize,
     key: String,
     token: String,
-    fence: u64,
+    /// Only when the acquisition asked for one.
+    fence: Option<u64>,
     /// Nodes whose `SET` had not answered when the lock was taken: undone on their
     /// own connections once the last copy of the hold is gone.
     _late: Arc<Vec<PendingSet>>,
@@ -450,7 +478,7 @@ impl LeaseHold for RedlockHold {
         format!("redlock {} on {} nodes", self.key, self.nodes.len())
     }
 
-    fn fencing_token(&self) -> u64 {
+    fn fencing_token(&self) -> Option<u64> {
         self.fence
     }
 }

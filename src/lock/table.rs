@@ -255,8 +255,8 @@ impl LeaseHold for TableHold {
     }
 
     /// The row's auto-increment id: it only grows.
-    fn fencing_token(&self) -> u64 {
-        self.id
+    fn fencing_token(&self) -> Option<u64> {
+        Some(self.id)
     }
 }
 

@@ -605,6 +605,42 @@ async fn redlock_tokens_grow_across_different_majorities() {
     );
 }
 
+/// With fencing off Redlock skips its counter rounds: the hold has no token and no
+/// node gets a counter; fenced holds taken between unfenced ones, over rotating
+/// majorities, still get strictly growing tokens.
+#[tokio::test]
+async fn redlock_unfenced_holds_skip_the_counter_and_leave_tokens_growing() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let nodes: Vec<_> = redlock_urls().iter().map(|url| pool_for(url)).collect();
+    let redlock = Redlock::new(nodes.clone(), &cluster.namespace, "r", LONG);
+    let fence_key = format!("{}:redlock-fence:item", cluster.namespace);
+    let unfenced = redlock.acquire_unfenced("item", LONG).await.expect("held");
+    assert_eq!(unfenced.fencing_token(), None, "no token was asked for");
+    unfenced.release().await.expect("released");
+    for node in &nodes {
+        let mut conn = node.get().await.expect("node");
+        let exists: bool = conn.exists(&fence_key).await.expect("EXISTS");
+        assert!(!exists, "an unfenced hold wrote no counter");
+    }
+    let key = redlock.key("item");
+    let mut tokens = Vec::new();
+    for round in 0..6 {
+        let blocked = &nodes[(round + 2) % 3];
+        let mut conn = blocked.get().await.expect("node");
+        let () = conn.set(&key, "someone-else").await.expect("SET");
+        let fenced = redlock.acquire("item", LONG).await.expect("held");
+        tokens.push(fenced.fencing_token().expect("token"));
+        fenced.release().await.expect("released");
+        let unfenced = redlock.acquire_unfenced("item", LONG).await.expect("held");
+        unfenced.release().await.expect("released");
+        let () = conn.del(&key).await.expect("DEL");
+    }
+    assert!(
+        tokens.windows(2).all(|pair| pair[0] < pair[1]),
+        "tokens strictly increase: {tokens:?}"
+    );
+}
+
 /// A redis-server of this test's own, which the test can pause (SIGSTOP: a node that
 /// hangs) or kill.
 struct PrivateRedis {
