@@ -140,7 +140,7 @@ impl Records {
         strategy: &str,
         replica: &str,
     ) -> Result<Result<Committed, Refusal>, StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let written = write_order(&mut tx, order, write, epoch, strategy, replica).await?;
         match written {
             Ok(committed) => {
@@ -173,7 +173,7 @@ impl Records {
         epoch: u64,
         wait: Duration,
     ) -> Result<Result<LockedProduct, Refusal>, StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let seconds = wait.as_secs().max(1) + u64::from(wait.subsec_nanos() > 0);
         // The number is ours, not input; MariaDB takes no placeholder in SET STATEMENT.
         let bounded = |statement: &str| {

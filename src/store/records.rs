@@ -7,11 +7,14 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
-use sqlx::{MySql, Row, Transaction};
+use sqlx::{Connection, MySql, Row, Transaction};
 
 use super::StoreError;
 use crate::model::{NewOrder, Order, Sku};
 use crate::report::LoadReport;
+
+/// A pooled connection used this recently is handed out without a ping.
+const ALIVE_BYPASS: Duration = Duration::from_millis(500);
 
 #[derive(Clone)]
 pub struct Records {
@@ -39,11 +42,21 @@ impl Records {
             let attempt = MySqlPoolOptions::new()
                 .max_connections(pool_size)
                 .acquire_timeout(Duration::from_secs(3))
-                // sqlx pings every connection before handing it out: one round trip
-                // per transaction, but a connection MariaDB dropped (a restart) is
-                // replaced there, so an order sent during a short outage waits for the
-                // database instead of failing on a dead connection
-                // (`faults::mariadb_blip_mid_sale` fails without the ping).
+                // sqlx would ping every connection before handing it out: one round
+                // trip per transaction, most of them inside a lock. Like HikariCP's
+                // alive-bypass window, only a connection idle for a while is pinged;
+                // one used moments ago is handed out as it is, and a transaction
+                // whose BEGIN finds it dead (MariaDB restarted) starts again on
+                // another (`begin`).
+                .test_before_acquire(false)
+                .before_acquire(|conn, meta| {
+                    Box::pin(async move {
+                        if meta.idle_for < ALIVE_BYPASS {
+                            return Ok(true);
+                        }
+                        Ok(conn.ping().await.is_ok())
+                    })
+                })
                 .connect(url)
                 .await;
             match attempt {
@@ -63,6 +76,35 @@ impl Records {
         &self.pool
     }
 
+    /// Starts a transaction, on a live connection (`on_live_connection`).
+    pub async fn begin(&self) -> Result<Transaction<'static, MySql>, sqlx::Error> {
+        self.on_live_connection(|| self.pool.begin()).await
+    }
+
+    /// Runs `statement`, a BEGIN or a read, again when it failed at the connection
+    /// level: the pool hands recently used connections out unpinged, so after a
+    /// MariaDB restart one may be dead. Nothing was written; sqlx discards the dead
+    /// connection (it fails its ping on release), and the next try takes another, at
+    /// worst a new one, which waits for the database as long as the pool's acquire
+    /// timeout. So an order sent during a short outage waits instead of failing
+    /// (`faults::mariadb_blip_mid_sale`).
+    async fn on_live_connection<T, F: Future<Output = Result<T, sqlx::Error>>>(
+        &self,
+        mut statement: impl FnMut() -> F,
+    ) -> Result<T, sqlx::Error> {
+        let tries = self.pool.options().get_max_connections() + 1;
+        let mut tried = 1;
+        loop {
+            match statement().await {
+                Err(sqlx::Error::Io(error)) if tried < tries => {
+                    tracing::debug!(%error, "a dead connection; trying again on another");
+                    tried += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
     pub async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query("SELECT 1").execute(&self.pool).await?;
         Ok(())
@@ -70,12 +112,12 @@ impl Records {
 
     /// The product's stock and row version, as the optimistic strategy reads them.
     pub async fn stock_and_version(&self, sku: &Sku) -> Result<Option<(i64, i64)>, StoreError> {
-        Ok(
+        let read = || {
             sqlx::query_as("SELECT stock, version FROM products WHERE sku = ?")
                 .bind(sku.as_str())
                 .fetch_optional(&self.pool)
-                .await?,
-        )
+        };
+        Ok(self.on_live_connection(read).await?)
     }
 
     /// Products with their order totals; all of them, or only `sku`.
