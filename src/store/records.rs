@@ -92,11 +92,16 @@ impl Records {
         &self,
         mut statement: impl FnMut() -> F,
     ) -> Result<T, sqlx::Error> {
+        // Each idle connection may be dead, then a new one is opened; all of it
+        // within one acquire timeout.
         let tries = self.pool.options().get_max_connections() + 1;
+        let deadline = tokio::time::Instant::now() + self.pool.options().get_acquire_timeout();
         let mut tried = 1;
         loop {
             match statement().await {
-                Err(sqlx::Error::Io(error)) if tried < tries => {
+                Err(sqlx::Error::Io(error))
+                    if tried < tries && tokio::time::Instant::now() < deadline =>
+                {
                     tracing::debug!(%error, "a dead connection; trying again on another");
                     tried += 1;
                 }
