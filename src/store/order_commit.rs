@@ -69,7 +69,8 @@ pub enum Refusal {
         stock: i64,
         version: i64,
     },
-    /// optimistic: another writer changed the row first.
+    /// optimistic: the row is no longer at the version read (another writer came
+    /// first, or the sale moved on, or too little is left: its next read tells).
     VersionChanged,
     NotEnough {
         stock: i64,
@@ -287,6 +288,12 @@ async fn write_order(
         }
     };
     if updated.rows_affected() == 0 {
+        // The refused UPDATE holds the product row's lock until the rollback, and on
+        // a hot row optimistic losers are many: it re-reads the row before its next
+        // attempt anyway, so it gets its answer without the diagnostic read.
+        if let StockWrite::DecrementAtVersion { .. } = write {
+            return Ok(Err(Refusal::VersionChanged));
+        }
         return Ok(Err(diagnose(tx, order, write, epoch, strategy).await?));
     }
     let version = i64::try_from(updated.last_insert_id()).unwrap_or(i64::MAX);

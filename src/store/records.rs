@@ -21,6 +21,14 @@ pub struct Records {
     pool: MySqlPool,
 }
 
+/// A product's stock and version, and the sale epoch, read together.
+#[derive(Debug, Clone, Copy)]
+pub struct OptimisticRow {
+    pub stock: i64,
+    pub version: i64,
+    pub epoch: u64,
+}
+
 /// A product row joined with what its orders add up to.
 #[derive(Debug, Clone)]
 pub struct ProductRecord {
@@ -115,7 +123,26 @@ impl Records {
         Ok(())
     }
 
-    /// The product's stock and row version, as the optimistic strategy reads them.
+    /// What the optimistic strategy reads before each attempt: the product's stock
+    /// and row version, and the sale epoch, in one statement.
+    pub async fn optimistic_read(&self, sku: &Sku) -> Result<Option<OptimisticRow>, StoreError> {
+        let read = || {
+            sqlx::query_as(
+                "SELECT p.stock, p.version, e.value FROM products p
+                 JOIN cluster_settings e ON e.name = 'epoch' WHERE p.sku = ?",
+            )
+            .bind(sku.as_str())
+            .fetch_optional(&self.pool)
+        };
+        let row: Option<(i64, i64, String)> = self.on_live_connection(read).await?;
+        Ok(row.map(|(stock, version, epoch)| OptimisticRow {
+            stock,
+            version,
+            epoch: epoch.parse().unwrap_or(0),
+        }))
+    }
+
+    /// The product's stock and row version.
     pub async fn stock_and_version(&self, sku: &Sku) -> Result<Option<(i64, i64)>, StoreError> {
         let read = || {
             sqlx::query_as("SELECT stock, version FROM products WHERE sku = ?")
