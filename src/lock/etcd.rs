@@ -1,29 +1,53 @@
 //! An etcd lock: a lease granted per acquisition and kept alive while waiting and
-//! holding, and etcd's own Lock service, which queues contenders in revision order
-//! (each waits for the key created just before its own, like ZooKeeper's recipe).
+//! holding, and a queue of keys under the lock's prefix served in create-revision order
+//! (the recipe of etcd's `concurrency.Mutex` and of Curator, run here by the client).
 //!
-//! - The lock key is attached to the lease: if the replica dies, keep-alives stop, the
-//!   lease expires after its TTL and etcd deletes the key, waking the next contender.
-//! - A holder checks its lease before committing; a lease that is gone, or whose
-//!   keep-alives stopped being answered, means the lock may be someone else's and the
-//!   order must not be written. Each keep-alive answer is awaited at most a third of
-//!   the TTL: a stalled stream is noticed while the lease is still alive.
-//! - The blocking Lock call waits as long as the caller's wait and no longer; every
-//!   other call is bounded by `CALL_TIMEOUT`. (A per-call timeout on the client would
-//!   cut a Lock call that waits its turn longer than that.)
+//! - Joining the queue is one transaction: put `<name>/<lease id>` on the lease unless it
+//!   is there, and read the two newest keys of the prefix by create revision: this one
+//!   and the one queued just before it. No key before it: the lock is held, one round
+//!   trip after the grant.
+//! - Otherwise the contender watches the key just before its own until it is deleted
+//!   (released, revoked, expired) and looks again: that key may have left the queue
+//!   while others still wait ahead. Each contender watches one key, so a release wakes
+//!   one contender, not all of them.
+//! - Why not etcd's own Lock service, which runs the same recipe on the server: it
+//!   watches the key before it *from the revision of its read*. etcd files a watcher
+//!   whose start revision has already passed as "unsynced" and catches those up every
+//!   100 ms (`syncWatchersLoop`), so nearly every waiter heard of its turn at the next
+//!   tick (a p99 handoff of 93 ms). A watch without a start revision is synced: it hears
+//!   the delete as etcd applies it. It starts "now", though, and a delete between the
+//!   read and the watch would never be heard; so once etcd confirms the watch, the
+//!   contender reads again and only waits if the key before it is still there.
+//! - Every read that decides a turn checks, in the same transaction, that the
+//!   contender's own key is still queued: a key whose lease ran out while it waited is
+//!   a lost acquisition, not a hold.
+//! - The key lives on the lease: if the replica dies, keep-alives stop, the lease
+//!   expires after its TTL and etcd deletes the key, waking the next contender.
+//! - The keep-alive stream is opened by the keep-alive task, off the acquisition's path.
+//!   A stream that cannot be opened, breaks, or whose answer is awaited longer than a
+//!   third of the TTL marks the hold lost: the loss is noticed while the lease is still
+//!   alive.
+//! - A holder checks before committing that its key is still there, with its revision
+//!   and lease. That one read covers the lease (etcd deletes a lease's keys when it
+//!   revokes it, at expiry too) and a key deleted by hand. Nobody else can be served
+//!   while the key is there, even if its lease expired a moment ago.
+//! - The wait lasts as long as the caller's wait and no longer; every call inside it is
+//!   bounded by `CALL_TIMEOUT`, except the wait for a deletion.
 //! - Release revokes the lease, which deletes the key with it.
 //! - **Cancellation**: the lease id is chosen here, before the grant is sent, so an
 //!   acquisition dropped at any point (even while its grant is in flight) knows what
-//!   to revoke. Its keep-alive task dies with it, and its cleanup revokes the lease,
-//!   taking any key the Lock call created. Nothing of a dropped acquisition is kept
-//!   alive; at worst a grant that lands after its revoke expires after its TTL.
-//! - The fencing token is the revision at which the lock was granted: it only grows.
+//!   to revoke. Its keep-alive task and its watch die with it, and its cleanup revokes
+//!   the lease, taking its key (a put that arrives after the revoke finds no lease and
+//!   fails). Nothing of a dropped acquisition is kept alive; at worst a grant that
+//!   lands after its revoke expires after its TTL.
+//! - The fencing token is the key's create revision: contenders are served in that
+//!   order, and a later key always has a higher one, so it only grows.
 //!
-//! One lease per acquisition, not one per replica: etcd's Lock names the key after
-//! the lease (`<name>/<lease id>`), so two contenders of one replica sharing a lease
-//! would share a key and both be granted the lock; and a key granted to a dropped
-//! acquisition would live as long as the replica's lease. Per acquisition, revoking
-//! the lease is a complete cleanup.
+//! One lease per acquisition, not one per replica: the key is named after the lease,
+//! so two contenders of one replica sharing a lease would share a key and both be
+//! served; a key of a dropped acquisition would live as long as the replica's lease;
+//! and pausing one holder (`suspend_renewal`) would pause every contender of its
+//! replica. Per acquisition, revoking the lease is a complete cleanup.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,7 +55,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, ConnectOptions, GetOptions, LeaseGrantOptions, LockOptions, SortOrder, SortTarget,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, LeaseGrantOptions,
+    PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType,
+    WatchOptions, WatchStream,
 };
 use tokio::sync::OnceCell;
 use tokio::time::{Instant, timeout, timeout_at};
@@ -39,8 +65,10 @@ use tokio::time::{Instant, timeout, timeout_at};
 use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, HeldLock, LockError, LockView};
 
-/// Bound on every call but Lock.
+/// Bound on every call but the wait for a deletion.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// The first look at the queue while a watch may be unsynced; doubled at each look.
+const FIRST_LOOK: Duration = Duration::from_millis(10);
 /// Tries of a background revoke, spread over about a second: a revoke that overtook
 /// its own grant finds no lease, and the grant may still land.
 const REVOKE_TRIES: u32 = 4;
@@ -153,29 +181,32 @@ impl DistributedLock for EtcdLock {
             .map_err(etcd_error)?;
         let lost = Arc::new(AtomicBool::new(false));
         // Kept alive while waiting too: a wait may outlast the TTL.
-        let open = client.lease_keep_alive(lease);
-        let (keeper, responses) = timeout_at(deadline.min(Instant::now() + CALL_TIMEOUT), open)
-            .await
-            .map_err(|_| too_late())?
-            .map_err(etcd_error)?;
         let keep_alive = self.tasks.spawn_owned(keep_alive(
-            keeper,
-            responses,
+            client.clone(),
             lease,
             self.lease_ttl,
             lost.clone(),
         ));
-        let options = LockOptions::new().with_lease(lease);
-        let response = timeout_at(deadline, client.lock(self.lock_name(name), Some(options)))
+        let mut place = Place {
+            client: client.clone(),
+            prefix: format!("{}/", self.lock_name(name)),
+            key: format!("{}/{lease:x}", self.lock_name(name)),
+            lease,
+        };
+        let revision = timeout_at(deadline, place.wait_turn())
             .await
-            .map_err(|_| too_late())?
-            .map_err(etcd_error)?;
+            .map_err(|_| too_late())??;
+        if lost.load(Ordering::SeqCst) {
+            return Err(LockError::Lost(format!(
+                "lease {lease:x} stopped being kept alive while waiting"
+            )));
+        }
         pending.armed = false;
-        let revision = response.header().map_or(0, |h| h.revision());
         Ok(EtcdGuard {
             client,
+            key: place.key,
             lease,
-            revision: u64::try_from(revision).unwrap_or(0),
+            revision,
             lost,
             keep_alive,
             released: false,
@@ -213,18 +244,212 @@ async fn bounded<T>(
         .map_err(etcd_error)
 }
 
-/// Sends a keep-alive every third of the TTL and waits at most a third for its
-/// answer; marks the hold lost when etcd says the lease is gone, the stream breaks or
-/// stalls. The lease then still has a third of its TTL to run: the holder learns of
-/// the loss before anyone else can take the lock.
-async fn keep_alive(
-    mut keeper: etcd_client::LeaseKeeper,
-    mut responses: etcd_client::LeaseKeepAliveStream,
+/// A key in a lock's queue.
+#[derive(Debug, PartialEq)]
+struct Queued {
+    key: Vec<u8>,
+    create_revision: i64,
+}
+
+impl Queued {
+    fn of(kv: &KeyValue) -> Queued {
+        Queued {
+            key: kv.key().to_vec(),
+            create_revision: kv.create_revision(),
+        }
+    }
+}
+
+/// One acquisition's place in a lock's queue: its key `<prefix><lease id>`.
+struct Place {
+    client: Client,
+    prefix: String,
+    key: String,
     lease: i64,
-    ttl: i64,
-    lost: Arc<AtomicBool>,
-) {
+}
+
+impl Place {
+    /// Queues the key and waits until no key queued before it is left. Returns the
+    /// key's create revision.
+    async fn wait_turn(&mut self) -> Result<i64, LockError> {
+        let (revision, mut ahead) = self.join().await?;
+        while let Some(predecessor) = ahead {
+            ahead = self.outwait(revision, predecessor).await?;
+        }
+        Ok(revision)
+    }
+
+    /// Waits until `predecessor` is no longer the key just before `revision`; returns
+    /// the key that is now, if any.
+    async fn outwait(
+        &mut self,
+        revision: i64,
+        predecessor: Queued,
+    ) -> Result<Option<Queued>, LockError> {
+        let (mut watch, watched_from) = self.watch_deletion(&predecessor.key).await?;
+        // The watch hears only what happens after it starts: the key may be gone.
+        let (ahead, read_at) = self.just_before(revision).await?;
+        if ahead.as_ref() != Some(&predecessor) {
+            return Ok(ahead);
+        }
+        // etcd starts a watch after the revision it read just before registering it,
+        // and files it as synced only if nothing was written in between. After a write
+        // it may be unsynced, hearing the deletion only at etcd's next 100 ms sync: then
+        // the queue is read again after 10 ms, 20 ms, 40 ms... of silence, so a late
+        // watch costs at most about as long as the wait so far.
+        let mut silence = (read_at != watched_from).then_some(FIRST_LOOK);
+        loop {
+            let heard = match silence {
+                None => Some(deleted(&mut watch).await?),
+                Some(silence) => timeout(silence, deleted(&mut watch))
+                    .await
+                    .ok()
+                    .transpose()?,
+            };
+            let (ahead, _) = self.just_before(revision).await?;
+            if heard.is_some() || ahead.as_ref() != Some(&predecessor) {
+                return Ok(ahead);
+            }
+            silence = silence.map(|silence| silence * 2);
+        }
+    }
+
+    /// Puts the key on the lease unless it is there, and reads the two newest keys by
+    /// create revision: this one (the transaction's own put) and the one before it.
+    /// Returns the key's create revision and the key queued just before it.
+    async fn join(&mut self) -> Result<(i64, Option<Queued>), LockError> {
+        let newest_two = GetOptions::new()
+            .with_prefix()
+            .with_sort(SortTarget::Create, SortOrder::Descend)
+            .with_limit(2);
+        let put = PutOptions::new().with_lease(self.lease);
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                self.key.as_str(),
+                CompareOp::Equal,
+                0,
+            )])
+            .and_then([
+                TxnOp::put(self.key.as_str(), "", Some(put)),
+                TxnOp::get(self.prefix.as_str(), Some(newest_two)),
+            ])
+            .or_else([TxnOp::get(self.key.as_str(), None)]);
+        let response = bounded(self.client.txn(txn)).await?;
+        let read = read_of(&response, if response.succeeded() { 1 } else { 0 });
+        match read.as_slice() {
+            [own, before @ ..] if response.succeeded() && own.key() == self.key.as_bytes() => {
+                Ok((own.create_revision(), before.first().map(Queued::of)))
+            }
+            // Queued already (a join sent twice): look for its place.
+            [own] if !response.succeeded() && own.lease() == self.lease => {
+                let revision = own.create_revision();
+                Ok((revision, self.just_before(revision).await?.0))
+            }
+            _ => Err(LockError::backend(
+                "etcd",
+                format!("{} is not queued on lease {:x}", self.key, self.lease),
+            )),
+        }
+    }
+
+    /// The key queued just before `revision`, read only if this acquisition's key is
+    /// still queued at `revision`; and the store's revision at the read.
+    async fn just_before(&mut self, revision: i64) -> Result<(Option<Queued>, i64), LockError> {
+        let last_before = GetOptions::new()
+            .with_prefix()
+            .with_max_create_revision(revision - 1)
+            .with_sort(SortTarget::Create, SortOrder::Descend)
+            .with_limit(1);
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                self.key.as_str(),
+                CompareOp::Equal,
+                revision,
+            )])
+            .and_then([TxnOp::get(self.prefix.as_str(), Some(last_before))]);
+        let response = bounded(self.client.txn(txn)).await?;
+        if !response.succeeded() {
+            return Err(LockError::Lost(format!(
+                "{} left the queue while waiting (lease {:x} expired or revoked)",
+                self.key, self.lease
+            )));
+        }
+        let read_at = response.header().map_or(0, |header| header.revision());
+        Ok((read_of(&response, 0).first().map(Queued::of), read_at))
+    }
+
+    /// A watch of `key`'s deletion, once etcd confirms it is in place, and the store's
+    /// revision it starts after. Without a start revision, so that etcd files it as
+    /// synced (see `wait_turn`).
+    async fn watch_deletion(&mut self, key: &[u8]) -> Result<(WatchStream, i64), LockError> {
+        let options = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
+        let mut watch = bounded(self.client.watch(key, Some(options))).await?;
+        match bounded(watch.message()).await? {
+            Some(response) if response.created() && !response.canceled() => {
+                let from = response.header().map_or(0, |header| header.revision());
+                Ok((watch, from))
+            }
+            other => Err(LockError::backend(
+                "etcd",
+                format!(
+                    "watch of {} not created: {other:?}",
+                    String::from_utf8_lossy(key)
+                ),
+            )),
+        }
+    }
+}
+
+/// Waits for a deletion on `watch`.
+async fn deleted(watch: &mut WatchStream) -> Result<(), LockError> {
+    loop {
+        let Some(response) = watch.message().await.map_err(etcd_error)? else {
+            return Err(LockError::backend("etcd", "the watch stream ended"));
+        };
+        if response.canceled() {
+            return Err(LockError::backend(
+                "etcd",
+                format!("watch canceled: {}", response.cancel_reason()),
+            ));
+        }
+        if response
+            .events()
+            .iter()
+            .any(|event| event.event_type() == EventType::Delete)
+        {
+            return Ok(());
+        }
+    }
+}
+
+/// The keys read by the `index`th operation of a transaction (none if it was no read).
+fn read_of(response: &TxnResponse, index: usize) -> Vec<KeyValue> {
+    match response.op_responses().into_iter().nth(index) {
+        Some(TxnOpResponse::Get(mut get)) => get.take_kvs(),
+        _ => Vec::new(),
+    }
+}
+
+/// Opens the lease's keep-alive stream, then sends a keep-alive every third of the
+/// TTL and waits at most a third for each answer; marks the hold lost when the stream
+/// cannot be opened, etcd says the lease is gone, or the stream breaks or stalls. The
+/// lease then still has a third of its TTL to run: the holder learns of the loss
+/// before anyone else can take the lock.
+async fn keep_alive(mut client: Client, lease: i64, ttl: i64, lost: Arc<AtomicBool>) {
     let period = Duration::from_millis(u64::try_from(ttl * 1000 / 3).unwrap_or(500));
+    let give_up = |why: &str| {
+        tracing::warn!(
+            lease,
+            why,
+            "etcd lease keep-alive failed; the lock may be lost"
+        );
+        lost.store(true, Ordering::SeqCst);
+    };
+    let (mut keeper, mut responses) = match timeout(period, client.lease_keep_alive(lease)).await {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(_)) => return give_up("the keep-alive stream could not be opened"),
+        Err(_) => return give_up("opening the keep-alive stream stalled"),
+    };
     loop {
         tokio::time::sleep(period).await;
         let answered = timeout(period, async {
@@ -232,14 +457,11 @@ async fn keep_alive(
             responses.message().await
         })
         .await;
-        let alive = matches!(answered, Ok(Ok(Some(ref r))) if r.ttl() > 0);
-        if !alive {
-            tracing::warn!(
-                lease,
-                "etcd lease keep-alive failed or stalled; the lock may be lost"
-            );
-            lost.store(true, Ordering::SeqCst);
-            return;
+        match answered {
+            Ok(Ok(Some(response))) if response.ttl() > 0 => {}
+            Ok(Ok(_)) => return give_up("the lease is gone"),
+            Ok(Err(_)) => return give_up("the keep-alive stream broke"),
+            Err(_) => return give_up("the keep-alive stalled"),
         }
     }
 }
@@ -272,11 +494,13 @@ impl Drop for Revoker {
     }
 }
 
-/// A held etcd lock: the lease its key lives on.
+/// A held etcd lock: its key and the lease the key lives on.
 pub struct EtcdGuard {
     client: Client,
+    key: String,
     lease: i64,
-    revision: u64,
+    /// The key's create revision.
+    revision: i64,
     lost: Arc<AtomicBool>,
     keep_alive: AbortOnDrop,
     /// Set once etcd confirmed the revoke: nothing left to release.
@@ -293,19 +517,24 @@ impl HeldLock for EtcdGuard {
                 self.lease
             )));
         }
-        let ttl = bounded(self.client.clone().lease_time_to_live(self.lease, None))
-            .await?
-            .ttl();
-        if ttl > 0 {
+        let read = bounded(self.client.clone().get(self.key.as_str(), None)).await?;
+        let queued = read
+            .kvs()
+            .first()
+            .is_some_and(|kv| kv.create_revision() == self.revision && kv.lease() == self.lease);
+        if queued {
             Ok(())
         } else {
             self.lost.store(true, Ordering::SeqCst);
-            Err(LockError::Lost(format!("lease {:x} expired", self.lease)))
+            Err(LockError::Lost(format!(
+                "{} is gone (lease {:x} expired or revoked, or the key deleted)",
+                self.key, self.lease
+            )))
         }
     }
 
     fn fencing_token(&self) -> Option<u64> {
-        Some(self.revision)
+        u64::try_from(self.revision).ok()
     }
 
     fn suspend_renewal(&self) {

@@ -8,17 +8,18 @@ pub fn explanation() -> Explanation {
     Explanation {
         name: "etcd",
         title: "etcd lease and lock (revision order)",
-        summary: "Each acquisition grants a lease and keeps it alive, then asks etcd's Lock \
-                  service for the SKU's lock with that lease. etcd creates a key under the \
-                  lock's prefix and makes the caller wait until every key with a lower create \
-                  revision is gone, so contenders are served in order. The key lives on the \
+        summary: "Each acquisition grants a lease and keeps it alive, then queues a key named \
+                  after the lease under the SKU's lock prefix. Contenders are served in the \
+                  order their keys were created: each watches only the key queued just \
+                  before its own and looks again once it is deleted. The key lives on the \
                   lease: if the replica dies, the lease expires and the next one proceeds.",
         commands: vec![
             "LeaseGrant(ttl, id chosen by the replica) → lease; LeaseKeepAlive(lease) every ttl/3",
-            "Lock(name=/flashsale/<ns>/locks/<sku>, lease) → key (waits in revision order)",
-            "before commit: LeaseTimeToLive(lease) > 0",
+            "Txn: if <prefix>/<lease> is absent, PUT it on the lease; GET <prefix> newest 2 by create revision → held if no key before it",
+            "else: Watch the key just before (from now), GET it again, wait for its DELETE, look again",
+            "before commit: GET <prefix>/<lease> (still there: same create revision, same lease)",
             "release: LeaseRevoke(lease), which deletes the lock key",
-            "fencing token: the revision at which the lock was granted",
+            "fencing token: the lock key's create revision",
         ],
         failure_mode: "Lease expiry: a holder cut off from etcd, or paused, longer than the \
                        lease TTL loses the lock while it may still be working; checking the \
