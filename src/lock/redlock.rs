@@ -60,9 +60,9 @@ use tokio::time::{Instant, timeout};
 use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
 use super::local_queue::{LocalQueues, Turn};
+use super::notices::ReleaseNotices;
 use super::redis::{PendingSet, SEED_FENCE, Target, delete_on, millis, redis_error, renew_on};
-use super::redis::{Waiters, listen_for_releases};
-use super::task::{AbortOnDrop, Tasks};
+use super::task::Tasks;
 use super::{DistributedLock, LockError, LockView, acquisition_token, token_owner};
 
 /// Bound on one node's answer: far below the lease, so a dead node cannot eat the
@@ -83,8 +83,7 @@ pub struct Redlock {
     fence_floor: Option<Arc<dyn FenceFloor>>,
     tasks: Tasks,
     /// This replica's waiting heads, woken by the release notices of every node.
-    waiters: Arc<Waiters>,
-    _listeners: Vec<AbortOnDrop>,
+    notices: ReleaseNotices,
 }
 
 /// One node's part in a round: the attempt on it, if a connection was had, and
@@ -98,19 +97,9 @@ struct NodeAttempt {
 impl Redlock {
     /// Starts a release listener on each node (pub/sub needs a connection of its own).
     pub fn new(nodes: Vec<Pool>, namespace: &str, owner: &str, lease: Duration) -> Redlock {
-        let waiters = Arc::new(Waiters::default());
         let pattern = released_channel(&format!("{namespace}:redlock:*"));
-        let listeners = nodes
-            .iter()
-            .map(|node| {
-                let client = node.manager().client().clone();
-                AbortOnDrop::spawn(listen_for_releases(
-                    client,
-                    pattern.clone(),
-                    waiters.clone(),
-                ))
-            })
-            .collect();
+        let clients = nodes.iter().map(|node| node.manager().client().clone());
+        let notices = ReleaseNotices::listen(clients, &pattern, None);
         Redlock {
             nodes: Arc::new(nodes),
             namespace: namespace.to_owned(),
@@ -119,8 +108,7 @@ impl Redlock {
             local_queues: LocalQueues::default(),
             fence_floor: None,
             tasks: Tasks::default(),
-            waiters,
-            _listeners: listeners,
+            notices,
         }
     }
 
@@ -281,7 +269,7 @@ impl Redlock {
             .turn(&key, deadline)
             .await
             .ok_or(LockError::Timeout { waited: wait })?;
-        let wakeup = self.waiters.register(&released_channel(&key));
+        let wakeup = self.notices.register(&released_channel(&key));
         if turn.waited {
             // Our turn came because a local holder released: start with the same
             // jitter as the other replicas' heads, woken by the same release, or this
