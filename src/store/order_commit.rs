@@ -1,4 +1,6 @@
-//! The one place an order is written to MySQL, for every strategy.
+//! The one place an order is written to MySQL, for every strategy (redis-atomic's
+//! batches too: `group_commit.rs` runs `decrement` once per SKU of a batch, and any
+//! order it cannot commit with its batch through `commit_order`).
 //!
 //! An order's transaction updates the product row and inserts the order. What the
 //! update may assume differs per strategy (`StockWrite`), but every variant is one
@@ -22,7 +24,7 @@
 
 use std::time::Duration;
 
-use sqlx::mysql::MySqlDatabaseError;
+use sqlx::mysql::{MySqlDatabaseError, MySqlQueryResult};
 use sqlx::{MySql, Transaction};
 
 use super::StoreError;
@@ -273,19 +275,7 @@ async fn write_order(
             .execute(&mut **tx)
             .await?
         }
-        StockWrite::Decrement => {
-            sqlx::query(
-                "UPDATE products p JOIN cluster_settings e ON e.name = 'epoch'
-                 SET p.stock = p.stock - ?, p.version = LAST_INSERT_ID(p.version + 1)
-                 WHERE p.sku = ? AND e.value = ? AND p.stock >= ?",
-            )
-            .bind(order.quantity)
-            .bind(sku)
-            .bind(&epoch_text)
-            .bind(order.quantity)
-            .execute(&mut **tx)
-            .await?
-        }
+        StockWrite::Decrement => decrement(tx, sku, order.quantity, &epoch_text).await?,
     };
     if updated.rows_affected() == 0 {
         // The refused UPDATE holds the product row's lock until the rollback, and on
@@ -302,6 +292,28 @@ async fn write_order(
         order: recorded,
         version,
     }))
+}
+
+/// `StockWrite::Decrement`'s statement: the stock falls by `quantity` only while the
+/// sale is at `epoch` and the stock covers it. A group commit (`group_commit.rs`) runs
+/// it once per SKU with the quantity of all its orders together.
+pub(super) async fn decrement(
+    tx: &mut Transaction<'static, MySql>,
+    sku: &str,
+    quantity: i64,
+    epoch: &str,
+) -> Result<MySqlQueryResult, sqlx::Error> {
+    sqlx::query(
+        "UPDATE products p JOIN cluster_settings e ON e.name = 'epoch'
+         SET p.stock = p.stock - ?, p.version = LAST_INSERT_ID(p.version + 1)
+         WHERE p.sku = ? AND e.value = ? AND p.stock >= ?",
+    )
+    .bind(quantity)
+    .bind(sku)
+    .bind(epoch)
+    .bind(quantity)
+    .execute(&mut **tx)
+    .await
 }
 
 /// Why the update matched nothing, read inside the same transaction.

@@ -270,3 +270,94 @@ pub(crate) async fn insert_order(
         created_at,
     })
 }
+
+/// Inserts several orders with one statement inside the caller's transaction and
+/// returns them as recorded, in the order given, each with its own id.
+///
+/// The ids come back with the statement (MariaDB's `INSERT … RETURNING`), so this
+/// costs the one round trip of the insert and relies on no property of the
+/// auto-increment: consecutive ids for a multi-row insert hold only for some
+/// `innodb_autoinc_lock_mode`s and `auto_increment_increment`s, which a server may
+/// change. Each returned row is matched to an order by its content (SKU, user,
+/// quantity; the strategy, replica and time are the same for every row), so not even
+/// the order of the returned rows matters: orders with the same content are the same
+/// row for every purpose, so which of them gets which id is immaterial. A returned
+/// row that matches no order is an error before COMMIT: nothing is recorded.
+///
+/// Every row gets the same `created_at` (the orders are recorded by one transaction),
+/// cut to the microseconds the column keeps, so the returned orders are exactly the
+/// rows.
+pub(crate) async fn insert_orders(
+    tx: &mut Transaction<'_, MySql>,
+    orders: &[&NewOrder],
+    strategy: &str,
+    replica: &str,
+) -> Result<Vec<Order>, StoreError> {
+    use chrono::SubsecRound;
+    use std::collections::HashMap;
+
+    if orders.is_empty() {
+        return Ok(Vec::new());
+    }
+    let created_at = Utc::now().trunc_subsecs(6);
+    let rows = vec!["(?, ?, ?, ?, ?, ?)"; orders.len()].join(", ");
+    // Built from constant pieces and the number of rows only; the values are bound.
+    let statement = sqlx::AssertSqlSafe(format!(
+        "INSERT INTO orders (sku, user_id, quantity, strategy, replica, created_at)
+         VALUES {rows} RETURNING id, sku, user_id, quantity"
+    ));
+    let mut insert = sqlx::query_as::<_, (i64, String, String, i64)>(statement);
+    for order in orders {
+        insert = insert
+            .bind(order.sku.as_str())
+            .bind(&order.user_id)
+            .bind(order.quantity)
+            .bind(strategy)
+            .bind(replica)
+            .bind(created_at);
+    }
+    let returned = insert.fetch_all(&mut **tx).await?;
+
+    // Positions of the orders by content; each returned row takes one.
+    let mut unmatched: HashMap<(String, String, i64), Vec<usize>> = HashMap::new();
+    for (position, order) in orders.iter().enumerate().rev() {
+        let key = (
+            order.sku.as_str().to_owned(),
+            order.user_id.clone(),
+            order.quantity,
+        );
+        unmatched.entry(key).or_default().push(position);
+    }
+    let mut ids: Vec<Option<u64>> = vec![None; orders.len()];
+    for (id, sku, user_id, quantity) in returned {
+        let position = unmatched
+            .get_mut(&(sku, user_id, quantity))
+            .and_then(Vec::pop);
+        let (Some(position), Ok(id)) = (position, u64::try_from(id)) else {
+            return Err(StoreError::Corrupt {
+                what: "orders (INSERT … RETURNING)",
+                detail: format!("a returned row (id {id}) matches no order inserted"),
+            });
+        };
+        ids[position] = Some(id);
+    }
+    orders
+        .iter()
+        .zip(ids)
+        .map(|(order, id)| {
+            let id = id.ok_or_else(|| StoreError::Corrupt {
+                what: "orders (INSERT … RETURNING)",
+                detail: format!("no row returned for {}'s order", order.user_id),
+            })?;
+            Ok(Order {
+                id,
+                sku: order.sku.clone(),
+                user_id: order.user_id.clone(),
+                quantity: order.quantity,
+                strategy: strategy.to_owned(),
+                replica: replica.to_owned(),
+                created_at,
+            })
+        })
+        .collect()
+}

@@ -296,6 +296,6 @@ pub fn registry(backends: &Backends) -> Registry {
             )
             .with_fence_floor(fence_floor(backends, "redlock")),
         }),
-        Arc::new(redis_atomic::RedisAtomicStrategy),
+        Arc::new(redis_atomic::RedisAtomicStrategy::default()),
     ])
 }
