@@ -118,18 +118,22 @@ impl Records {
         token: u64,
         epoch: u64,
     ) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO product_fences (sku, lock_service, fence)
-             SELECT ?, ?, ? FROM cluster_settings
-             WHERE name = 'epoch' AND value = ? LOCK IN SHARE MODE
-             ON DUPLICATE KEY UPDATE fence = GREATEST(fence, VALUES(fence))",
-        )
-        .bind(sku.as_str())
-        .bind(lock_service)
-        .bind(token)
-        .bind(epoch.to_string())
-        .execute(self.pool())
-        .await?;
+        let epoch = epoch.to_string();
+        // Idempotent (the fence only moves up to `token`): safe to send again.
+        let register = || {
+            sqlx::query(
+                "INSERT INTO product_fences (sku, lock_service, fence)
+                 SELECT ?, ?, ? FROM cluster_settings
+                 WHERE name = 'epoch' AND value = ? LOCK IN SHARE MODE
+                 ON DUPLICATE KEY UPDATE fence = GREATEST(fence, VALUES(fence))",
+            )
+            .bind(sku.as_str())
+            .bind(lock_service)
+            .bind(token)
+            .bind(&epoch)
+            .execute(self.pool())
+        };
+        self.on_live_connection(register).await?;
         Ok(())
     }
 

@@ -89,19 +89,19 @@ impl Records {
         self.on_live_connection(|| self.pool.begin()).await
     }
 
-    /// Runs `statement`, a BEGIN or a read, again when it failed at the connection
-    /// level: the pool hands recently used connections out unpinged, so after a
+    /// Runs `statement`, a BEGIN, a read or an idempotent write, again when it failed
+    /// at the connection level: the pool hands recently used connections out unpinged, so after a
     /// MariaDB restart one may be dead. Nothing was written; sqlx discards the dead
     /// connection (it fails its ping on release), and the next try takes another, at
     /// worst a new one, which waits for the database as long as the pool's acquire
     /// timeout. So an order sent during a short outage waits instead of failing
     /// (`faults::mariadb_blip_mid_sale`).
-    async fn on_live_connection<T, F: Future<Output = Result<T, sqlx::Error>>>(
+    pub(super) async fn on_live_connection<T, F: Future<Output = Result<T, sqlx::Error>>>(
         &self,
         mut statement: impl FnMut() -> F,
     ) -> Result<T, sqlx::Error> {
-        // Each idle connection may be dead, then a new one is opened; all of it
-        // within one acquire timeout.
+        // Each idle connection may be dead, then a new one is opened. No new try
+        // starts after one acquire timeout; the last may itself wait that long.
         let tries = self.pool.options().get_max_connections() + 1;
         let deadline = tokio::time::Instant::now() + self.pool.options().get_acquire_timeout();
         let mut tried = 1;
