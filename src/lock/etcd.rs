@@ -40,8 +40,12 @@
 //!   the lease, taking its key (a put that arrives after the revoke finds no lease and
 //!   fails). Nothing of a dropped acquisition is kept alive; at worst a grant that
 //!   lands after its revoke expires after its TTL.
-//! - The fencing token is the key's create revision: contenders are served in that
-//!   order, and a later key always has a higher one, so it only grows.
+//! - The fencing token is the store's revision at the read that found no key ahead:
+//!   each holder's granting read comes after its predecessor's key was deleted, so
+//!   the token grows in hold order. (Not the key's create revision: a key queued while
+//!   an earlier contender was still waiting has a lower one than the revision that
+//!   contender was granted at, which is what etcd's Lock service, used before, gave
+//!   as the token, and what MySQL may hold as the SKU's fence.)
 //!
 //! One lease per acquisition, not one per replica: the key is named after the lease,
 //! so two contenders of one replica sharing a lease would share a key and both be
@@ -193,7 +197,7 @@ impl DistributedLock for EtcdLock {
             key: format!("{}/{lease:x}", self.lock_name(name)),
             lease,
         };
-        let revision = timeout_at(deadline, place.wait_turn())
+        let (revision, token) = timeout_at(deadline, place.wait_turn())
             .await
             .map_err(|_| too_late())??;
         if lost.load(Ordering::SeqCst) {
@@ -207,6 +211,7 @@ impl DistributedLock for EtcdLock {
             key: place.key,
             lease,
             revision,
+            token,
             lost,
             keep_alive,
             released: false,
@@ -270,13 +275,14 @@ struct Place {
 
 impl Place {
     /// Queues the key and waits until no key queued before it is left. Returns the
-    /// key's create revision.
-    async fn wait_turn(&mut self) -> Result<i64, LockError> {
-        let (revision, mut ahead) = self.join().await?;
+    /// key's create revision and the fencing token (the revision of the read that
+    /// found the turn, see the module comment).
+    async fn wait_turn(&mut self) -> Result<(i64, i64), LockError> {
+        let (revision, mut ahead, mut read_at) = self.join().await?;
         while let Some(predecessor) = ahead {
-            ahead = self.outwait(revision, predecessor).await?;
+            (ahead, read_at) = self.outwait(revision, predecessor).await?;
         }
-        Ok(revision)
+        Ok((revision, read_at))
     }
 
     /// Waits until `predecessor` is no longer the key just before `revision`; returns
@@ -285,12 +291,12 @@ impl Place {
         &mut self,
         revision: i64,
         predecessor: Queued,
-    ) -> Result<Option<Queued>, LockError> {
+    ) -> Result<(Option<Queued>, i64), LockError> {
         let (mut watch, watched_from) = self.watch_deletion(&predecessor.key).await?;
         // The watch hears only what happens after it starts: the key may be gone.
         let (ahead, read_at) = self.just_before(revision).await?;
         if ahead.as_ref() != Some(&predecessor) {
-            return Ok(ahead);
+            return Ok((ahead, read_at));
         }
         // etcd starts a watch after the revision it read just before registering it,
         // and files it as synced only if nothing was written in between. After a write
@@ -306,9 +312,9 @@ impl Place {
                     .ok()
                     .transpose()?,
             };
-            let (ahead, _) = self.just_before(revision).await?;
+            let (ahead, read_at) = self.just_before(revision).await?;
             if heard.is_some() || ahead.as_ref() != Some(&predecessor) {
-                return Ok(ahead);
+                return Ok((ahead, read_at));
             }
             silence = silence.map(|silence| silence * 2);
         }
@@ -316,8 +322,9 @@ impl Place {
 
     /// Puts the key on the lease unless it is there, and reads the two newest keys by
     /// create revision: this one (the transaction's own put) and the one before it.
-    /// Returns the key's create revision and the key queued just before it.
-    async fn join(&mut self) -> Result<(i64, Option<Queued>), LockError> {
+    /// Returns the key's create revision, the key queued just before it and the
+    /// store's revision at the read.
+    async fn join(&mut self) -> Result<(i64, Option<Queued>, i64), LockError> {
         let newest_two = GetOptions::new()
             .with_prefix()
             .with_sort(SortTarget::Create, SortOrder::Descend)
@@ -336,14 +343,18 @@ impl Place {
             .or_else([TxnOp::get(self.key.as_str(), None)]);
         let response = bounded(self.client.txn(txn)).await?;
         let read = read_of(&response, if response.succeeded() { 1 } else { 0 });
+        let read_at = response.header().map_or(0, |header| header.revision());
         match read.as_slice() {
-            [own, before @ ..] if response.succeeded() && own.key() == self.key.as_bytes() => {
-                Ok((own.create_revision(), before.first().map(Queued::of)))
-            }
+            [own, before @ ..] if response.succeeded() && own.key() == self.key.as_bytes() => Ok((
+                own.create_revision(),
+                before.first().map(Queued::of),
+                read_at,
+            )),
             // Queued already (a join sent twice): look for its place.
             [own] if !response.succeeded() && own.lease() == self.lease => {
                 let revision = own.create_revision();
-                Ok((revision, self.just_before(revision).await?.0))
+                let (ahead, read_at) = self.just_before(revision).await?;
+                Ok((revision, ahead, read_at))
             }
             _ => Err(LockError::backend(
                 "etcd",
@@ -501,6 +512,8 @@ pub struct EtcdGuard {
     lease: i64,
     /// The key's create revision.
     revision: i64,
+    /// The fencing token: the revision at which the turn was found.
+    token: i64,
     lost: Arc<AtomicBool>,
     keep_alive: AbortOnDrop,
     /// Set once etcd confirmed the revoke: nothing left to release.
@@ -534,7 +547,7 @@ impl HeldLock for EtcdGuard {
     }
 
     fn fencing_token(&self) -> Option<u64> {
-        u64::try_from(self.revision).ok()
+        u64::try_from(self.token).ok()
     }
 
     fn suspend_renewal(&self) {

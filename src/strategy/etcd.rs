@@ -19,7 +19,7 @@ pub fn explanation() -> Explanation {
             "else: Watch the key just before (from now), GET it again, wait for its DELETE, look again",
             "before commit: GET <prefix>/<lease> (still there: same create revision, same lease)",
             "release: LeaseRevoke(lease), which deletes the lock key",
-            "fencing token: the lock key's create revision",
+            "fencing token: the revision of the read that found no key before it (grows in hold order)",
         ],
         failure_mode: "Lease expiry: a holder cut off from etcd, or paused, longer than the \
                        lease TTL loses the lock while it may still be working; checking the \

@@ -926,6 +926,56 @@ async fn etcd_lock_waits_as_long_as_the_caller_wait() {
         .expect("the waiter got the lock after its long wait");
 }
 
+/// Tokens keep growing in a queue shared with etcd's own Lock service, which the
+/// previous version of this lock used and which gave the revision of the grant as the
+/// token (a rolling upgrade runs both; MySQL keeps the largest token as the fence). A
+/// key queued while an older contender still waited has a create revision below that
+/// contender's grant: as a token it would be refused as stale although it holds.
+#[tokio::test]
+async fn etcd_tokens_grow_across_a_queue_shared_with_etcds_lock_service() {
+    use etcd_client::{Client, LockOptions};
+    let namespace = format!("mixed-{:x}", rand::random::<u32>());
+    let holder = EtcdLock::new(&etcd_endpoints(), &namespace, LONG);
+    let newer = Arc::new(EtcdLock::new(&etcd_endpoints(), &namespace, LONG));
+    let name = holder.lock_name("item");
+    let guard = holder.acquire("item", LONG).await.expect("held");
+    let mut client = Client::connect([etcd_endpoints()], None)
+        .await
+        .expect("etcd");
+    let lease = client.lease_grant(30, None).await.expect("lease").id();
+    // The older contender queues first, through etcd's Lock service...
+    let older = {
+        let (mut client, name) = (client.clone(), name.clone());
+        tokio::spawn(async move {
+            let options = LockOptions::new().with_lease(lease);
+            let granted = client.lock(name, Some(options)).await.expect("granted");
+            granted.header().map_or(0, |h| h.revision())
+        })
+    };
+    while holder.inspect("item").await.expect("keys").0.len() < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // ...then this lock's contender, behind it.
+    let waiting = {
+        let newer = newer.clone();
+        tokio::spawn(async move { newer.acquire("item", LONG).await.expect("held") })
+    };
+    while holder.inspect("item").await.expect("keys").0.len() < 3 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let holder_token = guard.fencing_token().expect("token");
+    guard.release().await.expect("released");
+    let older_token = u64::try_from(older.await.expect("older")).expect("revision");
+    client.lease_revoke(lease).await.expect("older released");
+    let newer_guard = waiting.await.expect("newer");
+    let newer_token = newer_guard.fencing_token().expect("token");
+    newer_guard.release().await.expect("released");
+    assert!(
+        holder_token < older_token && older_token < newer_token,
+        "tokens grow in hold order: {holder_token}, {older_token}, {newer_token}"
+    );
+}
+
 /// A keep-alive stream that stops answering (etcd unreachable, the connection still
 /// open) is noticed while the lease would still be alive: the holder learns it lost
 /// the lock instead of waiting on a silent stream.
@@ -1010,8 +1060,8 @@ async fn etcd_lock_waiter_wakes_at_once_on_release() {
 /// Four replicas (lock services with etcd clients of their own), three contenders
 /// each, on one lock for 2 s. Checked by the test itself, not by the lock: never two
 /// holders at once (a counter of holders the lock knows nothing of); holds served in
-/// queue order (each hold's token, the create revision of its key, above the previous
-/// hold's); and every contender served about as often as the others (a contender that
+/// queue order (each hold's token, the revision at which it found its turn, above the
+/// previous hold's); and every contender served about as often as the others (a contender that
 /// releases queues again behind everyone already waiting).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_lock_serves_contenders_one_at_a_time_in_queue_order() {
