@@ -27,44 +27,53 @@
 //!   successor never starts against its predecessor's row.
 //! - **Woken, not polling**: MySQL has no LISTEN/NOTIFY, so after deleting its row the
 //!   releaser publishes a notice on Redis (`<ns>:lock-row-released:<name>`) and each
-//!   replica's waiting head, subscribed through `notices`, retries at once. A MySQL-
-//!   native wake-up was considered: a waiter can only block inside MySQL on something
-//!   a session holds (`GET_LOCK`, a row lock in an open transaction), so the holder
-//!   would have to keep a session or transaction open for the whole hold; that pins a
-//!   connection per hold and is another lock (`db-for-update`), not this one. The
-//!   notice is a hint: lost (publisher's Redis blip, subscriber reconnecting) or never
-//!   sent (a crashed holder, Redis down), it costs the head one poll, which stays as
-//!   the fallback: every 25-50 ms while the subscription is up (it only covers a lost
-//!   notice), the old backoff from 2 ms up to 50 ms while it is down. A replica's own
-//!   notices wake nobody: its releases hand the turn to its next waiter themselves.
-//! - **Fairness**: the heads woken by one notice each wait a random 0-1 ms before
-//!   their INSERT, so that the first subscriber Redis writes to does not win every
-//!   time; and a replica's next attempt within 5 ms of its own release waits the same
-//!   jitter, after its notice is out, so that the releaser (whose next request is
-//!   already queued and needs no notice) does not keep the lock to itself.
-//! - **Fewer round trips**: after a failed INSERT the head looks at the row on the
-//!   same connection (no second ping) to learn whether it has expired. It remembers
-//!   how long the row has left and does not look again until then: that row can only
-//!   be renewed, which makes it live longer, or deleted, and a row inserted in its
-//!   place expires no sooner when the replicas share one lease setting (it was
-//!   inserted later, with the same lease). With unequal leases a takeover can come
-//!   later, by at most the difference; it is never early: the takeover DELETE checks
-//!   the expiry itself. A waiting head thus costs one INSERT (and its ping) per
-//!   attempt instead of INSERT, ping, SELECT, ping.
+//!   replica's waiting head, subscribed through `notices`, tries again at once. A
+//!   MySQL-native wake-up was considered: a waiter can only block inside MySQL on
+//!   something a session holds (`GET_LOCK`, a row lock in an open transaction), so the
+//!   holder would have to keep a session or transaction open for the whole hold; that
+//!   pins a connection per hold and is another lock (`db-for-update`), not this one.
+//!   The notice is a hint: lost (a Redis blip, a subscriber reconnecting) or never sent
+//!   (a crashed holder, Redis down), it costs the head one poll, which stays as the
+//!   fallback: every 25-50 ms while the subscription is up (it only covers a lost
+//!   notice), the old backoff from 2 ms up to 50 ms while it is down. Publishing is
+//!   bounded by 50 ms, so a hung Redis delays a release by no more than that. The
+//!   notice goes out after the DELETE, not beside it: a head whose INSERT reached
+//!   MySQL before the DELETE would fail and wait for a notice already spent.
+//! - **Fairness**: a replica's own notices wake nobody there: its releases hand the
+//!   turn to its next waiter themselves. But that waiter is ready before any other
+//!   replica has heard the notice, and would win nearly every time (before this
+//!   change a `lockbench` contender, polling, retook the lock it had just released in
+//!   one half to three quarters of its cycles). So when the released hold had met another replica's row, the
+//!   replica's next attempt on the name waits one tick of Tokio's timer (1 ms) and the
+//!   woken heads go first; an uncontended replica pays nothing. Woken heads get no
+//!   jitter: Tokio's timer cannot sleep less than a millisecond, which is longer than
+//!   the whole handoff. Heads that collide cost each other a duplicate key or a
+//!   deadlock error (InnoDB's duplicate check on the just-deleted record); one of them
+//!   goes through. Should all lose (no row, so no notice), the poll picks it up.
+//! - **Fewer round trips**: a head looks at the row (to take over an expired one) only
+//!   when the row may be old: on its first failed INSERT and after a poll, not after a
+//!   notice or its own replica's release (the row it meets was inserted since, so it
+//!   is fresh). The look runs on the failed INSERT's connection (no second pool
+//!   check), and after it the head remembers how long that row has left and does not
+//!   look again until then: the row can only be renewed, which makes it live longer, or
+//!   deleted, which sends a notice. Only a lost notice for a row replaced by one of a
+//!   shorter lease (replicas with different lease settings) can make a takeover come
+//!   later than it could, by at most the difference; never earlier: the takeover
+//!   DELETE checks the expiry itself. A failed attempt thus costs its INSERT and the
+//!   pool's check, where every poll cost INSERT, check, SELECT, check.
 //!
 //! - **Cancellation**: an INSERT whose caller was dropped may still commit. The attempt
 //!   holds the connection it sent the INSERT on and, if dropped, deletes its row (by
 //!   its unique owner token) on that same connection, which answers the INSERT first.
 //!   That undo keeps the replica's turn until it is done, and announces the release
-//!   like any other. A drop anywhere else (in the local queue, in a jitter, waiting for
-//!   a notice or a poll, looking at the row) has sent nothing that needs undoing; its
+//!   like any other. A drop anywhere else (in the local queue, in the courtesy tick,
+//!   waiting for a notice or a poll, looking at the row) has sent nothing that needs undoing; its
 //!   place in the queue and its registration for notices go with it.
 //!
 //! All times are the database's own, in UTC (`UTC_TIMESTAMP(6)` into `DATETIME(6)`
 //! columns), so neither replicas' clocks nor their sessions' time zones matter.
 
 use std::collections::HashMap;
-use std::ops::RangeInclusive;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -94,12 +103,12 @@ const BACKOFF_BASE: Duration = Duration::from_millis(2);
 const BACKOFF_CAP: Duration = Duration::from_millis(50);
 /// Bound on one undo of a dropped INSERT.
 const UNDO_TIMEOUT: Duration = Duration::from_secs(5);
-/// The delay before an attempt after a release notice, in microseconds: longer than
-/// the spread of one notice's delivery to the replicas, so the order in which Redis
-/// writes to its subscribers does not decide who wins.
-const WAKE_JITTER_US: RangeInclusive<u64> = 0..=1_000;
-/// A replica's attempt on a name it released this recently waits the jitter too.
-const COURTESY: Duration = Duration::from_millis(5);
+/// How long a replica's next attempt on a name waits after its own release of it, when
+/// that hold had to wait for other replicas: one tick of Tokio's timer, enough for a
+/// head woken by the notice to get its INSERT in first.
+const COURTESY: Duration = Duration::from_millis(1);
+/// An attempt this soon after the release owes the courtesy.
+const COURTESY_WINDOW: Duration = Duration::from_millis(5);
 /// Bound on publishing one notice: a hung Redis costs a release no more than the poll
 /// the notice would have saved.
 const NOTICE_TIMEOUT: Duration = BACKOFF_CAP;
@@ -144,12 +153,8 @@ struct Announcer {
 enum Inserted {
     /// The lock is ours: the new row's id.
     Row(u64),
-    /// Held by someone else (a duplicate key); the connection is handed back to look
-    /// at the row.
+    /// Held by someone else; the connection is handed back to look at the row.
     Taken(PoolConnection<MySql>),
-    /// Chosen as a deadlock victim: whoever else inserted may have lost too, so the
-    /// row may not be there at all.
-    Deadlocked(PoolConnection<MySql>),
 }
 
 /// The row holding a name, as a waiter sees it.
@@ -260,12 +265,12 @@ impl TableLock {
             .bind(micros(self.rows.lease))
             .execute(&mut **conn)
             .await;
-        let verdict = match inserted {
-            Ok(result) => Ok(result.last_insert_id()),
+        let id = match inserted {
+            Ok(result) => Some(result.last_insert_id()),
             Err(sqlx::Error::Database(error))
                 if matches!(mysql_number(&*error), Some(DUPLICATE_KEY | DEADLOCK)) =>
             {
-                Err(mysql_number(&*error) == Some(DEADLOCK))
+                None
             }
             // Whether the row went in is unknown: leave the undo armed.
             Err(error) => return Err(mysql_error(error)),
@@ -275,10 +280,9 @@ impl TableLock {
             .conn
             .take()
             .ok_or_else(|| LockError::backend("mysql", "attempt already settled"))?;
-        Ok(match verdict {
-            Ok(id) => Inserted::Row(id),
-            Err(true) => Inserted::Deadlocked(conn),
-            Err(false) => Inserted::Taken(conn),
+        Ok(match id {
+            Some(id) => Inserted::Row(id),
+            None => Inserted::Taken(conn),
         })
     }
 
@@ -350,10 +354,13 @@ impl DistributedLock for TableLock {
             (Some(notices), Some(announcer)) => notices.register(&announcer.channel(name)),
             _ => Arc::new(Notify::new()),
         };
+        // Whether the next attempt follows a release we know of (a notice, our own): a
+        // row it meets was inserted since, so it is live and needs no look.
+        let mut after_release = false;
         if self.rows.released_lately(name) {
-            // Our own release's notice woke the other replicas' heads into a jitter:
-            // start on equal terms.
-            sleep_until(deadline.min(Instant::now() + wake_jitter())).await;
+            // Our release woke the other replicas' heads: let one of them in first.
+            sleep_until(deadline.min(Instant::now() + COURTESY)).await;
+            after_release = true;
         }
         let owner = acquisition_token(&self.rows.owner);
         // Until then the row that blocks us has not expired: no need to look.
@@ -369,22 +376,23 @@ impl DistributedLock for TableLock {
                 released.as_mut().enable();
             }
 
-            let (mut conn, must_look) = match self.try_insert(name, &owner, &turn).await? {
+            let mut conn = match self.try_insert(name, &owner, &turn).await? {
                 Inserted::Row(id) => {
                     let hold = TableHold {
                         rows: self.rows.clone(),
                         id,
                         name: name.to_owned(),
                         owner,
+                        contended: attempt > 0,
                         _turn: turn,
                     };
                     return Ok(LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks));
                 }
-                Inserted::Taken(conn) => (conn, false),
-                Inserted::Deadlocked(conn) => (conn, true),
+                Inserted::Taken(conn) => conn,
             };
+            attempt += 1;
             let mut row = None;
-            if must_look || live_until.is_none_or(|until| Instant::now() >= until) {
+            if !after_release && live_until.is_none_or(|until| Instant::now() >= until) {
                 row = Some(self.look(&mut conn, name).await?);
             }
             drop(conn);
@@ -399,9 +407,7 @@ impl DistributedLock for TableLock {
                     }
                     false
                 }
-                // Nobody holds it: every INSERT of the round lost a deadlock (there
-                // was no row, so no notice will come), or the holder released since
-                // (its notice may be lost). Go again, as a woken head does.
+                // Released since our INSERT failed: go again at once.
                 Some(Row::Gone) => true,
                 None => false,
             };
@@ -411,17 +417,18 @@ impl DistributedLock for TableLock {
                 return Err(LockError::Timeout { waited: wait });
             }
             if free {
-                sleep_until(deadline.min(now + wake_jitter())).await;
+                after_release = true;
                 continue;
             }
-            let retry_at = deadline.min(now + self.poll_pause(attempt));
+            let retry_at = deadline.min(now + self.poll_pause(attempt - 1));
             tokio::select! {
                 () = &mut released => {
-                    sleep_until(deadline.min(Instant::now() + wake_jitter())).await;
+                    // The row we knew is gone; whatever we meet next is newer.
+                    live_until = None;
+                    after_release = true;
                 }
-                () = sleep_until(retry_at) => {}
+                () = sleep_until(retry_at) => after_release = false,
             }
-            attempt += 1;
         }
     }
 
@@ -444,10 +451,10 @@ impl DistributedLock for TableLock {
 }
 
 impl Rows {
-    /// After one of this service's rows was deleted: remembers the release (for
-    /// `released_lately`) and tells the other replicas' waiting heads. Best effort and
-    /// bounded: the row is gone whatever happens here.
-    async fn released(&self, name: &str, owner: &str) {
+    /// After one of this service's rows was deleted: tells the other replicas' waiting
+    /// heads, and remembers a release of a `contended` hold (for `released_lately`).
+    /// Best effort and bounded: the row is gone whatever happens here.
+    async fn released(&self, name: &str, owner: &str, contended: bool) {
         let Some(announcer) = &self.announcer else {
             return;
         };
@@ -470,18 +477,23 @@ impl Rows {
             .recent_releases
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        recent.retain(|_, at| now.duration_since(*at) < COURTESY);
-        recent.insert(name.to_owned(), now);
+        recent.retain(|_, at| now.duration_since(*at) < COURTESY_WINDOW);
+        if contended {
+            recent.insert(name.to_owned(), now);
+        }
     }
 
-    /// Whether this service released `name` within `COURTESY` (with notices only:
-    /// without them nobody else was woken to compete).
+    /// Whether this service released `name` within `COURTESY_WINDOW` after a hold that
+    /// had to wait for other replicas (with notices only: without them nobody else was
+    /// woken to compete).
     fn released_lately(&self, name: &str) -> bool {
         let recent = self
             .recent_releases
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        recent.get(name).is_some_and(|at| at.elapsed() < COURTESY)
+        recent
+            .get(name)
+            .is_some_and(|at| at.elapsed() < COURTESY_WINDOW)
     }
 
     /// Deletes this service's row `owner` of `name` on `conn`; `true` if it was there.
@@ -520,10 +532,6 @@ impl Announcer {
     }
 }
 
-fn wake_jitter() -> Duration {
-    Duration::from_micros(rand::random_range(WAKE_JITTER_US))
-}
-
 /// One acquisition: the row's id and the owner token written in it.
 #[derive(Clone)]
 pub struct TableHold {
@@ -531,6 +539,8 @@ pub struct TableHold {
     id: u64,
     name: String,
     owner: String,
+    /// Whether its acquisition met another replica's row first.
+    contended: bool,
     /// This replica's turn on the name: given up when the last copy of the hold is
     /// gone, that is after the row was deleted (or the background release gave up).
     _turn: Arc<Turn>,
@@ -569,7 +579,9 @@ impl LeaseHold for TableHold {
     async fn delete(&self) -> Result<bool, LockError> {
         let deleted = self.rows.delete_own(&self.name, &self.owner).await?;
         if deleted {
-            self.rows.released(&self.name, &self.owner).await;
+            self.rows
+                .released(&self.name, &self.owner, self.contended)
+                .await;
         }
         Ok(deleted)
     }
@@ -610,7 +622,7 @@ impl Drop for PendingInsert {
             let same_connection = rows.delete_own_on(&mut conn, &name, &owner);
             if let Ok(Ok(deleted)) = tokio::time::timeout(UNDO_TIMEOUT, same_connection).await {
                 if deleted {
-                    rows.released(&name, &owner).await;
+                    rows.released(&name, &owner, false).await;
                 }
                 return;
             }
@@ -622,7 +634,7 @@ impl Drop for PendingInsert {
                 let fresh = rows.delete_own(&name, &owner);
                 if let Ok(Ok(deleted)) = tokio::time::timeout(UNDO_TIMEOUT, fresh).await {
                     if deleted {
-                        rows.released(&name, &owner).await;
+                        rows.released(&name, &owner, false).await;
                     }
                     return;
                 }

@@ -212,8 +212,8 @@ async fn table_lock_survives_cancelled_acquisitions() {
 
 /// The table lock's acquisition cut at every quarter millisecond of its first 10 ms,
 /// wherever that lands: mid-INSERT on a free lock (the undo), in the local queue and
-/// waiting for a notice behind another replica's hold, in the jitter after a notice
-/// woke it, and in the jitter a replica waits after its own release. No cut may leave
+/// waiting for a notice behind another replica's hold, in the retry a notice sets off,
+/// and in the tick a replica waits after releasing a contended hold. No cut may leave
 /// a row, a task, a queue or a registration, nor keep the lock from the next holder.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
@@ -250,7 +250,7 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
         }
         held.release().await.expect("released");
 
-        // Woken by another replica's release: cut in the jitter that follows.
+        // Woken by another replica's release: cut in the retry that follows.
         let held = holder.acquire("woken", PATIENCE).await.expect("held");
         let waiting = {
             let cut = cut.clone();
@@ -262,11 +262,19 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
         waiting.abort();
         got += usize::from(matches!(waiting.await, Ok(Ok(()))));
 
-        // Right after its own release: the next attempt waits a jitter first.
-        cut.acquire("own", PATIENCE)
+        // Right after its own release of a hold it had to wait for: the next attempt
+        // waits a tick first.
+        let held = holder.acquire("own", PATIENCE).await.expect("held");
+        let contended = {
+            let cut = cut.clone();
+            tokio::spawn(async move { cut.acquire("own", PATIENCE).await.map(|g| g.release()) })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        held.release().await.expect("released");
+        contended
             .await
-            .expect("free")
-            .release()
+            .expect("contender")
+            .expect("handed over")
             .await
             .expect("released");
         let attempt = tokio::time::timeout(after / 4, cut.acquire("own", LONG_LEASE)).await;
