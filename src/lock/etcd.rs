@@ -6,40 +6,46 @@
 //!   is there, and read the two newest keys of the prefix by create revision: this one
 //!   and the one queued just before it. No key before it: the lock is held, one round
 //!   trip after the grant.
-//! - Otherwise the contender watches the key just before its own until it is deleted
-//!   (released, revoked, expired) and looks again: that key may have left the queue
-//!   while others still wait ahead. Each contender watches one key, so a release wakes
-//!   one contender, not all of them.
+//! - Otherwise the contender waits for the deletion of the key just before its own
+//!   (released, revoked, expired) and reads again: that key may have left the queue
+//!   while others still wait ahead. The read also checks, in the same transaction,
+//!   that the contender's own key is still queued: a key whose lease ran out while it
+//!   waited is a lost acquisition, not a hold.
+//! - Deletions are heard through one watch per lock service, of everything under its
+//!   lock prefix, shared by all its waiters, opened without a start revision. A
+//!   contender subscribes before its join is sent, so every deletion after the join's
+//!   read reaches it, and the join's read is the only one it needs before waiting.
 //! - Why not etcd's own Lock service, which runs the same recipe on the server: it
 //!   watches the key before it *from the revision of its read*. etcd files a watcher
 //!   whose start revision has already passed as "unsynced" and catches those up every
 //!   100 ms (`syncWatchersLoop`), so nearly every waiter heard of its turn at the next
-//!   tick (a p99 handoff of 93 ms). A watch without a start revision is synced: it hears
-//!   the delete as etcd applies it. It starts "now", though, and a delete between the
-//!   read and the watch would never be heard; so once etcd confirms the watch, the
-//!   contender reads again and only waits if the key before it is still there.
-//! - Every read that decides a turn checks, in the same transaction, that the
-//!   contender's own key is still queued: a key whose lease ran out while it waited is
-//!   a lost acquisition, not a hold.
+//!   tick (a p99 handoff of 93 ms). A watch without a start revision starts "now" and
+//!   is synced, unless a write lands while etcd registers it (then it is unsynced until
+//!   the next tick too); a long-lived watch is past that after its first 100 ms.
+//! - Why one shared watch and not one per wait: a watch opened after the read that
+//!   names the predecessor must be followed by a second read (a deletion in between is
+//!   never heard), it costs a stream per wait, and under load some were filed unsynced
+//!   (waiters woke 30-90 ms late). The price: each replica hears every release of its
+//!   namespace's locks.
 //! - The key lives on the lease: if the replica dies, keep-alives stop, the lease
 //!   expires after its TTL and etcd deletes the key, waking the next contender.
 //! - The keep-alive stream is opened by the keep-alive task, off the acquisition's path.
 //!   A stream that cannot be opened, breaks, or whose answer is awaited longer than a
 //!   third of the TTL marks the hold lost: the loss is noticed while the lease is still
 //!   alive.
-//! - A holder checks before committing that its key is still there, with its revision
-//!   and lease. That one read covers the lease (etcd deletes a lease's keys when it
-//!   revokes it, at expiry too) and a key deleted by hand. Nobody else can be served
-//!   while the key is there, even if its lease expired a moment ago.
+//! - A holder checks its lease before committing, and that its key is still attached
+//!   to it (LeaseTimeToLive with keys: one call, answered by the leader without a raft
+//!   round). That covers an expired or revoked lease and a key deleted by hand.
 //! - The wait lasts as long as the caller's wait and no longer; every call inside it is
-//!   bounded by `CALL_TIMEOUT`, except the wait for a deletion.
+//!   bounded by `CALL_TIMEOUT`.
 //! - Release revokes the lease, which deletes the key with it.
 //! - **Cancellation**: the lease id is chosen here, before the grant is sent, so an
 //!   acquisition dropped at any point (even while its grant is in flight) knows what
-//!   to revoke. Its keep-alive task and its watch die with it, and its cleanup revokes
-//!   the lease, taking its key (a put that arrives after the revoke finds no lease and
-//!   fails). Nothing of a dropped acquisition is kept alive; at worst a grant that
-//!   lands after its revoke expires after its TTL.
+//!   to revoke. Its keep-alive task dies with it, and its cleanup revokes the lease,
+//!   taking its key (a put that arrives after the revoke finds no lease and fails).
+//!   Nothing of a dropped acquisition is kept alive; at worst a grant that lands after
+//!   its revoke expires after its TTL. The shared watch belongs to the lock service
+//!   and ends with it (or when etcd ends it; the next waiter opens another).
 //! - The fencing token is the key's create revision: contenders are served in that
 //!   order, and a later key always has a higher one, so it only grows.
 //!
@@ -56,19 +62,21 @@ use std::time::Duration;
 use async_trait::async_trait;
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, LeaseGrantOptions,
-    PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType,
-    WatchOptions, WatchStream,
+    LeaseTimeToLiveOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
+    TxnResponse, WatchFilterType, WatchOptions, WatchStream,
 };
-use tokio::sync::OnceCell;
+use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::{Mutex, OnceCell, broadcast};
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, HeldLock, LockError, LockView};
 
-/// Bound on every call but the wait for a deletion.
+/// Bound on every call.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
-/// The first look at the queue while a watch may be unsynced; doubled at each look.
-const FIRST_LOOK: Duration = Duration::from_millis(10);
+/// Deletions kept for a waiter that has not taken them yet; one that falls further
+/// behind reads the queue again.
+const DELETIONS_KEPT: usize = 1024;
 /// Tries of a background revoke, spread over about a second: a revoke that overtook
 /// its own grant finds no lease, and the grant may still land.
 const REVOKE_TRIES: u32 = 4;
@@ -81,7 +89,16 @@ pub struct EtcdLock {
     /// Made on first use, without a network round trip (the channel connects lazily):
     /// a replica starts even while etcd is down.
     client: OnceCell<Client>,
+    /// The watch of deletions under `prefix` this service's waiters share, once opened.
+    watch: Mutex<Option<SharedWatch>>,
     tasks: Tasks,
+}
+
+/// The shared watch: the sender of its deletions (weak, so that the channel closes
+/// when the watch's task ends) and that task.
+struct SharedWatch {
+    deletions: broadcast::WeakSender<Vec<u8>>,
+    _task: AbortOnDrop,
 }
 
 impl EtcdLock {
@@ -91,6 +108,7 @@ impl EtcdLock {
             prefix: format!("/flashsale/{namespace}/locks"),
             lease_ttl: i64::try_from(lease.as_secs().max(2)).unwrap_or(2),
             client: OnceCell::new(),
+            watch: Mutex::new(None),
             tasks: Tasks::default(),
         }
     }
@@ -115,6 +133,38 @@ impl EtcdLock {
             .await
             .map_err(etcd_error)?;
         Ok(client.clone())
+    }
+
+    /// Subscribes to the keys deleted under the lock prefix, opening the shared watch if
+    /// it does not run: every deletion applied after this returns is received, unless
+    /// the watch breaks (the receiver then says it is closed).
+    async fn deletions(
+        &self,
+        client: &mut Client,
+    ) -> Result<broadcast::Receiver<Vec<u8>>, LockError> {
+        let mut shared = self.watch.lock().await;
+        if let Some(deletions) = shared.as_ref().and_then(|watch| watch.deletions.upgrade()) {
+            return Ok(deletions.subscribe());
+        }
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_filters([WatchFilterType::NoPut]);
+        let prefix = format!("{}/", self.prefix);
+        let mut watch = bounded(client.watch(prefix.as_str(), Some(options))).await?;
+        // Events only count from etcd's answer on: wait for it.
+        match bounded(watch.message()).await? {
+            Some(response) if response.created() && !response.canceled() => {}
+            other => {
+                let why = format!("watch of {prefix} not created: {other:?}");
+                return Err(LockError::backend("etcd", why));
+            }
+        }
+        let (sender, deletions) = broadcast::channel(DELETIONS_KEPT);
+        *shared = Some(SharedWatch {
+            deletions: sender.downgrade(),
+            _task: AbortOnDrop::spawn(pass_on_deletions(watch, sender)),
+        });
+        Ok(deletions)
     }
 
     /// The lock's keys in queue order (create revision), each with its lease; the
@@ -188,6 +238,7 @@ impl DistributedLock for EtcdLock {
             lost.clone(),
         ));
         let mut place = Place {
+            lock: self,
             client: client.clone(),
             prefix: format!("{}/", self.lock_name(name)),
             key: format!("{}/{lease:x}", self.lock_name(name)),
@@ -244,80 +295,41 @@ async fn bounded<T>(
         .map_err(etcd_error)
 }
 
-/// A key in a lock's queue.
-#[derive(Debug, PartialEq)]
-struct Queued {
-    key: Vec<u8>,
-    create_revision: i64,
-}
-
-impl Queued {
-    fn of(kv: &KeyValue) -> Queued {
-        Queued {
-            key: kv.key().to_vec(),
-            create_revision: kv.create_revision(),
-        }
-    }
-}
-
 /// One acquisition's place in a lock's queue: its key `<prefix><lease id>`.
-struct Place {
+struct Place<'a> {
+    lock: &'a EtcdLock,
     client: Client,
     prefix: String,
     key: String,
     lease: i64,
 }
 
-impl Place {
+impl Place<'_> {
     /// Queues the key and waits until no key queued before it is left. Returns the
     /// key's create revision.
     async fn wait_turn(&mut self) -> Result<i64, LockError> {
+        // Listening before joining: every deletion after the join's read is heard.
+        let mut deletions = self.lock.deletions(&mut self.client).await?;
         let (revision, mut ahead) = self.join().await?;
-        while let Some(predecessor) = ahead {
-            ahead = self.outwait(revision, predecessor).await?;
+        while let Some(predecessor) = &ahead {
+            match deletions.recv().await {
+                Ok(deleted) if deleted != *predecessor => continue,
+                // Deleted, or maybe: some deletions went past unheard.
+                Ok(_) | Err(RecvError::Lagged(_)) => {}
+                // The watch ended: a new one, then a read, for what it did not hear.
+                Err(RecvError::Closed) => {
+                    deletions = self.lock.deletions(&mut self.client).await?;
+                }
+            }
+            ahead = self.just_before(revision).await?;
         }
         Ok(revision)
-    }
-
-    /// Waits until `predecessor` is no longer the key just before `revision`; returns
-    /// the key that is now, if any.
-    async fn outwait(
-        &mut self,
-        revision: i64,
-        predecessor: Queued,
-    ) -> Result<Option<Queued>, LockError> {
-        let (mut watch, watched_from) = self.watch_deletion(&predecessor.key).await?;
-        // The watch hears only what happens after it starts: the key may be gone.
-        let (ahead, read_at) = self.just_before(revision).await?;
-        if ahead.as_ref() != Some(&predecessor) {
-            return Ok(ahead);
-        }
-        // etcd starts a watch after the revision it read just before registering it,
-        // and files it as synced only if nothing was written in between. After a write
-        // it may be unsynced, hearing the deletion only at etcd's next 100 ms sync: then
-        // the queue is read again after 10 ms, 20 ms, 40 ms... of silence, so a late
-        // watch costs at most about as long as the wait so far.
-        let mut silence = (read_at != watched_from).then_some(FIRST_LOOK);
-        loop {
-            let heard = match silence {
-                None => Some(deleted(&mut watch).await?),
-                Some(silence) => timeout(silence, deleted(&mut watch))
-                    .await
-                    .ok()
-                    .transpose()?,
-            };
-            let (ahead, _) = self.just_before(revision).await?;
-            if heard.is_some() || ahead.as_ref() != Some(&predecessor) {
-                return Ok(ahead);
-            }
-            silence = silence.map(|silence| silence * 2);
-        }
     }
 
     /// Puts the key on the lease unless it is there, and reads the two newest keys by
     /// create revision: this one (the transaction's own put) and the one before it.
     /// Returns the key's create revision and the key queued just before it.
-    async fn join(&mut self) -> Result<(i64, Option<Queued>), LockError> {
+    async fn join(&mut self) -> Result<(i64, Option<Vec<u8>>), LockError> {
         let newest_two = GetOptions::new()
             .with_prefix()
             .with_sort(SortTarget::Create, SortOrder::Descend)
@@ -338,12 +350,13 @@ impl Place {
         let read = read_of(&response, if response.succeeded() { 1 } else { 0 });
         match read.as_slice() {
             [own, before @ ..] if response.succeeded() && own.key() == self.key.as_bytes() => {
-                Ok((own.create_revision(), before.first().map(Queued::of)))
+                let predecessor = before.first().map(|kv| kv.key().to_vec());
+                Ok((own.create_revision(), predecessor))
             }
             // Queued already (a join sent twice): look for its place.
             [own] if !response.succeeded() && own.lease() == self.lease => {
                 let revision = own.create_revision();
-                Ok((revision, self.just_before(revision).await?.0))
+                Ok((revision, self.just_before(revision).await?))
             }
             _ => Err(LockError::backend(
                 "etcd",
@@ -353,8 +366,8 @@ impl Place {
     }
 
     /// The key queued just before `revision`, read only if this acquisition's key is
-    /// still queued at `revision`; and the store's revision at the read.
-    async fn just_before(&mut self, revision: i64) -> Result<(Option<Queued>, i64), LockError> {
+    /// still queued at `revision`.
+    async fn just_before(&mut self, revision: i64) -> Result<Option<Vec<u8>>, LockError> {
         let last_before = GetOptions::new()
             .with_prefix()
             .with_max_create_revision(revision - 1)
@@ -374,52 +387,27 @@ impl Place {
                 self.key, self.lease
             )));
         }
-        let read_at = response.header().map_or(0, |header| header.revision());
-        Ok((read_of(&response, 0).first().map(Queued::of), read_at))
-    }
-
-    /// A watch of `key`'s deletion, once etcd confirms it is in place, and the store's
-    /// revision it starts after. Without a start revision, so that etcd files it as
-    /// synced (see `wait_turn`).
-    async fn watch_deletion(&mut self, key: &[u8]) -> Result<(WatchStream, i64), LockError> {
-        let options = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
-        let mut watch = bounded(self.client.watch(key, Some(options))).await?;
-        match bounded(watch.message()).await? {
-            Some(response) if response.created() && !response.canceled() => {
-                let from = response.header().map_or(0, |header| header.revision());
-                Ok((watch, from))
-            }
-            other => Err(LockError::backend(
-                "etcd",
-                format!(
-                    "watch of {} not created: {other:?}",
-                    String::from_utf8_lossy(key)
-                ),
-            )),
-        }
+        Ok(read_of(&response, 0).first().map(|kv| kv.key().to_vec()))
     }
 }
 
-/// Waits for a deletion on `watch`.
-async fn deleted(watch: &mut WatchStream) -> Result<(), LockError> {
-    loop {
-        let Some(response) = watch.message().await.map_err(etcd_error)? else {
-            return Err(LockError::backend("etcd", "the watch stream ended"));
-        };
+/// Passes the keys deleted, as the watch reports them, to the lock service's waiters,
+/// until the watch ends or the service is dropped.
+async fn pass_on_deletions(mut watch: WatchStream, deletions: broadcast::Sender<Vec<u8>>) {
+    while let Ok(Some(response)) = watch.message().await {
         if response.canceled() {
-            return Err(LockError::backend(
-                "etcd",
-                format!("watch canceled: {}", response.cancel_reason()),
-            ));
+            break;
         }
-        if response
-            .events()
-            .iter()
-            .any(|event| event.event_type() == EventType::Delete)
-        {
-            return Ok(());
+        for event in response.events() {
+            if event.event_type() == EventType::Delete
+                && let Some(kv) = event.kv()
+            {
+                // Nobody waiting is no error.
+                let _ = deletions.send(kv.key().to_vec());
+            }
         }
     }
+    tracing::debug!("etcd watch of lock deletions ended; the next waiter opens another");
 }
 
 /// The keys read by the `index`th operation of a transaction (none if it was no read).
@@ -517,18 +505,21 @@ impl HeldLock for EtcdGuard {
                 self.lease
             )));
         }
-        let read = bounded(self.client.clone().get(self.key.as_str(), None)).await?;
-        let queued = read
-            .kvs()
-            .first()
-            .is_some_and(|kv| kv.create_revision() == self.revision && kv.lease() == self.lease);
-        if queued {
+        let options = LeaseTimeToLiveOptions::new().with_keys();
+        let status = bounded(
+            self.client
+                .clone()
+                .lease_time_to_live(self.lease, Some(options)),
+        )
+        .await?;
+        let own_key = self.key.as_bytes();
+        if status.ttl() > 0 && status.keys().iter().any(|key| key == own_key) {
             Ok(())
         } else {
             self.lost.store(true, Ordering::SeqCst);
             Err(LockError::Lost(format!(
-                "{} is gone (lease {:x} expired or revoked, or the key deleted)",
-                self.key, self.lease
+                "lease {:x} expired or revoked, or {} deleted",
+                self.lease, self.key
             )))
         }
     }

@@ -10,14 +10,16 @@ pub fn explanation() -> Explanation {
         title: "etcd lease and lock (revision order)",
         summary: "Each acquisition grants a lease and keeps it alive, then queues a key named \
                   after the lease under the SKU's lock prefix. Contenders are served in the \
-                  order their keys were created: each watches only the key queued just \
-                  before its own and looks again once it is deleted. The key lives on the \
-                  lease: if the replica dies, the lease expires and the next one proceeds.",
+                  order their keys were created: each waits for the deletion of the key \
+                  queued just before its own (heard through one watch per replica) and \
+                  looks again. The key lives on the lease: if the replica dies, the lease \
+                  expires and the next one proceeds.",
         commands: vec![
+            "once per replica: Watch(/flashsale/<ns>/locks/, prefix, deletions only, from now)",
             "LeaseGrant(ttl, id chosen by the replica) → lease; LeaseKeepAlive(lease) every ttl/3",
             "Txn: if <prefix>/<lease> is absent, PUT it on the lease; GET <prefix> newest 2 by create revision → held if no key before it",
-            "else: Watch the key just before (from now), GET it again, wait for its DELETE, look again",
-            "before commit: GET <prefix>/<lease> (still there: same create revision, same lease)",
+            "else: on the deletion of the key before it, Txn: own key still there? GET the last key before it → held if none",
+            "before commit: LeaseTimeToLive(lease, keys) > 0 and lists the lock key",
             "release: LeaseRevoke(lease), which deletes the lock key",
             "fencing token: the lock key's create revision",
         ],

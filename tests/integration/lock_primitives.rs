@@ -1024,14 +1024,14 @@ async fn etcd_lock_serves_contenders_one_at_a_time_in_queue_order() {
     assert!(keys.is_empty(), "every key released: {keys:?}");
 }
 
-/// A release that races the waiter's watch. The waiter's traffic goes through a proxy
+/// A release right after the waiter queued. The waiter's traffic goes through a proxy
 /// that delays it 150 ms each way, and the holder releases as soon as the waiter's key
-/// is queued: after etcd answered the waiter that the holder is ahead, before the
-/// waiter's watch of the holder's key reaches etcd. That watch starts after the
-/// deletion and never hears it; the waiter must read the queue again once its watch is
-/// in place, and take the lock then, not when its 20 s wait runs out.
+/// is queued: before etcd's answer to the waiter's join (which names the holder as the
+/// key before it) reaches the waiter. A waiter that starts watching only after that
+/// answer, and does not read again once its watch is in place, never hears the
+/// deletion and waits out its 20 s wait; this one takes the lock at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn etcd_release_racing_the_waiters_watch_does_not_strand_it() {
+async fn etcd_release_right_after_the_waiter_queued_does_not_strand_it() {
     let latency = Duration::from_millis(150);
     let proxy = LatencyProxy::start(&etcd_endpoints().replace("http://", ""), latency).await;
     let namespace = format!("race-{:x}", rand::random::<u32>());
@@ -1076,6 +1076,67 @@ async fn etcd_release_racing_the_waiters_watch_does_not_strand_it() {
     }
     let (keys, _) = holder.inspect("item").await.expect("keys");
     assert!(keys.is_empty(), "every key released: {keys:?}");
+}
+
+/// The waiters' watch of deletions breaks with the connection to etcd: the waiter
+/// fails instead of waiting on a dead watch, and once the network heals the lock
+/// service opens a new watch, through which its next waiter hears the release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_waiters_hear_releases_again_after_their_watch_broke() {
+    let proxy = PartitionProxy::start(&etcd_endpoints().replace("http://", "")).await;
+    let namespace = format!("rewatch-{:x}", rand::random::<u32>());
+    let lease = Duration::from_secs(3);
+    let holder = EtcdLock::new(&etcd_endpoints(), &namespace, lease);
+    let waiter = Arc::new(EtcdLock::new(
+        &format!("http://{}", proxy.address),
+        &namespace,
+        lease,
+    ));
+    let queued = |count: usize| {
+        let holder = &holder;
+        async move {
+            let started = Instant::now();
+            while holder.inspect("item").await.expect("keys").0.len() != count {
+                assert!(
+                    started.elapsed() < Duration::from_secs(10),
+                    "{count} key(s) queued"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    let wait_for_item = || {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            let acquired = waiter.acquire("item", Duration::from_secs(20)).await;
+            (Instant::now(), acquired.map(drop))
+        })
+    };
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    let waiting = wait_for_item();
+    queued(2).await;
+    proxy.cut();
+    let (_, outcome) = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiter gave up when its connection broke")
+        .expect("waiter finished");
+    assert!(outcome.is_err(), "no lock through a cut connection");
+    proxy.heal();
+    // The failed waiter's key goes with its lease (revoked, or expired after 3 s).
+    queued(1).await;
+    let waiting = wait_for_item();
+    queued(2).await;
+    let released_at = Instant::now();
+    guard.release().await.expect("released");
+    let (acquired_at, acquired) = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("woken by the release through a new watch")
+        .expect("waiter finished");
+    acquired.expect("the waiter got the lock");
+    let after = acquired_at.duration_since(released_at);
+    println!(
+        "etcd: after the watch broke, the next waiter held the lock {after:?} after the release"
+    );
 }
 
 /// A TCP proxy that delays what it forwards, each way, by a fixed latency (order
