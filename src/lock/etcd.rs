@@ -3,24 +3,17 @@
 //! (the recipe of etcd's `concurrency.Mutex` and of Curator, run here by the client).
 //!
 //! - Joining the queue is one transaction: put `<name>/<service>-<slot>` on the lease
-//!   unless it is there, and read the two newest keys of the prefix by create revision:
-//!   this one and the one queued just before it. No key before it: the lock is held,
-//!   one round trip after the grant.
-//! - Key names are reused: a slot is the service's again once its acquisition ended
-//!   (a name whose last key is still there, its revoke on the way, is skipped). etcd
-//!   keeps every deleted key in its index until the history is compacted, and every
-//!   read of a prefix walks them all; with a new name per acquisition (etcd's Lock
-//!   names keys after their lease) each read of a busy lock got slower with every
-//!   acquisition it had served, 1.2 ms instead of 0.2 ms after a few benchmark runs.
-//! - Otherwise the contender waits for the deletion of the key just before its own
-//!   (released, revoked, expired) and reads again: that key may have left the queue
-//!   while others still wait ahead. The read also checks, in the same transaction,
-//!   that the contender's own key is still queued: a key whose lease ran out while it
-//!   waited is a lost acquisition, not a hold.
-//! - Deletions are heard through one watch per lock service, of everything under its
-//!   lock prefix, shared by all its waiters, opened without a start revision. A
-//!   contender subscribes before its join is sent, so every deletion after the join's
-//!   read reaches it, and the join's read is the only one it needs before waiting.
+//!   unless it is there, and read the lock's keys: every other one was queued before
+//!   it. None: the lock is held, one round trip after the grant.
+//! - Otherwise the contender waits until every key queued before it is deleted
+//!   (released, revoked, expired), as heard through its lock service's watch: one
+//!   watch of every deletion under the service's lock prefix, in revision order,
+//!   shared by all its waiters and opened without a start revision. A contender
+//!   subscribes before its join is sent, so every deletion after the join's read
+//!   reaches it; when the last key ahead goes it holds, with no further read. Its own
+//!   key's deletion, heard meanwhile, is a lost acquisition. A waiter that fell behind
+//!   the watch, or whose watch ended (it then opens another), reads the keys ahead
+//!   again, with a check that its own key is still queued.
 //! - Why not etcd's own Lock service, which runs the same recipe on the server: it
 //!   watches the key before it *from the revision of its read*. etcd files a watcher
 //!   whose start revision has already passed as "unsynced" and catches those up every
@@ -28,17 +21,26 @@
 //!   tick (a p99 handoff of 93 ms). A watch without a start revision starts "now" and
 //!   is synced, unless a write lands while etcd registers it (then it is unsynced until
 //!   the next tick too); a long-lived watch is past that after its first 100 ms.
-//! - Why one shared watch and not one per wait: a watch opened after the read that
-//!   names the predecessor must be followed by a second read (a deletion in between is
-//!   never heard), it costs a stream per wait, and under load some were filed unsynced
-//!   (waiters woke 30-90 ms late). The price: each replica hears every release of its
-//!   namespace's locks.
+//! - Why one shared watch and not one per wait on the key just before: that watch is
+//!   opened after the read that names the key, so it must be followed by a second read
+//!   (a deletion in between is never heard), it costs a stream per wait, under load
+//!   some were filed unsynced (waiters woke 30-90 ms late), and the deletion it hears
+//!   needs a third read (keys further ahead may remain). Here a handoff is the
+//!   release's revoke and its event, nothing else. The price: every waiter of a
+//!   replica looks at every release of its namespace's locks (no round trip).
+//! - Key names are reused: a slot is the service's again once its acquisition ended
+//!   (a name whose last key is still there, its revoke on the way, is skipped). etcd
+//!   keeps every deleted key in its index until the history is compacted, and every
+//!   read of a prefix walks them all; with a new name per acquisition (etcd's Lock
+//!   names keys after their lease) each read of a busy lock got slower with every
+//!   acquisition it had served, 1.2 ms instead of 0.2 ms after a few benchmark runs.
 //! - The key lives on the lease: if the replica dies, keep-alives stop, the lease
 //!   expires after its TTL and etcd deletes the key, waking the next contender.
-//! - The keep-alive stream is opened by the keep-alive task, off the acquisition's path.
-//!   A stream that cannot be opened, breaks, or whose answer is awaited longer than a
-//!   third of the TTL marks the hold lost: the loss is noticed while the lease is still
-//!   alive.
+//! - The keep-alive stream is opened by the keep-alive task, off the acquisition's path,
+//!   when the first keep-alive is due (a third of the TTL after the grant: most holds
+//!   never need one). A stream that cannot be opened, breaks, or whose answer is
+//!   awaited longer than a third of the TTL marks the hold lost: the loss is noticed
+//!   while the lease is still alive.
 //! - A holder checks its lease before committing, and that its key is still attached
 //!   to it (LeaseTimeToLive with keys: one call, answered by the leader without a raft
 //!   round). That covers an expired or revoked lease and a key deleted by hand.
@@ -62,7 +64,7 @@
 //! lease is a complete cleanup. Lease ids are never reused, key names are: a key is
 //! only put where none is, and a revoke only deletes the keys of its own lease.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
@@ -156,7 +158,7 @@ impl Drop for Slot {
 /// The shared watch: the sender of its deletions (weak, so that the channel closes
 /// when the watch's task ends) and that task.
 struct SharedWatch {
-    deletions: broadcast::WeakSender<Vec<u8>>,
+    deletions: broadcast::WeakSender<Deletion>,
     _task: AbortOnDrop,
 }
 
@@ -205,7 +207,7 @@ impl EtcdLock {
     async fn deletions(
         &self,
         client: &mut Client,
-    ) -> Result<broadcast::Receiver<Vec<u8>>, LockError> {
+    ) -> Result<broadcast::Receiver<Deletion>, LockError> {
         let mut shared = self.watch.lock().await;
         if let Some(deletions) = shared.as_ref().and_then(|watch| watch.deletions.upgrade()) {
             return Ok(deletions.subscribe());
@@ -380,34 +382,41 @@ impl Place<'_> {
         // Listening before joining: every deletion after the join's read is heard.
         let mut deletions = self.lock.deletions(&mut self.client).await?;
         let (revision, mut ahead) = self.join().await?;
-        while let Some(predecessor) = &ahead {
+        while !ahead.keys.is_empty() {
             match deletions.recv().await {
-                Ok(deleted) if deleted != *predecessor => continue,
-                // Deleted, or maybe: some deletions went past unheard.
-                Ok(_) | Err(RecvError::Lagged(_)) => {}
+                // Already gone at the read (a name's previous key, say).
+                Ok(deleted) if deleted.revision <= ahead.read_at => {}
+                Ok(deleted) if deleted.key == self.key.as_bytes() => {
+                    return Err(LockError::Lost(format!(
+                        "{} was deleted while waiting (lease {:x} expired or revoked)",
+                        self.key, self.lease
+                    )));
+                }
+                Ok(deleted) => {
+                    ahead.keys.remove(&deleted.key);
+                }
+                // Some deletions went past unheard: read the queue again.
+                Err(RecvError::Lagged(_)) => ahead = self.ahead(revision).await?,
                 // The watch ended: a new one, then a read, for what it did not hear.
                 Err(RecvError::Closed) => {
                     deletions = self.lock.deletions(&mut self.client).await?;
+                    ahead = self.ahead(revision).await?;
                 }
             }
-            ahead = self.just_before(revision).await?;
         }
         Ok(revision)
     }
 
-    /// Puts the key on the lease unless it is there, and reads the two newest keys by
-    /// create revision: this one (the transaction's own put) and the one before it.
-    /// Returns the key's create revision and the key queued just before it. A name
-    /// whose last key is still there is kept aside (not to be taken again at once)
-    /// and another tried.
-    async fn join(&mut self) -> Result<(i64, Option<Vec<u8>>), LockError> {
+    /// Puts the key on the lease unless it is there, and reads the lock's keys: all
+    /// but this one (the transaction's own put, the newest) were queued before it.
+    /// Returns the key's create revision and the keys ahead. A name whose last key
+    /// is still there is kept aside (not to be taken again at once) and another
+    /// tried.
+    async fn join(&mut self) -> Result<(i64, Ahead), LockError> {
         let mut still_there = Vec::new();
         for _ in 0..JOIN_TRIES {
-            let newest_two = GetOptions::new()
-                .with_prefix()
-                .with_sort(SortTarget::Create, SortOrder::Descend)
-                .with_limit(2);
             let put = PutOptions::new().with_lease(self.lease);
+            let keys = GetOptions::new().with_prefix().with_keys_only();
             let txn = Txn::new()
                 .when([Compare::create_revision(
                     self.key.as_str(),
@@ -416,20 +425,24 @@ impl Place<'_> {
                 )])
                 .and_then([
                     TxnOp::put(self.key.as_str(), "", Some(put)),
-                    TxnOp::get(format!("{}/", self.name), Some(newest_two)),
+                    TxnOp::get(format!("{}/", self.name), Some(keys)),
                 ]);
             let response = bounded(self.client.txn(txn)).await?;
             if response.succeeded() {
-                return match read_of(&response, 1).as_slice() {
-                    [own, before @ ..] if own.key() == self.key.as_bytes() => {
-                        let predecessor = before.first().map(|kv| kv.key().to_vec());
-                        Ok((own.create_revision(), predecessor))
-                    }
-                    _ => Err(LockError::backend(
+                let (own, others): (Vec<_>, Vec<_>) = read_of(&response, 1)
+                    .into_iter()
+                    .partition(|kv| kv.key() == self.key.as_bytes());
+                let Some(revision) = own.first().map(KeyValue::create_revision) else {
+                    return Err(LockError::backend(
                         "etcd",
                         format!("{} was put but not read back", self.key),
-                    )),
+                    ));
                 };
+                let ahead = Ahead {
+                    keys: others.iter().map(|kv| kv.key().to_vec()).collect(),
+                    read_at: revision,
+                };
+                return Ok((revision, ahead));
             }
             let other = self.lock.slots.take();
             self.key = other.key(&self.name);
@@ -441,21 +454,20 @@ impl Place<'_> {
         ))
     }
 
-    /// The key queued just before `revision`, read only if this acquisition's key is
-    /// still queued at `revision`.
-    async fn just_before(&mut self, revision: i64) -> Result<Option<Vec<u8>>, LockError> {
-        let last_before = GetOptions::new()
+    /// The keys queued before `revision`, read only if this acquisition's key is still
+    /// queued at `revision`.
+    async fn ahead(&mut self, revision: i64) -> Result<Ahead, LockError> {
+        let before = GetOptions::new()
             .with_prefix()
-            .with_max_create_revision(revision - 1)
-            .with_sort(SortTarget::Create, SortOrder::Descend)
-            .with_limit(1);
+            .with_keys_only()
+            .with_max_create_revision(revision - 1);
         let txn = Txn::new()
             .when([Compare::create_revision(
                 self.key.as_str(),
                 CompareOp::Equal,
                 revision,
             )])
-            .and_then([TxnOp::get(format!("{}/", self.name), Some(last_before))]);
+            .and_then([TxnOp::get(format!("{}/", self.name), Some(before))]);
         let response = bounded(self.client.txn(txn)).await?;
         if !response.succeeded() {
             return Err(LockError::Lost(format!(
@@ -463,13 +475,33 @@ impl Place<'_> {
                 self.key, self.lease
             )));
         }
-        Ok(read_of(&response, 0).first().map(|kv| kv.key().to_vec()))
+        Ok(Ahead {
+            keys: read_of(&response, 0)
+                .iter()
+                .map(|kv| kv.key().to_vec())
+                .collect(),
+            read_at: response.header().map_or(0, |header| header.revision()),
+        })
     }
 }
 
-/// Passes the keys deleted, as the watch reports them, to the lock service's waiters,
-/// until the watch ends or the service is dropped.
-async fn pass_on_deletions(mut watch: WatchStream, deletions: broadcast::Sender<Vec<u8>>) {
+/// The keys queued before an acquisition's, as read at revision `read_at` and less
+/// those deleted since.
+struct Ahead {
+    keys: HashSet<Vec<u8>>,
+    read_at: i64,
+}
+
+/// A key deleted under the lock prefix, and the revision of its deletion.
+#[derive(Clone)]
+struct Deletion {
+    key: Vec<u8>,
+    revision: i64,
+}
+
+/// Passes the deletions the watch reports, in its order (revision order), to the lock
+/// service's waiters, until the watch ends or the service is dropped.
+async fn pass_on_deletions(mut watch: WatchStream, deletions: broadcast::Sender<Deletion>) {
     while let Ok(Some(response)) = watch.message().await {
         if response.canceled() {
             break;
@@ -478,8 +510,12 @@ async fn pass_on_deletions(mut watch: WatchStream, deletions: broadcast::Sender<
             if event.event_type() == EventType::Delete
                 && let Some(kv) = event.kv()
             {
+                let deletion = Deletion {
+                    key: kv.key().to_vec(),
+                    revision: kv.mod_revision(),
+                };
                 // Nobody waiting is no error.
-                let _ = deletions.send(kv.key().to_vec());
+                let _ = deletions.send(deletion);
             }
         }
     }
@@ -494,11 +530,12 @@ fn read_of(response: &TxnResponse, index: usize) -> Vec<KeyValue> {
     }
 }
 
-/// Opens the lease's keep-alive stream, then sends a keep-alive every third of the
-/// TTL and waits at most a third for each answer; marks the hold lost when the stream
-/// cannot be opened, etcd says the lease is gone, or the stream breaks or stalls. The
-/// lease then still has a third of its TTL to run: the holder learns of the loss
-/// before anyone else can take the lock.
+/// Keeps the lease alive: a keep-alive every third of the TTL, each answer awaited at
+/// most a third; marks the hold lost when the stream cannot be opened, etcd says the
+/// lease is gone, or the stream breaks or stalls. The lease then still has a third of
+/// its TTL to run: the holder learns of the loss before anyone else can take the lock.
+/// The stream is opened (which sends the first keep-alive) only when that first
+/// keep-alive is due: the lease was just granted, and most holds end before.
 async fn keep_alive(mut client: Client, lease: i64, ttl: i64, lost: Arc<AtomicBool>) {
     let period = Duration::from_millis(u64::try_from(ttl * 1000 / 3).unwrap_or(500));
     let give_up = |why: &str| {
@@ -509,6 +546,7 @@ async fn keep_alive(mut client: Client, lease: i64, ttl: i64, lost: Arc<AtomicBo
         );
         lost.store(true, Ordering::SeqCst);
     };
+    tokio::time::sleep(period).await;
     let (mut keeper, mut responses) = match timeout(period, client.lease_keep_alive(lease)).await {
         Ok(Ok(stream)) => stream,
         Ok(Err(_)) => return give_up("the keep-alive stream could not be opened"),
