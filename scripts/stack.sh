@@ -184,6 +184,9 @@ CFG
 
 etcd_ready() { ETCDCTL_API=3 etcdctl --endpoints="127.0.0.1:$ETCD_PORT" endpoint health; }
 
+# Every lock acquisition writes and deletes keys, and etcd keeps deleted keys in its
+# index until the history is compacted: without compaction a busy lock's prefix reads
+# slow down run after run (0.2 ms to 1.2 ms per read seen here). Keep 10000 revisions.
 etcd_up() {
   local dir="$STACK/etcd"
   mkdir -p "$dir"
@@ -195,6 +198,7 @@ etcd_up() {
     --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
     --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
     --initial-cluster "flashsale=http://127.0.0.1:$ETCD_PEER_PORT" \
+    --auto-compaction-mode revision --auto-compaction-retention 10000 \
     >"$dir/etcd.log" 2>&1 &
   echo $! >"$dir/etcd.pid"
   wait_for "etcd" "$dir/etcd.log" etcd_ready

@@ -16,6 +16,7 @@
 //! | `flashsale_consistent` (gauge) | sku | `/metrics`, from the records |
 //! | `flashsale_records_up` (gauge) | — | `/metrics`: 0 while the records cannot be read |
 //! | `flashsale_timeline_dropped_total` | — | `store::Timeline`, sections not recorded |
+//! | `flashsale_group_commit_orders` (histogram) | — | `store::group_commit`, orders per batch (redis-atomic) |
 
 use std::sync::OnceLock;
 
@@ -76,6 +77,10 @@ fn describe() {
     describe_counter!(
         "flashsale_timeline_dropped_total",
         "Critical sections not recorded on the timeline (backlog full)"
+    );
+    describe_histogram!(
+        "flashsale_group_commit_orders",
+        "Orders recorded per MySQL transaction by redis-atomic's group commit"
     );
 }
 

@@ -56,7 +56,7 @@ pub struct Options {
     pub users: u64,
 
     /// Initial stock of each SKU.
-    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
     pub stock: i64,
 
     /// SKUs on sale at once (1 = one hot item; more spreads the lock contention).
@@ -64,7 +64,7 @@ pub struct Options {
     pub skus: u64,
 
     /// Upper bound of each strategy's run, in seconds.
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub max_seconds: u64,
 
     /// How long the crowd keeps buying after everything sold out, in milliseconds.

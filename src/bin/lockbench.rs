@@ -403,7 +403,9 @@ async fn contender_main(cli: &Cli, lock: LockKind, who: usize) -> anyhow::Result
                 .connect(&backends.database_url)
                 .await
                 .context("connecting to the run's database")?;
-            run.contend(&TableLock::new(pool, &owner, lease)).await?
+            let lock = TableLock::new(pool, &owner, lease)
+                .with_release_notices(redis_pool(&backends.redis_url)?, &names.namespace);
+            run.contend(&lock).await?
         }
         LockKind::Zookeeper => {
             let lock = ZooKeeperLock::new(

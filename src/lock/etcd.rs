@@ -54,8 +54,13 @@
 //!   Nothing of a dropped acquisition is kept alive; at worst a grant that lands after
 //!   its revoke expires after its TTL. The shared watch belongs to the lock service
 //!   and ends with it (or when etcd ends it; the next waiter opens another).
-//! - The fencing token is the key's create revision: contenders are served in that
-//!   order, and a later key always has a higher one, so it only grows.
+//! - The fencing token is the store's revision at which no key was ahead any more: the
+//!   join's read, or the deletion of the last key ahead. Each holder's comes after its
+//!   predecessor's key was deleted, so the token grows in hold order. (Not the key's
+//!   create revision: a key queued while an earlier contender was still waiting has a
+//!   lower one than the revision that contender was granted at, which is what etcd's
+//!   Lock service, used before, gave as the token, and what MySQL may hold as the
+//!   SKU's fence.)
 //!
 //! One lease per acquisition, not one per replica: a key of a dropped acquisition
 //! would live as long as the replica's lease; pausing one holder (`suspend_renewal`)
@@ -158,7 +163,7 @@ impl Drop for Slot {
 /// The shared watch: the sender of its deletions (weak, so that the channel closes
 /// when the watch's task ends) and that task.
 struct SharedWatch {
-    deletions: broadcast::WeakSender<Deletion>,
+    deletions: broadcast::WeakSender<Deletions>,
     _task: AbortOnDrop,
 }
 
@@ -207,7 +212,7 @@ impl EtcdLock {
     async fn deletions(
         &self,
         client: &mut Client,
-    ) -> Result<broadcast::Receiver<Deletion>, LockError> {
+    ) -> Result<broadcast::Receiver<Deletions>, LockError> {
         let mut shared = self.watch.lock().await;
         if let Some(deletions) = shared.as_ref().and_then(|watch| watch.deletions.upgrade()) {
             return Ok(deletions.subscribe());
@@ -312,7 +317,7 @@ impl DistributedLock for EtcdLock {
             slot,
             lease,
         };
-        let revision = timeout_at(deadline, place.wait_turn())
+        let token = timeout_at(deadline, place.wait_turn())
             .await
             .map_err(|_| too_late())??;
         if lost.load(Ordering::SeqCst) {
@@ -326,7 +331,7 @@ impl DistributedLock for EtcdLock {
             key: place.key,
             _slot: place.slot,
             lease,
-            revision,
+            token,
             lost,
             keep_alive,
             released: false,
@@ -377,34 +382,43 @@ struct Place<'a> {
 
 impl Place<'_> {
     /// Queues the key and waits until no key queued before it is left. Returns the
-    /// key's create revision.
+    /// fencing token: the revision at which no key was ahead any more (see the module
+    /// comment).
     async fn wait_turn(&mut self) -> Result<i64, LockError> {
         // Listening before joining: every deletion after the join's read is heard.
         let mut deletions = self.lock.deletions(&mut self.client).await?;
         let (revision, mut ahead) = self.join().await?;
+        let mut turn_at = ahead.read_at;
         while !ahead.keys.is_empty() {
             match deletions.recv().await {
-                // Already gone at the read (a name's previous key, say).
-                Ok(deleted) if deleted.revision <= ahead.read_at => {}
-                Ok(deleted) if deleted.key == self.key.as_bytes() => {
-                    return Err(LockError::Lost(format!(
-                        "{} was deleted while waiting (lease {:x} expired or revoked)",
-                        self.key, self.lease
-                    )));
-                }
-                Ok(deleted) => {
-                    ahead.keys.remove(&deleted.key);
+                Ok(batch) => {
+                    // Those at or before the read are in it already.
+                    for deleted in batch.iter().filter(|d| d.revision > ahead.read_at) {
+                        if deleted.key == self.key.as_bytes() {
+                            return Err(LockError::Lost(format!(
+                                "{} was deleted while waiting (lease {:x} expired or revoked)",
+                                self.key, self.lease
+                            )));
+                        }
+                        if ahead.keys.remove(&deleted.key) {
+                            turn_at = deleted.revision;
+                        }
+                    }
                 }
                 // Some deletions went past unheard: read the queue again.
-                Err(RecvError::Lagged(_)) => ahead = self.ahead(revision).await?,
+                Err(RecvError::Lagged(_)) => {
+                    ahead = self.ahead(revision).await?;
+                    turn_at = ahead.read_at;
+                }
                 // The watch ended: a new one, then a read, for what it did not hear.
                 Err(RecvError::Closed) => {
                     deletions = self.lock.deletions(&mut self.client).await?;
                     ahead = self.ahead(revision).await?;
+                    turn_at = ahead.read_at;
                 }
             }
         }
-        Ok(revision)
+        Ok(turn_at)
     }
 
     /// Puts the key on the lease unless it is there, and reads the lock's keys: all
@@ -493,31 +507,35 @@ struct Ahead {
 }
 
 /// A key deleted under the lock prefix, and the revision of its deletion.
-#[derive(Clone)]
 struct Deletion {
     key: Vec<u8>,
     revision: i64,
 }
 
+/// The deletions of one watch answer, which holds every deletion of its revisions: a
+/// waiter takes them together (a revision that deletes a key ahead and its own key
+/// too is a lost acquisition, not a turn).
+type Deletions = Arc<[Deletion]>;
+
 /// Passes the deletions the watch reports, in its order (revision order), to the lock
 /// service's waiters, until the watch ends or the service is dropped.
-async fn pass_on_deletions(mut watch: WatchStream, deletions: broadcast::Sender<Deletion>) {
+async fn pass_on_deletions(mut watch: WatchStream, deletions: broadcast::Sender<Deletions>) {
     while let Ok(Some(response)) = watch.message().await {
         if response.canceled() {
             break;
         }
-        for event in response.events() {
-            if event.event_type() == EventType::Delete
-                && let Some(kv) = event.kv()
-            {
-                let deletion = Deletion {
-                    key: kv.key().to_vec(),
-                    revision: kv.mod_revision(),
-                };
-                // Nobody waiting is no error.
-                let _ = deletions.send(deletion);
-            }
-        }
+        let batch: Deletions = response
+            .events()
+            .iter()
+            .filter(|event| event.event_type() == EventType::Delete)
+            .filter_map(|event| event.kv())
+            .map(|kv| Deletion {
+                key: kv.key().to_vec(),
+                revision: kv.mod_revision(),
+            })
+            .collect();
+        // Nobody waiting is no error.
+        let _ = deletions.send(batch);
     }
     tracing::debug!("etcd watch of lock deletions ended; the next waiter opens another");
 }
@@ -603,8 +621,8 @@ pub struct EtcdGuard {
     /// The key's name, not to be used by another acquisition while this one lives.
     _slot: Slot,
     lease: i64,
-    /// The key's create revision.
-    revision: i64,
+    /// The fencing token: the revision at which the turn was found.
+    token: i64,
     lost: Arc<AtomicBool>,
     keep_alive: AbortOnDrop,
     /// Set once etcd confirmed the revoke: nothing left to release.
@@ -641,7 +659,7 @@ impl HeldLock for EtcdGuard {
     }
 
     fn fencing_token(&self) -> Option<u64> {
-        u64::try_from(self.revision).ok()
+        u64::try_from(self.token).ok()
     }
 
     fn suspend_renewal(&self) {

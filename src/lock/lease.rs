@@ -33,8 +33,8 @@ pub trait LeaseHold: Clone + Send + Sync + 'static {
     async fn delete(&self) -> Result<bool, LockError>;
     /// For logs and errors: the key, path or row.
     fn describe(&self) -> String;
-    /// This acquisition's fencing token.
-    fn fencing_token(&self) -> u64;
+    /// This acquisition's fencing token, if it took one.
+    fn fencing_token(&self) -> Option<u64>;
 }
 
 /// A held lease lock.
@@ -81,7 +81,7 @@ impl<H: LeaseHold> HeldLock for LeaseGuard<H> {
     }
 
     fn fencing_token(&self) -> Option<u64> {
-        Some(self.hold.fencing_token())
+        self.hold.fencing_token()
     }
 
     /// The lease runs out and another contender can take the lock.

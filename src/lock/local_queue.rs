@@ -46,6 +46,15 @@ impl LocalQueues {
         })
     }
 
+    /// Names that some request of this replica holds or waits for right now.
+    pub fn live(&self) -> usize {
+        let queues = self.by_name.lock().unwrap_or_else(|e| e.into_inner());
+        queues
+            .values()
+            .filter(|weak| weak.strong_count() > 0)
+            .count()
+    }
+
     fn queue(&self, name: &str) -> Arc<tokio::sync::Mutex<()>> {
         let mut queues = self.by_name.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(queue) = queues.get(name).and_then(Weak::upgrade) {

@@ -19,6 +19,7 @@ pub mod etcd;
 pub mod fence_floor;
 pub mod lease;
 pub mod local_queue;
+pub mod notices;
 pub mod redis;
 pub mod redlock;
 pub mod table;
@@ -62,6 +63,13 @@ pub trait DistributedLock: Send + Sync {
 
     /// Waits at most `wait` for the lock named `name`.
     async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError>;
+
+    /// The same, for a caller that will not use the fencing token (fencing is off). A
+    /// lock whose token costs round trips of its own (Redlock's counter rounds) skips
+    /// them; its guard then has no token.
+    async fn acquire_unfenced(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
+        self.acquire(name, wait).await
+    }
 
     /// The lock named `name` as anyone can see it from outside (the dashboard).
     async fn view(&self, name: &str) -> Result<LockView, LockError>;

@@ -23,20 +23,18 @@
 //! Watchdog and release-on-drop are the shared `lease::LeaseGuard`; this module
 //! provides the Redis commands.
 
-use std::collections::HashMap;
-use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use crate::redis_pool::{Connection, Pool};
 use async_trait::async_trait;
 use deadpool_redis::redis::{self, Script};
-use futures::StreamExt;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
-use super::task::{AbortOnDrop, Tasks};
+use super::notices::ReleaseNotices;
+use super::task::Tasks;
 use super::{DistributedLock, LockError, LockView, acquisition_token, token_owner};
 
 /// `SET NX PX`; on success the next fencing token (`INCR`), otherwise the remaining
@@ -115,10 +113,9 @@ pub struct RedisLock {
     namespace: String,
     owner: String,
     lease: Duration,
-    waiters: Arc<Waiters>,
+    notices: ReleaseNotices,
     fence_floor: Option<Arc<dyn FenceFloor>>,
     tasks: Tasks,
-    _listener: AbortOnDrop,
 }
 
 /// What one `SET NX` attempt found.
@@ -137,18 +134,18 @@ impl RedisLock {
         owner: &str,
         lease: Duration,
     ) -> RedisLock {
-        let waiters = Arc::new(Waiters::default());
         let pattern = format!("{namespace}:lock-released:*");
-        let listener = AbortOnDrop::spawn(listen_for_releases(client, pattern, waiters.clone()));
+        // Every waiter of this replica waits on the channel (no local queue), so its
+        // own releases must wake them too.
+        let notices = ReleaseNotices::listen([client], &pattern, None);
         RedisLock {
             pool,
             namespace: namespace.to_owned(),
             owner: owner.to_owned(),
             lease,
-            waiters,
+            notices,
             fence_floor: None,
             tasks: Tasks::default(),
-            _listener: listener,
         }
     }
 
@@ -265,7 +262,7 @@ impl DistributedLock for RedisLock {
         let channel = self.channel(name);
         let token = acquisition_token(&self.owner);
         let deadline = Instant::now() + wait;
-        let wakeup = self.waiters.register(&channel);
+        let wakeup = self.notices.register(&channel);
         loop {
             // Listen before trying, so a release between the try and the wait is seen.
             let released = wakeup.notified();
@@ -410,58 +407,6 @@ impl Drop for PendingSet {
     }
 }
 
-/// Local waiters per lock channel. Each waiter holds an `Arc<Notify>`; the map keeps
-/// only weak references so finished locks leave nothing behind.
-#[derive(Default)]
-pub(super) struct Waiters {
-    by_channel: Mutex<HashMap<String, Weak<Notify>>>,
-}
-
-impl Waiters {
-    pub(super) fn register(&self, channel: &str) -> Arc<Notify> {
-        let mut map = self.by_channel.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(existing) = map.get(channel).and_then(Weak::upgrade) {
-            return existing;
-        }
-        map.retain(|_, weak| weak.strong_count() > 0);
-        let notify = Arc::new(Notify::new());
-        map.insert(channel.to_owned(), Arc::downgrade(&notify));
-        notify
-    }
-
-    fn wake_one(&self, channel: &str) {
-        let map = self.by_channel.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(notify) = map.get(channel).and_then(Weak::upgrade) {
-            notify.notify_one();
-        }
-    }
-}
-
-/// Forwards release messages to local waiters, reconnecting after a Redis outage.
-pub(super) async fn listen_for_releases(
-    client: redis::Client,
-    pattern: String,
-    waiters: Arc<Waiters>,
-) {
-    loop {
-        match client.get_async_pubsub().await {
-            Ok(mut pubsub) => match pubsub.psubscribe(&pattern).await {
-                Ok(()) => {
-                    let mut messages = pubsub.on_message();
-                    while let Some(message) = messages.next().await {
-                        waiters.wake_one(message.get_channel_name());
-                    }
-                    tracing::warn!("lock release subscription ended; reconnecting");
-                }
-                Err(error) => tracing::warn!(%error, "cannot subscribe to lock releases"),
-            },
-            Err(error) => tracing::warn!(%error, "cannot connect for lock releases"),
-        }
-        // Waiters fall back to the lock's TTL meanwhile.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-}
-
 /// One acquisition: the key and the token stored under it.
 #[derive(Clone)]
 pub struct RedisHold {
@@ -533,8 +478,8 @@ impl LeaseHold for RedisHold {
     }
 
     /// From `INCR <ns>:fence:<name>` at acquisition.
-    fn fencing_token(&self) -> u64 {
-        self.fence
+    fn fencing_token(&self) -> Option<u64> {
+        Some(self.fence)
     }
 }
 

@@ -25,6 +25,10 @@
 //!   so the next holder reads at least this token and goes above it. A node that lost
 //!   its data has no counter: then the floor also comes from the fence MySQL checks
 //!   (`fence_floor`). This rests, like the lock itself, on holders not overlapping.
+//!   Those are two more rounds on every granting node, so they are only made for a
+//!   caller that asked for a token (`acquire`; with fencing off the flow calls
+//!   `acquire_unfenced`, whose hold has none). Counters left alone meanwhile stay
+//!   valid floors: a fenced holder only ever raises them.
 //!
 //! - **Local queue**: within one replica, contenders for the same key wait their turn
 //!   on a local FIFO mutex and only the first runs the algorithm (Redisson does the
@@ -56,9 +60,9 @@ use tokio::time::{Instant, timeout};
 use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
 use super::local_queue::{LocalQueues, Turn};
+use super::notices::ReleaseNotices;
 use super::redis::{PendingSet, SEED_FENCE, Target, delete_on, millis, redis_error, renew_on};
-use super::redis::{Waiters, listen_for_releases};
-use super::task::{AbortOnDrop, Tasks};
+use super::task::Tasks;
 use super::{DistributedLock, LockError, LockView, acquisition_token, token_owner};
 
 /// Bound on one node's answer: far below the lease, so a dead node cannot eat the
@@ -79,8 +83,7 @@ pub struct Redlock {
     fence_floor: Option<Arc<dyn FenceFloor>>,
     tasks: Tasks,
     /// This replica's waiting heads, woken by the release notices of every node.
-    waiters: Arc<Waiters>,
-    _listeners: Vec<AbortOnDrop>,
+    notices: ReleaseNotices,
 }
 
 /// One node's part in a round: the attempt on it, if a connection was had, and
@@ -94,19 +97,9 @@ struct NodeAttempt {
 impl Redlock {
     /// Starts a release listener on each node (pub/sub needs a connection of its own).
     pub fn new(nodes: Vec<Pool>, namespace: &str, owner: &str, lease: Duration) -> Redlock {
-        let waiters = Arc::new(Waiters::default());
         let pattern = released_channel(&format!("{namespace}:redlock:*"));
-        let listeners = nodes
-            .iter()
-            .map(|node| {
-                let client = node.manager().client().clone();
-                AbortOnDrop::spawn(listen_for_releases(
-                    client,
-                    pattern.clone(),
-                    waiters.clone(),
-                ))
-            })
-            .collect();
+        let clients = nodes.iter().map(|node| node.manager().client().clone());
+        let notices = ReleaseNotices::listen(clients, &pattern, None);
         Redlock {
             nodes: Arc::new(nodes),
             namespace: namespace.to_owned(),
@@ -115,8 +108,7 @@ impl Redlock {
             local_queues: LocalQueues::default(),
             fence_floor: None,
             tasks: Tasks::default(),
-            waiters,
-            _listeners: listeners,
+            notices,
         }
     }
 
@@ -261,13 +253,15 @@ impl Redlock {
             .then(|| fences.into_iter().max())
             .flatten())
     }
-}
 
-#[async_trait]
-impl DistributedLock for Redlock {
-    type Guard = LeaseGuard<RedlockHold>;
-
-    async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
+    /// The algorithm (module comment); with `fenced`, the hold also takes a fencing
+    /// token, two more rounds on the granting nodes.
+    async fn acquire_with(
+        &self,
+        name: &str,
+        wait: Duration,
+        fenced: bool,
+    ) -> Result<LeaseGuard<RedlockHold>, LockError> {
         let key = self.key(name);
         let deadline = Instant::now() + wait;
         let turn = self
@@ -275,7 +269,7 @@ impl DistributedLock for Redlock {
             .turn(&key, deadline)
             .await
             .ok_or(LockError::Timeout { waited: wait })?;
-        let wakeup = self.waiters.register(&released_channel(&key));
+        let wakeup = self.notices.register(&released_channel(&key));
         if turn.waited {
             // Our turn came because a local holder released: start with the same
             // jitter as the other replicas' heads, woken by the same release, or this
@@ -294,7 +288,15 @@ impl DistributedLock for Redlock {
             let mut attempts = self.set_everywhere(&key, &token).await;
             let granted = attempts.iter().filter(|a| a.granted).count();
             if granted >= self.quorum() && started.elapsed() + drift < self.lease {
-                let fence = self.next_fence(name, &token, &mut attempts).await?;
+                // The token if asked for one; `None` when its rounds missed the
+                // majority, which fails the whole round.
+                let fence = if fenced {
+                    self.next_fence(name, &token, &mut attempts)
+                        .await?
+                        .map(Some)
+                } else {
+                    Some(None)
+                };
                 if let Some(fence) = fence
                     && started.elapsed() + drift < self.lease
                 {
@@ -344,6 +346,19 @@ impl DistributedLock for Redlock {
             }
         }
     }
+}
+
+#[async_trait]
+impl DistributedLock for Redlock {
+    type Guard = LeaseGuard<RedlockHold>;
+
+    async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
+        self.acquire_with(name, wait, true).await
+    }
+
+    async fn acquire_unfenced(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
+        self.acquire_with(name, wait, false).await
+    }
 
     async fn view(&self, name: &str) -> Result<LockView, LockError> {
         let key = self.key(name);
@@ -388,7 +403,8 @@ pub struct RedlockHold {
     quorum: usize,
     key: String,
     token: String,
-    fence: u64,
+    /// Only when the acquisition asked for one.
+    fence: Option<u64>,
     /// Nodes whose `SET` had not answered when the lock was taken: undone on their
     /// own connections once the last copy of the hold is gone.
     _late: Arc<Vec<PendingSet>>,
@@ -450,7 +466,7 @@ impl LeaseHold for RedlockHold {
         format!("redlock {} on {} nodes", self.key, self.nodes.len())
     }
 
-    fn fencing_token(&self) -> u64 {
+    fn fencing_token(&self) -> Option<u64> {
         self.fence
     }
 }

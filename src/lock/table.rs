@@ -3,33 +3,91 @@
 //!
 //! - **Acquire**: `INSERT` a row `(lock_name, owner, expires_at)`. A duplicate key
 //!   (1062), or the deadlock MariaDB reports for a contended insert (1213), means the
-//!   lock is held.
+//!   lock is held. The row is the lock, and the only authority on who holds it:
+//!   everything else below (queues, notices, what a waiter remembers) only decides
+//!   *when* to send the next INSERT.
 //! - **Expired rows**: a holder that crashed leaves its row behind. A contender that
 //!   finds the row past `expires_at` deletes it *by its id* and inserts again. Deleting
 //!   by name would be wrong: between our look and our delete another contender may
 //!   have taken over and inserted a fresh row, which a delete by name would destroy.
 //! - **Renewal**: while working, the holder pushes `expires_at` forward (the shared
 //!   lease watchdog), `WHERE id = ? AND owner = ?`.
-//! - **Release**: `DELETE ... WHERE lock_name = ? AND owner = ?`.
-//! - **Waiting**: nothing wakes a waiter, so it polls with jittered exponential
-//!   backoff, bounded by the caller's wait.
+//! - **Release**: `DELETE ... WHERE lock_name = ? AND owner = ?`, then a release
+//!   notice (below).
+//!
+//! Waiting, and what it costs MySQL:
+//!
+//! - **Local queue**: the requests of one replica for one name wait their turn in a
+//!   FIFO (`local_queue`), and only the head sends INSERTs. Before it, every waiter
+//!   polled: 30 waiters on a hot SKU sent an INSERT and a SELECT (each with the pool's
+//!   ping) every few milliseconds, to the MariaDB that the holder needs for its
+//!   commit, and their failing INSERTs' shared locks on the row deadlocked the
+//!   holder's DELETE. The turn belongs to the hold and is given up with its last copy,
+//!   that is once the row is deleted (or the background release gave up), so a local
+//!   successor never starts against its predecessor's row.
+//! - **Woken, not polling**: MySQL has no LISTEN/NOTIFY, so after deleting its row the
+//!   releaser publishes a notice on Redis (`<ns>:lock-row-released:<name>`) and each
+//!   replica's waiting head, subscribed through `notices`, tries again at once. A
+//!   MySQL-native wake-up was considered: a waiter can only block inside MySQL on
+//!   something a session holds (`GET_LOCK`, a row lock in an open transaction), so the
+//!   holder would have to keep a session or transaction open for the whole hold; that
+//!   pins a connection per hold and is another lock (`db-for-update`), not this one.
+//!   The notice is a hint: lost (a Redis blip, a subscriber reconnecting) or never sent
+//!   (a crashed holder, Redis down), it costs the head one poll, which stays as the
+//!   fallback: every 25-50 ms while the subscription is up (it only covers a lost
+//!   notice), the old backoff from 2 ms up to 50 ms while it is down. Publishing is
+//!   bounded by 50 ms, so a hung Redis delays a release by no more than that. The
+//!   notice goes out after the DELETE, not beside it: a head whose INSERT reached
+//!   MySQL before the DELETE would fail and wait for a notice already spent.
+//! - **Fairness**: a replica's own notices wake nobody there: its releases hand the
+//!   turn to its next waiter themselves. But that waiter is ready before any other
+//!   replica has heard the notice, and would win nearly every time (before this
+//!   change a `lockbench` contender, polling, retook the lock it had just released in
+//!   one half to three quarters of its cycles). So when the released hold had met another replica's row, the
+//!   replica's next attempt on the name waits one tick of Tokio's timer (1 ms) and the
+//!   woken heads go first; an uncontended replica pays nothing. Woken heads get no
+//!   jitter: Tokio's timer cannot sleep less than a millisecond, which is longer than
+//!   the whole handoff. Heads that collide cost each other a duplicate key or a
+//!   deadlock error (InnoDB's duplicate check on the just-deleted record); one of them
+//!   goes through. Should all lose (no row, so no notice), the poll picks it up.
+//! - **Fewer round trips**: a head looks at the row (to take over an expired one) only
+//!   when the row may be old: on its first failed INSERT and after a poll, not after a
+//!   notice or its own replica's release (the row it meets was inserted since, so it
+//!   is fresh). The look runs on the failed INSERT's connection (no second pool
+//!   check), and after it the head remembers how long that row has left and does not
+//!   look again until then: the row can only be renewed, which makes it live longer, or
+//!   deleted, which sends a notice. Only a lost notice for a row replaced by one of a
+//!   shorter lease (replicas with different lease settings) can make a takeover come
+//!   later than it could, by at most the difference; never earlier: the takeover
+//!   DELETE checks the expiry itself. A failed attempt thus costs its INSERT and the
+//!   pool's check, where every poll cost INSERT, check, SELECT, check.
 //!
 //! - **Cancellation**: an INSERT whose caller was dropped may still commit. The attempt
 //!   holds the connection it sent the INSERT on and, if dropped, deletes its row (by
 //!   its unique owner token) on that same connection, which answers the INSERT first.
+//!   That undo keeps the replica's turn until it is done, and announces the release
+//!   like any other. A drop anywhere else (in the local queue, in the courtesy tick,
+//!   waiting for a notice or a poll, looking at the row) has sent nothing that needs undoing; its
+//!   place in the queue and its registration for notices go with it.
 //!
 //! All times are the database's own, in UTC (`UTC_TIMESTAMP(6)` into `DATETIME(6)`
 //! columns), so neither replicas' clocks nor their sessions' time zones matter.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use deadpool_redis::redis;
 use sqlx::MySql;
 use sqlx::mysql::{MySqlDatabaseError, MySqlPool};
 use sqlx::pool::PoolConnection;
-use tokio::time::Instant;
+use tokio::sync::Notify;
+use tokio::time::{Instant, sleep_until};
 
 use super::lease::{LeaseGuard, LeaseHold};
+use super::local_queue::{LocalQueues, Turn};
+use super::notices::ReleaseNotices;
 use super::task::Tasks;
 use super::{
     DistributedLock, LockError, LockView, acquisition_token, jittered_backoff, token_owner,
@@ -45,30 +103,128 @@ const BACKOFF_BASE: Duration = Duration::from_millis(2);
 const BACKOFF_CAP: Duration = Duration::from_millis(50);
 /// Bound on one undo of a dropped INSERT.
 const UNDO_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a replica's next attempt on a name waits after its own release of it, when
+/// that hold had to wait for other replicas: one tick of Tokio's timer, enough for a
+/// head woken by the notice to get its INSERT in first.
+const COURTESY: Duration = Duration::from_millis(1);
+/// An attempt this soon after the release owes the courtesy.
+const COURTESY_WINDOW: Duration = Duration::from_millis(5);
+/// Bound on publishing one notice: a hung Redis costs a release no more than the poll
+/// the notice would have saved.
+const NOTICE_TIMEOUT: Duration = BACKOFF_CAP;
 
+const INSERT_ROW: &str = "INSERT INTO distributed_locks (lock_name, owner, expires_at)
+     VALUES (?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)";
+const LOOK_AT_ROW: &str = "SELECT id, owner,
+     CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS SIGNED)
+     FROM distributed_locks WHERE lock_name = ?";
+const DELETE_EXPIRED_ROW: &str =
+    "DELETE FROM distributed_locks WHERE id = ? AND expires_at < UTC_TIMESTAMP(6)";
 const DELETE_OWN_ROW: &str = "DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?";
 
 pub struct TableLock {
+    rows: Arc<Rows>,
+    local_queues: LocalQueues,
+    /// This replica's waiting heads, woken by other replicas' releases; `None`: they
+    /// poll.
+    notices: Option<ReleaseNotices>,
+}
+
+/// What the lock service shares with its holds and cleanups: the table, and what the
+/// deletion of one of its rows sets off.
+struct Rows {
     pool: MySqlPool,
     owner: String,
     lease: Duration,
     tasks: Tasks,
+    announcer: Option<Announcer>,
+    /// Names this service released within `COURTESY`, and when.
+    recent_releases: Mutex<HashMap<String, Instant>>,
+}
+
+/// Where release notices are published.
+struct Announcer {
+    redis: crate::redis_pool::Pool,
+    /// The channel of a lock is this followed by its name.
+    prefix: String,
+}
+
+/// What one INSERT attempt found.
+enum Inserted {
+    /// The lock is ours: the new row's id.
+    Row(u64),
+    /// Held by someone else; the connection is handed back to look at the row.
+    Taken(PoolConnection<MySql>),
+}
+
+/// The row holding a name, as a waiter sees it.
+enum Row {
+    /// Not expired before this instant (by this replica's clock, erring early).
+    Live(Instant),
+    Expired {
+        id: i64,
+        owner: String,
+    },
+    /// Released since the INSERT failed.
+    Gone,
 }
 
 impl TableLock {
+    /// A lock table whose waiters poll: see `with_release_notices`.
     pub fn new(pool: MySqlPool, owner: &str, lease: Duration) -> TableLock {
         TableLock {
-            pool,
-            owner: owner.to_owned(),
-            lease,
-            tasks: Tasks::default(),
+            rows: Arc::new(Rows {
+                pool,
+                owner: owner.to_owned(),
+                lease,
+                tasks: Tasks::default(),
+                announcer: None,
+                recent_releases: Mutex::default(),
+            }),
+            local_queues: LocalQueues::default(),
+            notices: None,
+        }
+    }
+
+    /// Publishes a notice on `redis` after each release, and listens there for the
+    /// other replicas' (one pub/sub connection), under `namespace`.
+    pub fn with_release_notices(self, redis: crate::redis_pool::Pool, namespace: &str) -> Self {
+        let prefix = format!("{namespace}:lock-row-released:");
+        let client = redis.manager().client().clone();
+        let pattern = format!("{prefix}*");
+        let notices = ReleaseNotices::listen([client], &pattern, Some(&self.rows.owner));
+        let rows = Rows {
+            pool: self.rows.pool.clone(),
+            owner: self.rows.owner.clone(),
+            lease: self.rows.lease,
+            tasks: self.rows.tasks.clone(),
+            announcer: Some(Announcer { redis, prefix }),
+            recent_releases: Mutex::default(),
+        };
+        TableLock {
+            rows: Arc::new(rows),
+            local_queues: self.local_queues,
+            notices: Some(notices),
         }
     }
 
     /// Background tasks running now: watchdogs of holds and cleanups of dropped
     /// acquisitions and releases.
     pub fn background_tasks(&self) -> usize {
-        self.tasks.live()
+        self.rows.tasks.live()
+    }
+
+    /// Whether other replicas' releases reach this service's waiters right now (its
+    /// subscription is up).
+    pub fn hears_releases(&self) -> bool {
+        self.notices.as_ref().is_some_and(ReleaseNotices::listening)
+    }
+
+    /// Requests of this service holding or waiting for a lock, counted by name: their
+    /// local queues, and the heads' registrations for notices.
+    pub fn waiting(&self) -> usize {
+        let registered = self.notices.as_ref().map_or(0, ReleaseNotices::registered);
+        self.local_queues.live() + registered
     }
 
     /// The row holding `name`, if any: its id, owner and milliseconds to expiry
@@ -79,67 +235,87 @@ impl TableLock {
              FROM distributed_locks WHERE lock_name = ?",
         )
         .bind(name)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.rows.pool)
         .await
         .map_err(mysql_error)
     }
 
-    /// One INSERT attempt: the new row's id, or `None` when the name is taken. Until
-    /// it returns, a drop deletes whatever row it may have inserted.
-    async fn try_insert(&self, name: &str, owner: &str) -> Result<Option<u64>, LockError> {
-        let conn = self.pool.acquire().await.map_err(mysql_error)?;
+    /// One INSERT attempt. Until it returns, a drop deletes whatever row it may have
+    /// inserted, keeping `turn` meanwhile.
+    async fn try_insert(
+        &self,
+        name: &str,
+        owner: &str,
+        turn: &Arc<Turn>,
+    ) -> Result<Inserted, LockError> {
+        let conn = self.rows.pool.acquire().await.map_err(mysql_error)?;
         let mut pending = PendingInsert {
             conn: Some(conn),
-            pool: self.pool.clone(),
+            rows: self.rows.clone(),
             name: name.to_owned(),
             owner: owner.to_owned(),
-            tasks: self.tasks.clone(),
+            turn: turn.clone(),
         };
         let Some(conn) = pending.conn.as_mut() else {
             return Err(LockError::backend("mysql", "attempt already settled"));
         };
-        let inserted = sqlx::query(
-            "INSERT INTO distributed_locks (lock_name, owner, expires_at)
-             VALUES (?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)",
-        )
-        .bind(name)
-        .bind(owner)
-        .bind(micros(self.lease))
-        .execute(&mut **conn)
-        .await;
-        let outcome = match inserted {
-            Ok(result) => Ok(Some(result.last_insert_id())),
+        let inserted = sqlx::query(INSERT_ROW)
+            .bind(name)
+            .bind(owner)
+            .bind(micros(self.rows.lease))
+            .execute(&mut **conn)
+            .await;
+        let id = match inserted {
+            Ok(result) => Some(result.last_insert_id()),
             Err(sqlx::Error::Database(error))
                 if matches!(mysql_number(&*error), Some(DUPLICATE_KEY | DEADLOCK)) =>
             {
-                Ok(None)
+                None
             }
             // Whether the row went in is unknown: leave the undo armed.
             Err(error) => return Err(mysql_error(error)),
         };
-        pending.conn = None;
-        outcome
+        // The outcome is known: disarm the undo (the row, if any, is the caller's).
+        let conn = pending
+            .conn
+            .take()
+            .ok_or_else(|| LockError::backend("mysql", "attempt already settled"))?;
+        Ok(match id {
+            Some(id) => Inserted::Row(id),
+            None => Inserted::Taken(conn),
+        })
     }
 
-    /// Deletes the row holding `name` if it has expired, by its id. Returns whether a
-    /// row was taken over.
-    async fn take_over_expired(&self, name: &str) -> Result<bool, LockError> {
-        let expired: Option<(i64, String)> = sqlx::query_as(
-            "SELECT id, owner FROM distributed_locks WHERE lock_name = ? AND expires_at < UTC_TIMESTAMP(6)",
-        )
-        .bind(name)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(mysql_error)?;
-        let Some((id, previous_owner)) = expired else {
-            return Ok(false);
-        };
+    /// The row holding `name`, looked at on `conn`.
+    async fn look(&self, conn: &mut PoolConnection<MySql>, name: &str) -> Result<Row, LockError> {
+        let asked = Instant::now();
+        let row: Option<(i64, String, i64)> = sqlx::query_as(LOOK_AT_ROW)
+            .bind(name)
+            .fetch_optional(&mut **conn)
+            .await
+            .map_err(mysql_error)?;
+        Ok(match row {
+            None => Row::Gone,
+            Some((id, owner, left_us)) if left_us < 0 => Row::Expired { id, owner },
+            // Counted from before the question: the row lives at least that long.
+            Some((_, _, left_us)) => {
+                Row::Live(asked + Duration::from_micros(left_us.unsigned_abs()))
+            }
+        })
+    }
+
+    /// Deletes the expired row `id`, if it is still there and still expired. Returns
+    /// whether it was taken over.
+    async fn take_over(
+        &self,
+        name: &str,
+        id: i64,
+        previous_owner: &str,
+    ) -> Result<bool, LockError> {
         let deleted = retry_deadlocks(|| {
-            sqlx::query(
-                "DELETE FROM distributed_locks WHERE id = ? AND expires_at < UTC_TIMESTAMP(6)",
-            )
-            .bind(id)
-            .execute(&self.pool)
+            sqlx::query(DELETE_EXPIRED_ROW)
+                .bind(id)
+                .execute(&self.rows.pool)
         })
         .await?
         .rows_affected();
@@ -148,6 +324,17 @@ impl TableLock {
         }
         Ok(deleted == 1)
     }
+
+    /// How long the head waits for a notice before it tries again anyway.
+    fn poll_pause(&self, attempt: u32) -> Duration {
+        // While notices are heard the poll only covers a lost one: at the cap at once.
+        let attempt = if self.hears_releases() {
+            u32::MAX
+        } else {
+            attempt
+        };
+        jittered_backoff(attempt, BACKOFF_BASE, BACKOFF_CAP)
+    }
 }
 
 #[async_trait]
@@ -155,29 +342,93 @@ impl DistributedLock for TableLock {
     type Guard = LeaseGuard<TableHold>;
 
     async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
-        let owner = acquisition_token(&self.owner);
         let deadline = Instant::now() + wait;
+        let turn = self
+            .local_queues
+            .turn(name, deadline)
+            .await
+            .ok_or(LockError::Timeout { waited: wait })?;
+        let turn = Arc::new(turn);
+        // Without notices, a wake-up nobody sends: the poll is all there is.
+        let wakeup = match (&self.notices, &self.rows.announcer) {
+            (Some(notices), Some(announcer)) => notices.register(&announcer.channel(name)),
+            _ => Arc::new(Notify::new()),
+        };
+        // Whether the next attempt follows a release we know of (a notice, our own): a
+        // row it meets was inserted since, so it is live and needs no look.
+        let mut after_release = false;
+        if self.rows.released_lately(name) {
+            // Our release woke the other replicas' heads: let one of them in first.
+            sleep_until(deadline.min(Instant::now() + COURTESY)).await;
+            after_release = true;
+        }
+        let owner = acquisition_token(&self.rows.owner);
+        // Until then the row that blocks us has not expired: no need to look.
+        let mut live_until: Option<Instant> = None;
         let mut attempt = 0;
         loop {
-            if let Some(id) = self.try_insert(name, &owner).await? {
-                let hold = TableHold {
-                    pool: self.pool.clone(),
-                    id,
-                    name: name.to_owned(),
-                    owner,
-                };
-                return Ok(LeaseGuard::start(hold, self.lease, &self.tasks));
+            // Listen before trying, so a release between the try and the wait is
+            // seen; a notice stored before this attempt is answered by the attempt.
+            let released = wakeup.notified();
+            tokio::pin!(released);
+            if released.as_mut().enable() {
+                released.set(wakeup.notified());
+                released.as_mut().enable();
             }
-            if self.take_over_expired(name).await? {
-                continue;
+
+            let mut conn = match self.try_insert(name, &owner, &turn).await? {
+                Inserted::Row(id) => {
+                    let hold = TableHold {
+                        rows: self.rows.clone(),
+                        id,
+                        name: name.to_owned(),
+                        owner,
+                        contended: attempt > 0,
+                        _turn: turn,
+                    };
+                    return Ok(LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks));
+                }
+                Inserted::Taken(conn) => conn,
+            };
+            attempt += 1;
+            let mut row = None;
+            if !after_release && live_until.is_none_or(|until| Instant::now() >= until) {
+                row = Some(self.look(&mut conn, name).await?);
             }
+            drop(conn);
+            let free = match row {
+                Some(Row::Live(until)) => {
+                    live_until = Some(until);
+                    false
+                }
+                Some(Row::Expired { id, owner }) => {
+                    if self.take_over(name, id, &owner).await? {
+                        continue;
+                    }
+                    false
+                }
+                // Released since our INSERT failed: go again at once.
+                Some(Row::Gone) => true,
+                None => false,
+            };
+
             let now = Instant::now();
             if now >= deadline {
                 return Err(LockError::Timeout { waited: wait });
             }
-            let pause = jittered_backoff(attempt, BACKOFF_BASE, BACKOFF_CAP);
-            tokio::time::sleep_until(deadline.min(now + pause)).await;
-            attempt += 1;
+            if free {
+                after_release = true;
+                continue;
+            }
+            let retry_at = deadline.min(now + self.poll_pause(attempt - 1));
+            tokio::select! {
+                () = &mut released => {
+                    // The row we knew is gone; whatever we meet next is newer.
+                    live_until = None;
+                    after_release = true;
+                }
+                () = sleep_until(retry_at) => after_release = false,
+            }
         }
     }
 
@@ -199,13 +450,100 @@ impl DistributedLock for TableLock {
     }
 }
 
+impl Rows {
+    /// After one of this service's rows was deleted: tells the other replicas' waiting
+    /// heads, and remembers a release of a `contended` hold (for `released_lately`).
+    /// Best effort and bounded: the row is gone whatever happens here.
+    async fn released(&self, name: &str, owner: &str, contended: bool) {
+        let Some(announcer) = &self.announcer else {
+            return;
+        };
+        let publish = async {
+            let mut conn = announcer.redis.get().await.map_err(|e| e.to_string())?;
+            redis::cmd("PUBLISH")
+                .arg(announcer.channel(name))
+                .arg(owner)
+                .query_async::<i64>(&mut conn)
+                .await
+                .map_err(|e| e.to_string())
+        };
+        match tokio::time::timeout(NOTICE_TIMEOUT, publish).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => tracing::debug!(%error, lock = name, "release notice not sent"),
+            Err(_) => tracing::debug!(lock = name, "release notice timed out"),
+        }
+        let now = Instant::now();
+        let mut recent = self
+            .recent_releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        recent.retain(|_, at| now.duration_since(*at) < COURTESY_WINDOW);
+        if contended {
+            recent.insert(name.to_owned(), now);
+        }
+    }
+
+    /// Whether this service released `name` within `COURTESY_WINDOW` after a hold that
+    /// had to wait for other replicas (with notices only: without them nobody else was
+    /// woken to compete).
+    fn released_lately(&self, name: &str) -> bool {
+        let recent = self
+            .recent_releases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        recent
+            .get(name)
+            .is_some_and(|at| at.elapsed() < COURTESY_WINDOW)
+    }
+
+    /// Deletes this service's row `owner` of `name` on `conn`; `true` if it was there.
+    async fn delete_own_on(
+        &self,
+        conn: &mut PoolConnection<MySql>,
+        name: &str,
+        owner: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let deleted = sqlx::query(DELETE_OWN_ROW)
+            .bind(name)
+            .bind(owner)
+            .execute(&mut **conn)
+            .await?
+            .rows_affected();
+        Ok(deleted == 1)
+    }
+
+    /// The same on any connection of the pool, retried after deadlocks.
+    async fn delete_own(&self, name: &str, owner: &str) -> Result<bool, LockError> {
+        let deleted = retry_deadlocks(|| {
+            sqlx::query(DELETE_OWN_ROW)
+                .bind(name)
+                .bind(owner)
+                .execute(&self.pool)
+        })
+        .await?
+        .rows_affected();
+        Ok(deleted == 1)
+    }
+}
+
+impl Announcer {
+    fn channel(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+}
+
 /// One acquisition: the row's id and the owner token written in it.
 #[derive(Clone)]
 pub struct TableHold {
-    pool: MySqlPool,
+    rows: Arc<Rows>,
     id: u64,
     name: String,
     owner: String,
+    /// Whether its acquisition met another replica's row first.
+    contended: bool,
+    /// This replica's turn on the name: given up when the last copy of the hold is
+    /// gone, that is after the row was deleted (or the background release gave up).
+    _turn: Arc<Turn>,
 }
 
 #[async_trait]
@@ -219,7 +557,7 @@ impl LeaseHold for TableHold {
             .bind(micros(lease))
             .bind(self.id)
             .bind(&self.owner)
-            .execute(&self.pool)
+            .execute(&self.rows.pool)
         })
         .await?;
         // MySQL reports rows *changed*; a renewal within the same microsecond changes
@@ -232,22 +570,20 @@ impl LeaseHold for TableHold {
         )
         .bind(self.id)
         .bind(&self.owner)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.rows.pool)
         .await
         .map_err(mysql_error)?;
         Ok(still_ours.is_some())
     }
 
     async fn delete(&self) -> Result<bool, LockError> {
-        let deleted = retry_deadlocks(|| {
-            sqlx::query(DELETE_OWN_ROW)
-                .bind(&self.name)
-                .bind(&self.owner)
-                .execute(&self.pool)
-        })
-        .await?
-        .rows_affected();
-        Ok(deleted == 1)
+        let deleted = self.rows.delete_own(&self.name, &self.owner).await?;
+        if deleted {
+            self.rows
+                .released(&self.name, &self.owner, self.contended)
+                .await;
+        }
+        Ok(deleted)
     }
 
     fn describe(&self) -> String {
@@ -255,8 +591,8 @@ impl LeaseHold for TableHold {
     }
 
     /// The row's auto-increment id: it only grows.
-    fn fencing_token(&self) -> u64 {
-        self.id
+    fn fencing_token(&self) -> Option<u64> {
+        Some(self.id)
     }
 }
 
@@ -265,12 +601,13 @@ impl LeaseHold for TableHold {
 /// INSERT's answer (sqlx waits for an abandoned statement before the next), so the
 /// delete runs after the INSERT. If the connection is broken, the delete is retried on
 /// fresh ones (the server may still be finishing the INSERT), then left to the lease.
+/// The undo keeps the replica's turn until it is done.
 struct PendingInsert {
     conn: Option<PoolConnection<MySql>>,
-    pool: MySqlPool,
+    rows: Arc<Rows>,
     name: String,
     owner: String,
-    tasks: Tasks,
+    turn: Arc<Turn>,
 }
 
 impl Drop for PendingInsert {
@@ -278,10 +615,15 @@ impl Drop for PendingInsert {
         let Some(mut conn) = self.conn.take() else {
             return;
         };
-        let (pool, name, owner) = (self.pool.clone(), self.name.clone(), self.owner.clone());
-        self.tasks.spawn_detached(async move {
-            let delete = sqlx::query(DELETE_OWN_ROW).bind(&name).bind(&owner);
-            if let Ok(Ok(_)) = tokio::time::timeout(UNDO_TIMEOUT, delete.execute(&mut *conn)).await {
+        let (rows, name, owner) = (self.rows.clone(), self.name.clone(), self.owner.clone());
+        let turn = self.turn.clone();
+        self.rows.tasks.spawn_detached(async move {
+            let _turn = turn;
+            let same_connection = rows.delete_own_on(&mut conn, &name, &owner);
+            if let Ok(Ok(deleted)) = tokio::time::timeout(UNDO_TIMEOUT, same_connection).await {
+                if deleted {
+                    rows.released(&name, &owner, false).await;
+                }
                 return;
             }
             // A connection that failed mid-statement is not to be reused.
@@ -289,13 +631,11 @@ impl Drop for PendingInsert {
             drop(conn);
             for _ in 0..3 {
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                let delete = retry_deadlocks(|| {
-                    sqlx::query(DELETE_OWN_ROW)
-                        .bind(&name)
-                        .bind(&owner)
-                        .execute(&pool)
-                });
-                if let Ok(Ok(_)) = tokio::time::timeout(UNDO_TIMEOUT, delete).await {
+                let fresh = rows.delete_own(&name, &owner);
+                if let Ok(Ok(deleted)) = tokio::time::timeout(UNDO_TIMEOUT, fresh).await {
+                    if deleted {
+                        rows.released(&name, &owner, false).await;
+                    }
                     return;
                 }
             }

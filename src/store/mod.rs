@@ -5,6 +5,7 @@
 //! commands and SQL stay inside this folder.
 
 mod cluster_state;
+mod group_commit;
 mod order_commit;
 mod records;
 mod sale;
@@ -12,11 +13,14 @@ mod stock_cache;
 mod timeline;
 
 pub use cluster_state::{ClusterEvent, ClusterSettings, ClusterState, PauseFault, ReplicaInfo};
+pub use group_commit::{GroupCommit, MAX_BATCH, PendingOrder, Recorded, TakenOrder};
 pub use order_commit::{Committed, Fence, LockedProduct, Refusal, StockWrite};
 pub use records::{ProductRecord, Records};
 pub use sale::{SaleChange, SaleSettings, StockAt};
 pub use stock_cache::{ReadToSell, StockCache, Taken};
 pub use timeline::{Section, Timeline};
+
+use std::sync::Arc;
 
 use deadpool_redis::redis::RedisError;
 
@@ -48,6 +52,13 @@ pub enum StoreError {
     RowLockTimeout,
     #[error("unexpected data in {what}: {detail}")]
     Corrupt { what: &'static str, detail: String },
+    /// One failure of a group commit, shared by every order of the batch it hit.
+    #[error(transparent)]
+    Shared(Arc<StoreError>),
+    /// The group committer failed (a bug: it panicked) with the order in its batch:
+    /// whether the order was recorded is unknown.
+    #[error("the order's group commit failed; whether it was recorded is unknown")]
+    GroupCommitLost,
 }
 
 impl StoreError {
@@ -62,6 +73,7 @@ impl StoreError {
             }
             StoreError::RedisPool(_) => Some("redis"),
             StoreError::CommitOutcomeUnknown(_) => Some("mysql"),
+            StoreError::Shared(error) => error.unavailable_backend(),
             StoreError::Mysql(
                 sqlx::Error::Io(_)
                 | sqlx::Error::PoolTimedOut

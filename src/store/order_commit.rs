@@ -1,4 +1,6 @@
-//! The one place an order is written to MySQL, for every strategy.
+//! The one place an order is written to MySQL, for every strategy (redis-atomic's
+//! batches too: `group_commit.rs` runs `decrement` once per SKU of a batch, and any
+//! order it cannot commit with its batch through `commit_order`).
 //!
 //! An order's transaction updates the product row and inserts the order. What the
 //! update may assume differs per strategy (`StockWrite`), but every variant is one
@@ -22,7 +24,7 @@
 
 use std::time::Duration;
 
-use sqlx::mysql::MySqlDatabaseError;
+use sqlx::mysql::{MySqlDatabaseError, MySqlQueryResult};
 use sqlx::{MySql, Transaction};
 
 use super::StoreError;
@@ -69,7 +71,8 @@ pub enum Refusal {
         stock: i64,
         version: i64,
     },
-    /// optimistic: another writer changed the row first.
+    /// optimistic: the row is no longer at the version read (another writer came
+    /// first, or the sale moved on, or too little is left: its next read tells).
     VersionChanged,
     NotEnough {
         stock: i64,
@@ -115,18 +118,22 @@ impl Records {
         token: u64,
         epoch: u64,
     ) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO product_fences (sku, lock_service, fence)
-             SELECT ?, ?, ? FROM cluster_settings
-             WHERE name = 'epoch' AND value = ? LOCK IN SHARE MODE
-             ON DUPLICATE KEY UPDATE fence = GREATEST(fence, VALUES(fence))",
-        )
-        .bind(sku.as_str())
-        .bind(lock_service)
-        .bind(token)
-        .bind(epoch.to_string())
-        .execute(self.pool())
-        .await?;
+        let epoch = epoch.to_string();
+        // Idempotent (the fence only moves up to `token`): safe to send again.
+        let register = || {
+            sqlx::query(
+                "INSERT INTO product_fences (sku, lock_service, fence)
+                 SELECT ?, ?, ? FROM cluster_settings
+                 WHERE name = 'epoch' AND value = ? LOCK IN SHARE MODE
+                 ON DUPLICATE KEY UPDATE fence = GREATEST(fence, VALUES(fence))",
+            )
+            .bind(sku.as_str())
+            .bind(lock_service)
+            .bind(token)
+            .bind(&epoch)
+            .execute(self.pool())
+        };
+        self.on_live_connection(register).await?;
         Ok(())
     }
 
@@ -140,7 +147,7 @@ impl Records {
         strategy: &str,
         replica: &str,
     ) -> Result<Result<Committed, Refusal>, StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let written = write_order(&mut tx, order, write, epoch, strategy, replica).await?;
         match written {
             Ok(committed) => {
@@ -173,7 +180,7 @@ impl Records {
         epoch: u64,
         wait: Duration,
     ) -> Result<Result<LockedProduct, Refusal>, StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let seconds = wait.as_secs().max(1) + u64::from(wait.subsec_nanos() > 0);
         // The number is ours, not input; MariaDB takes no placeholder in SET STATEMENT.
         let bounded = |statement: &str| {
@@ -272,21 +279,15 @@ async fn write_order(
             .execute(&mut **tx)
             .await?
         }
-        StockWrite::Decrement => {
-            sqlx::query(
-                "UPDATE products p JOIN cluster_settings e ON e.name = 'epoch'
-                 SET p.stock = p.stock - ?, p.version = LAST_INSERT_ID(p.version + 1)
-                 WHERE p.sku = ? AND e.value = ? AND p.stock >= ?",
-            )
-            .bind(order.quantity)
-            .bind(sku)
-            .bind(&epoch_text)
-            .bind(order.quantity)
-            .execute(&mut **tx)
-            .await?
-        }
+        StockWrite::Decrement => decrement(tx, sku, order.quantity, &epoch_text).await?,
     };
     if updated.rows_affected() == 0 {
+        // The refused UPDATE holds the product row's lock until the rollback, and on
+        // a hot row optimistic losers are many: it re-reads the row before its next
+        // attempt anyway, so it gets its answer without the diagnostic read.
+        if let StockWrite::DecrementAtVersion { .. } = write {
+            return Ok(Err(Refusal::VersionChanged));
+        }
         return Ok(Err(diagnose(tx, order, write, epoch, strategy).await?));
     }
     let version = i64::try_from(updated.last_insert_id()).unwrap_or(i64::MAX);
@@ -295,6 +296,28 @@ async fn write_order(
         order: recorded,
         version,
     }))
+}
+
+/// `StockWrite::Decrement`'s statement: the stock falls by `quantity` only while the
+/// sale is at `epoch` and the stock covers it. A group commit (`group_commit.rs`) runs
+/// it once per SKU with the quantity of all its orders together.
+pub(super) async fn decrement(
+    tx: &mut Transaction<'static, MySql>,
+    sku: &str,
+    quantity: i64,
+    epoch: &str,
+) -> Result<MySqlQueryResult, sqlx::Error> {
+    sqlx::query(
+        "UPDATE products p JOIN cluster_settings e ON e.name = 'epoch'
+         SET p.stock = p.stock - ?, p.version = LAST_INSERT_ID(p.version + 1)
+         WHERE p.sku = ? AND e.value = ? AND p.stock >= ?",
+    )
+    .bind(quantity)
+    .bind(sku)
+    .bind(epoch)
+    .bind(quantity)
+    .execute(&mut **tx)
+    .await
 }
 
 /// Why the update matched nothing, read inside the same transaction.

@@ -7,15 +7,26 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
-use sqlx::{MySql, Row, Transaction};
+use sqlx::{Connection, MySql, Row, Transaction};
 
 use super::StoreError;
 use crate::model::{NewOrder, Order, Sku};
 use crate::report::LoadReport;
 
+/// A pooled connection used this recently is handed out without a ping.
+const ALIVE_BYPASS: Duration = Duration::from_millis(500);
+
 #[derive(Clone)]
 pub struct Records {
     pool: MySqlPool,
+}
+
+/// A product's stock and version, and the sale epoch, read together.
+#[derive(Debug, Clone, Copy)]
+pub struct OptimisticRow {
+    pub stock: i64,
+    pub version: i64,
+    pub epoch: u64,
 }
 
 /// A product row joined with what its orders add up to.
@@ -39,11 +50,21 @@ impl Records {
             let attempt = MySqlPoolOptions::new()
                 .max_connections(pool_size)
                 .acquire_timeout(Duration::from_secs(3))
-                // sqlx pings every connection before handing it out: one round trip
-                // per transaction, but a connection MariaDB dropped (a restart) is
-                // replaced there, so an order sent during a short outage waits for the
-                // database instead of failing on a dead connection
-                // (`faults::mariadb_blip_mid_sale` fails without the ping).
+                // sqlx would ping every connection before handing it out: one round
+                // trip per transaction, most of them inside a lock. Like HikariCP's
+                // alive-bypass window, only a connection idle for a while is pinged;
+                // one used moments ago is handed out as it is, and a transaction
+                // whose BEGIN finds it dead (MariaDB restarted) starts again on
+                // another (`begin`).
+                .test_before_acquire(false)
+                .before_acquire(|conn, meta| {
+                    Box::pin(async move {
+                        if meta.idle_for < ALIVE_BYPASS {
+                            return Ok(true);
+                        }
+                        Ok(conn.ping().await.is_ok())
+                    })
+                })
                 .connect(url)
                 .await;
             match attempt {
@@ -63,19 +84,72 @@ impl Records {
         &self.pool
     }
 
+    /// Starts a transaction, on a live connection (`on_live_connection`).
+    pub async fn begin(&self) -> Result<Transaction<'static, MySql>, sqlx::Error> {
+        self.on_live_connection(|| self.pool.begin()).await
+    }
+
+    /// Runs `statement`, a BEGIN, a read or an idempotent write, again when it failed
+    /// at the connection level: the pool hands recently used connections out unpinged, so after a
+    /// MariaDB restart one may be dead. Nothing was written; sqlx discards the dead
+    /// connection (it fails its ping on release), and the next try takes another, at
+    /// worst a new one, which waits for the database as long as the pool's acquire
+    /// timeout. So an order sent during a short outage waits instead of failing
+    /// (`faults::mariadb_blip_mid_sale`).
+    pub(super) async fn on_live_connection<T, F: Future<Output = Result<T, sqlx::Error>>>(
+        &self,
+        mut statement: impl FnMut() -> F,
+    ) -> Result<T, sqlx::Error> {
+        // Each idle connection may be dead, then a new one is opened. No new try
+        // starts after one acquire timeout; the last may itself wait that long.
+        let tries = self.pool.options().get_max_connections() + 1;
+        let deadline = tokio::time::Instant::now() + self.pool.options().get_acquire_timeout();
+        let mut tried = 1;
+        loop {
+            match statement().await {
+                Err(sqlx::Error::Io(error))
+                    if tried < tries && tokio::time::Instant::now() < deadline =>
+                {
+                    tracing::debug!(%error, "a dead connection; trying again on another");
+                    tried += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
     pub async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query("SELECT 1").execute(&self.pool).await?;
         Ok(())
     }
 
-    /// The product's stock and row version, as the optimistic strategy reads them.
+    /// What the optimistic strategy reads before each attempt: the product's stock
+    /// and row version, and the sale epoch, in one statement.
+    pub async fn optimistic_read(&self, sku: &Sku) -> Result<Option<OptimisticRow>, StoreError> {
+        let read = || {
+            sqlx::query_as(
+                "SELECT p.stock, p.version, e.value FROM products p
+                 JOIN cluster_settings e ON e.name = 'epoch' WHERE p.sku = ?",
+            )
+            .bind(sku.as_str())
+            .fetch_optional(&self.pool)
+        };
+        let row: Option<(i64, i64, String)> = self.on_live_connection(read).await?;
+        Ok(row.map(|(stock, version, epoch)| OptimisticRow {
+            stock,
+            version,
+            epoch: epoch.parse().unwrap_or(0),
+        }))
+    }
+
+    /// The product's stock and row version.
     pub async fn stock_and_version(&self, sku: &Sku) -> Result<Option<(i64, i64)>, StoreError> {
-        Ok(
+        let read = || {
             sqlx::query_as("SELECT stock, version FROM products WHERE sku = ?")
                 .bind(sku.as_str())
                 .fetch_optional(&self.pool)
-                .await?,
-        )
+        };
+        Ok(self.on_live_connection(read).await?)
     }
 
     /// Products with their order totals; all of them, or only `sku`.
@@ -195,4 +269,95 @@ pub(crate) async fn insert_order(
         replica: replica.to_owned(),
         created_at,
     })
+}
+
+/// Inserts several orders with one statement inside the caller's transaction and
+/// returns them as recorded, in the order given, each with its own id.
+///
+/// The ids come back with the statement (MariaDB's `INSERT … RETURNING`), so this
+/// costs the one round trip of the insert and relies on no property of the
+/// auto-increment: consecutive ids for a multi-row insert hold only for some
+/// `innodb_autoinc_lock_mode`s and `auto_increment_increment`s, which a server may
+/// change. Each returned row is matched to an order by its content (SKU, user,
+/// quantity; the strategy, replica and time are the same for every row), so not even
+/// the order of the returned rows matters: orders with the same content are the same
+/// row for every purpose, so which of them gets which id is immaterial. A returned
+/// row that matches no order is an error before COMMIT: nothing is recorded.
+///
+/// Every row gets the same `created_at` (the orders are recorded by one transaction),
+/// cut to the microseconds the column keeps, so the returned orders are exactly the
+/// rows.
+pub(crate) async fn insert_orders(
+    tx: &mut Transaction<'_, MySql>,
+    orders: &[&NewOrder],
+    strategy: &str,
+    replica: &str,
+) -> Result<Vec<Order>, StoreError> {
+    use chrono::SubsecRound;
+    use std::collections::HashMap;
+
+    if orders.is_empty() {
+        return Ok(Vec::new());
+    }
+    let created_at = Utc::now().trunc_subsecs(6);
+    let rows = vec!["(?, ?, ?, ?, ?, ?)"; orders.len()].join(", ");
+    // Built from constant pieces and the number of rows only; the values are bound.
+    let statement = sqlx::AssertSqlSafe(format!(
+        "INSERT INTO orders (sku, user_id, quantity, strategy, replica, created_at)
+         VALUES {rows} RETURNING id, sku, user_id, quantity"
+    ));
+    let mut insert = sqlx::query_as::<_, (i64, String, String, i64)>(statement);
+    for order in orders {
+        insert = insert
+            .bind(order.sku.as_str())
+            .bind(&order.user_id)
+            .bind(order.quantity)
+            .bind(strategy)
+            .bind(replica)
+            .bind(created_at);
+    }
+    let returned = insert.fetch_all(&mut **tx).await?;
+
+    // Positions of the orders by content; each returned row takes one.
+    let mut unmatched: HashMap<(String, String, i64), Vec<usize>> = HashMap::new();
+    for (position, order) in orders.iter().enumerate().rev() {
+        let key = (
+            order.sku.as_str().to_owned(),
+            order.user_id.clone(),
+            order.quantity,
+        );
+        unmatched.entry(key).or_default().push(position);
+    }
+    let mut ids: Vec<Option<u64>> = vec![None; orders.len()];
+    for (id, sku, user_id, quantity) in returned {
+        let position = unmatched
+            .get_mut(&(sku, user_id, quantity))
+            .and_then(Vec::pop);
+        let (Some(position), Ok(id)) = (position, u64::try_from(id)) else {
+            return Err(StoreError::Corrupt {
+                what: "orders (INSERT … RETURNING)",
+                detail: format!("a returned row (id {id}) matches no order inserted"),
+            });
+        };
+        ids[position] = Some(id);
+    }
+    orders
+        .iter()
+        .zip(ids)
+        .map(|(order, id)| {
+            let id = id.ok_or_else(|| StoreError::Corrupt {
+                what: "orders (INSERT … RETURNING)",
+                detail: format!("no row returned for {}'s order", order.user_id),
+            })?;
+            Ok(Order {
+                id,
+                sku: order.sku.clone(),
+                user_id: order.user_id.clone(),
+                quantity: order.quantity,
+                strategy: strategy.to_owned(),
+                replica: replica.to_owned(),
+                created_at,
+            })
+        })
+        .collect()
 }

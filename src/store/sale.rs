@@ -286,7 +286,7 @@ impl Records {
 
     /// The settings and every product's stock, read in one snapshot.
     async fn settings_and_stocks(&self) -> Result<(SaleSettings, Vec<StockAt>), StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         let settings: Vec<(String, String)> = sqlx::query_as(SETTINGS).fetch_all(&mut *tx).await?;
         let rows: Vec<(String, i64, i64)> =
             sqlx::query_as("SELECT sku, stock, version FROM products ORDER BY sku")
@@ -320,7 +320,7 @@ impl Records {
         &self,
         change: &SaleChange,
     ) -> Result<(SaleSettings, Vec<StockAt>), StoreError> {
-        let mut tx = self.pool().begin().await?;
+        let mut tx = self.begin().await?;
         // First, so that from here on no order of the old epoch can commit.
         sqlx::query(
             "UPDATE cluster_settings SET value = CAST(value AS UNSIGNED) + 1 WHERE name = 'epoch'",

@@ -10,20 +10,23 @@ pub fn explanation() -> Explanation {
         title: "Database unique-key lock table",
         summary: "The lock is a row in distributed_locks, whose unique key on lock_name \
                   lets only one INSERT per SKU succeed. The holder extends its expiry \
-                  while it works and deletes its row (by name and owner) when done. A row \
-                  left by a crashed holder is taken over once expired, by deleting \
-                  exactly that row by its id. Waiters poll with jittered backoff.",
+                  while it works and deletes its row (by name and owner) when done, then \
+                  publishes a release notice on Redis. A row left by a crashed holder is \
+                  taken over once expired, by deleting exactly that row by its id. Within \
+                  a replica, requests for one SKU queue locally and only the first sends \
+                  INSERTs; it retries when a notice arrives, and polls every 25-50 ms in \
+                  case one was lost.",
         commands: vec![
             "INSERT INTO distributed_locks (lock_name, owner, expires_at) VALUES (?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)",
-            "on 1062/1213: SELECT id FROM distributed_locks WHERE lock_name = ? AND expires_at < UTC_TIMESTAMP(6); \
-             DELETE FROM distributed_locks WHERE id = ? AND expires_at < UTC_TIMESTAMP(6)",
+            "on 1062/1213, when the row may be old: SELECT id, owner, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) FROM distributed_locks WHERE lock_name = ?; \
+             if expired: DELETE FROM distributed_locks WHERE id = ? AND expires_at < UTC_TIMESTAMP(6)",
             "renew: UPDATE distributed_locks SET expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND WHERE id = ? AND owner = ?",
-            "release: DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?",
+            "release: DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?; PUBLISH <ns>:lock-row-released:<sku> <owner>",
         ],
-        failure_mode: "A crashed holder's row blocks everyone until it expires. Polling \
-                       puts load on the database and is unfair under contention. Like every \
-                       lease lock, a holder paused past its expiry can be overtaken and \
-                       write after the next holder; fencing (the row id, registered before \
+        failure_mode: "A crashed holder's row blocks everyone until it expires. The release \
+                       notice is only a hint: a lost one costs a waiter a poll (at most 50 ms). \
+                       Like every lease lock, a holder paused past its expiry can be overtaken \
+                       and write after the next holder; fencing (the row id, registered before \
                        the read, and the stock read compared at commit) refuses it.",
     }
 }

@@ -20,7 +20,7 @@ pub fn explanation() -> Explanation {
             "else: held once the watch reported every other key deleted (own key deleted first: lost)",
             "before commit: LeaseTimeToLive(lease, keys) > 0 and lists the lock key",
             "release: LeaseRevoke(lease), which deletes the lock key",
-            "fencing token: the lock key's create revision",
+            "fencing token: the revision at which no key was before it any more (the join's read or the last deletion; grows in hold order)",
         ],
         failure_mode: "Lease expiry: a holder cut off from etcd, or paused, longer than the \
                        lease TTL loses the lock while it may still be working; checking the \

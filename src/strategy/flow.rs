@@ -53,7 +53,12 @@ impl SaleFlow {
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
         let acquire = async {
-            let acquired = lock.acquire(order.sku.as_str(), self.lock_wait).await;
+            let (sku, wait) = (order.sku.as_str(), self.lock_wait);
+            let acquired = if options.fencing {
+                lock.acquire(sku, wait).await
+            } else {
+                lock.acquire_unfenced(sku, wait).await
+            };
             acquired.map_err(OrderError::from)
         };
         let guard = self

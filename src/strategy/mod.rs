@@ -266,7 +266,8 @@ pub fn registry(backends: &Backends) -> Registry {
         }),
         Arc::new(LockStrategy {
             explanation: db_unique::explanation(),
-            lock: TableLock::new(backends.mysql.clone(), owner, backends.lease),
+            lock: TableLock::new(backends.mysql.clone(), owner, backends.lease)
+                .with_release_notices(backends.redis_pool.clone(), &backends.namespace),
         }),
         Arc::new(optimistic::OptimisticStrategy {
             max_attempts: backends.optimistic_attempts,
@@ -295,6 +296,6 @@ pub fn registry(backends: &Backends) -> Registry {
             )
             .with_fence_floor(fence_floor(backends, "redlock")),
         }),
-        Arc::new(redis_atomic::RedisAtomicStrategy),
+        Arc::new(redis_atomic::RedisAtomicStrategy::default()),
     ])
 }

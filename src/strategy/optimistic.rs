@@ -35,12 +35,14 @@ impl Strategy for OptimisticStrategy {
                       with jitter and tries again, up to a bound. Redis is updated only with a \
                       newer version, so a late writer never restores an older stock.",
             commands: vec![
-                "SELECT stock, version FROM products WHERE sku = ?",
+                "SELECT p.stock, p.version, e.value FROM products p \
+                 JOIN cluster_settings e ON e.name = 'epoch' WHERE p.sku = ?",
                 "BEGIN; UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
                  SET p.stock = p.stock - ?, p.version = p.version + 1 \
                  WHERE p.sku = ? AND e.value = <epoch> AND p.version = ? AND p.stock >= ?; \
                  INSERT INTO orders ...; COMMIT",
-                "0 rows updated: ROLLBACK, sleep (jittered, growing), retry",
+                "0 rows updated: ROLLBACK at once (the refused UPDATE holds the row's lock), \
+                 sleep (jittered, growing), read again, retry",
                 "Lua: if version > cached version then SET <ns>:stock:<sku>, SET <ns>:stock-version:<sku>",
             ],
             failure_mode: "Retry storm: under heavy contention on one row most attempts conflict, \
@@ -84,25 +86,37 @@ impl OptimisticStrategy {
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
         let store = &flow.store;
-        for attempt in 0..self.max_attempts {
-            let (stock, version) = store
+        let mut attempts = 0;
+        loop {
+            // Read first, also after the last conflict: a write refused because the
+            // sale moved on or sold out answers that, not "too many conflicts".
+            let row = store
                 .records
-                .stock_and_version(&order.sku)
+                .optimistic_read(&order.sku)
                 .await?
                 .ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
-            ensure_in_stock(stock, order)?;
+            if row.epoch != options.epoch {
+                return Err(flow.refused(order, Refusal::SaleChanged).await);
+            }
+            ensure_in_stock(row.stock, order)?;
+            if attempts == self.max_attempts {
+                break;
+            }
             flow.simulate_work().await;
-            let write = StockWrite::DecrementAtVersion { version };
+            let write = StockWrite::DecrementAtVersion {
+                version: row.version,
+            };
             let committed = store
                 .records
                 .commit_order(order, write, options.epoch, self.name(), &flow.replica_id)
                 .await;
             match committed {
                 Ok(Ok(committed)) => {
-                    flow.write_cache(order, stock - order.quantity, committed.version, "")
+                    flow.write_cache(order, row.stock - order.quantity, committed.version, "")
                         .await;
                     return Ok(committed.order);
                 }
+                // The row moved on (another writer, a reset...): the next read says how.
                 Ok(Err(Refusal::VersionChanged)) => {}
                 Ok(Err(refusal)) => return Err(flow.refused(order, refusal).await),
                 Err(error) => return Err(flow.commit_failed(order, error).await),
@@ -111,7 +125,8 @@ impl OptimisticStrategy {
                 .cluster
                 .count(self.name(), ClusterEvent::OptimisticConflict)
                 .await;
-            tokio::time::sleep(jittered_backoff(attempt, BACKOFF_BASE, BACKOFF_CAP)).await;
+            tokio::time::sleep(jittered_backoff(attempts, BACKOFF_BASE, BACKOFF_CAP)).await;
+            attempts += 1;
         }
         store
             .cluster

@@ -1,15 +1,24 @@
 //! `redis-atomic`: no lock at all. One Lua script checks and decrements the stock in
 //! Redis atomically (Redis runs scripts one at a time), then the order is recorded in
-//! MySQL. If that write fails, the units are given back. The ceiling the lock
-//! strategies are measured against.
+//! MySQL, together with the other orders this replica took units for at the same
+//! moment: one transaction per batch (`store::group_commit`), answered after its
+//! COMMIT. If the write is refused or fails, the units are given back. The ceiling the
+//! lock strategies are measured against.
+
+use std::sync::OnceLock;
 
 use async_trait::async_trait;
 
 use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
 use crate::model::{NewOrder, Order, Sku};
-use crate::store::{Refusal, StockWrite, StoreError, Taken};
+use crate::store::{GroupCommit, Taken, TakenOrder};
 
-pub struct RedisAtomicStrategy;
+#[derive(Default)]
+pub struct RedisAtomicStrategy {
+    /// Records the orders this replica takes units for, in batches
+    /// (`store::group_commit`).
+    committer: OnceLock<GroupCommit>,
+}
 
 #[async_trait]
 impl Strategy for RedisAtomicStrategy {
@@ -23,24 +32,34 @@ impl Strategy for RedisAtomicStrategy {
             title: "Atomic decrement in Redis (Lua), no lock",
             summary: "The check and the decrement are one Lua script, and Redis runs scripts \
                       one at a time, so two buyers can never take the same unit. The order is \
-                      then recorded in MySQL with a relative decrement; if that fails, the \
-                      units are given back with INCRBY. Nothing waits for anything: this is the \
-                      fastest safe design, and the ceiling the locks are measured against.",
+                      then recorded in MySQL with a relative decrement, together with every \
+                      order this replica took units for meanwhile: one transaction per batch \
+                      (group commit), one fsync for all of them, and each shopper answered only \
+                      after that COMMIT. If the write is refused or fails, the units are given \
+                      back. Nothing waits for a lock: this is the fastest safe design, and the \
+                      ceiling the locks are measured against.",
             commands: vec![
                 "Lua: if GET <ns>:epoch == <epoch> and GET <ns>:stock:<sku> >= q then DECRBY <ns>:stock:<sku> q",
-                "BEGIN; UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
-                 SET p.stock = p.stock - ?, p.version = p.version + 1 \
-                 WHERE p.sku = ? AND e.value = <epoch> AND p.stock >= ?; INSERT INTO orders ...; COMMIT",
+                "queue the order to this replica's committer, which takes every order queued \
+                 (at most 64; no waiting: an order alone is committed at once)",
+                "BEGIN; per SKU: UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
+                 SET p.stock = p.stock - <its orders' units>, p.version = p.version + 1 \
+                 WHERE p.sku = ? AND e.value = <epoch> AND p.stock >= <its orders' units>; \
+                 INSERT INTO orders ... VALUES (...), (...), ... RETURNING id, ...; COMMIT",
+                "a SKU whose UPDATE matched nothing: its orders one by one, each in its own \
+                 BEGIN; UPDATE ... p.stock >= q; INSERT; COMMIT, so each is refused precisely",
                 "refused or failed before COMMIT: INCRBY <ns>:stock:<sku> q (Lua, only if the stock \
                  was not rewritten from MySQL since the take)",
-                "COMMIT outcome unknown: DEL <ns>:stock:<sku> until an admin reconciles",
+                "COMMIT outcome unknown: DEL <ns>:stock:<sku> for every SKU of the batch until an \
+                 admin reconciles",
             ],
             failure_mode: "Redis is the authority for the stock: if Redis loses writes (a \
                            failover before replication, a restart without persistence), units \
                            can be sold twice or vanish until Redis is rebuilt from MySQL \
                            (reconcile). A crash between the Lua script and the MySQL commit \
                            loses the units taken (undersell) until an admin reconciles, which \
-                           rewrites the stock from MySQL.",
+                           rewrites the stock from MySQL: with group commit, the units of every \
+                           order queued or in the batch being written.",
         }
     }
 
@@ -70,32 +89,34 @@ impl Strategy for RedisAtomicStrategy {
 }
 
 impl RedisAtomicStrategy {
-    /// Returns units taken for an order that was provably not recorded, unless the
-    /// stock was rewritten from MySQL since (then they are counted already).
-    async fn give_back(&self, flow: &SaleFlow, order: &NewOrder, generation: &str) {
-        let given = flow
-            .store
-            .cache
-            .give_back(&order.sku, order.quantity, generation)
-            .await;
-        if let Err(error) = given {
-            tracing::error!(%error, sku = %order.sku, quantity = order.quantity,
-                "units taken in Redis could not be given back; reconcile the SKU");
-            flow.forget_stock(order).await;
-        }
+    /// This replica's group committer, started with the first order sold here.
+    fn committer(&self, flow: &SaleFlow) -> &GroupCommit {
+        self.committer.get_or_init(|| {
+            GroupCommit::start(
+                flow.store.records.clone(),
+                flow.store.cache.clone(),
+                self.name(),
+                flow.replica_id.clone(),
+            )
+        })
     }
-}
 
-impl RedisAtomicStrategy {
     /// The order itself; `place_order` records it on the timeline.
+    ///
+    /// The simulated work comes before the take, so that between the take's answer
+    /// and the queue there is no await: a dropped order future (the order runs in a
+    /// task of its own, so a hang-up does not drop it; a runtime shutting down would)
+    /// cannot leave units taken that nobody records or gives back. Once queued, the
+    /// committer settles the order whether or not anyone waits for its answer.
     async fn buy(
         &self,
         flow: &SaleFlow,
         order: &NewOrder,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
-        let store = &flow.store;
-        let generation = match store
+        flow.simulate_work().await;
+        let generation = match flow
+            .store
             .cache
             .take(&order.sku, order.quantity, options.epoch)
             .await?
@@ -110,39 +131,18 @@ impl RedisAtomicStrategy {
             }
             Taken::Done { generation, .. } => generation,
         };
-        flow.simulate_work().await;
-        let committed = store
-            .records
-            .commit_order(
-                order,
-                StockWrite::Decrement,
-                options.epoch,
-                self.name(),
-                &flow.replica_id,
-            )
-            .await;
-        match committed {
+        let pending = self.committer(flow).submit(TakenOrder {
+            order: order.clone(),
+            epoch: options.epoch,
+            generation,
+        });
+        // Answered after the batch's COMMIT, with the units already settled: given
+        // back if refused or failed before COMMIT, kept (and the SKU's stock dropped)
+        // if COMMIT's outcome is unknown.
+        match pending.recorded().await {
             Ok(Ok(committed)) => Ok(committed.order),
-            // Refused: the transaction was rolled back, so the units were provably not
-            // sold and go back.
-            Ok(Err(refusal)) => {
-                if let Refusal::NotEnough { stock } = refusal {
-                    tracing::error!(sku = %order.sku, mysql_stock = stock,
-                        "Redis had units MySQL has not: the cache is ahead of the records; reconcile");
-                }
-                self.give_back(flow, order, &generation).await;
-                Err(flow.refused(order, refusal).await)
-            }
-            // The COMMIT's outcome is unknown: the units may be sold. They stay taken
-            // and the SKU's stock is dropped until reconciled from MySQL.
-            Err(error @ StoreError::CommitOutcomeUnknown(_)) => {
-                Err(flow.commit_failed(order, error).await)
-            }
-            // Failed before COMMIT: nothing was written.
-            Err(error) => {
-                self.give_back(flow, order, &generation).await;
-                Err(error.into())
-            }
+            Ok(Err(refusal)) => Err(flow.refused(order, refusal).await),
+            Err(error) => Err(error.into()),
         }
     }
 }

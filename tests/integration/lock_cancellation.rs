@@ -158,45 +158,140 @@ async fn redis_lock_survives_cancelled_acquisitions() {
     .await;
 }
 
+/// A lock table as a replica builds it: its own pool, release notices on Redis.
+async fn table_lock(cluster: &TestCluster, owner: &str) -> TableLock {
+    TableLock::new(cluster.mysql().await, owner, LONG_LEASE)
+        .with_release_notices(redis_pool(), &cluster.namespace)
+}
+
+/// The rows of `mysql`'s lock table, as the test reports them.
+async fn lock_rows(mysql: &sqlx::MySqlPool) -> Vec<String> {
+    sqlx::query_as::<_, (String, String)>("SELECT lock_name, owner FROM distributed_locks")
+        .fetch_all(mysql)
+        .await
+        .expect("lock rows")
+        .into_iter()
+        .map(|(name, owner)| format!("{name} held by {owner}"))
+        .collect()
+}
+
+/// What the table locks still run or keep: background tasks, local queues and
+/// registrations for notices.
+fn table_leftovers(locks: &[Arc<TableLock>]) -> Vec<String> {
+    let tasks: usize = locks.iter().map(|lock| lock.background_tasks()).sum();
+    let waiting: usize = locks.iter().map(|lock| lock.waiting()).sum();
+    let mut left = Vec::new();
+    if tasks > 0 {
+        left.push(format!("{tasks} background tasks"));
+    }
+    if waiting > 0 {
+        left.push(format!("{waiting} queues or registrations"));
+    }
+    left
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn table_lock_survives_cancelled_acquisitions() {
     let cluster = TestCluster::start(1, &[]).await;
     let mut locks = Vec::new();
     for r in 0..3 {
-        let pool = cluster.mysql().await;
-        locks.push(Arc::new(TableLock::new(
-            pool,
-            &format!("replica-{r}"),
-            LONG_LEASE,
-        )));
+        locks.push(Arc::new(
+            table_lock(&cluster, &format!("replica-{r}")).await,
+        ));
     }
     let acquired = storm(&locks, "hot", 4, 80).await;
-    let waited = patient(
-        &TableLock::new(cluster.mysql().await, "patient", LONG_LEASE),
-        "hot",
-    )
-    .await;
+    let waited = patient(&table_lock(&cluster, "patient").await, "hot").await;
     report("db-unique", acquired, waited);
     let mysql = cluster.mysql().await;
-    settles("db-unique", || async {
-        sqlx::query_as::<_, (String, String)>("SELECT lock_name, owner FROM distributed_locks")
-            .fetch_all(&mysql)
-            .await
-            .expect("lock rows")
-            .into_iter()
-            .map(|(name, owner)| format!("{name} held by {owner}"))
-            .collect()
+    settles("db-unique", || lock_rows(&mysql)).await;
+    settles("watchdogs, queues and registrations ended", || async {
+        table_leftovers(&locks)
     })
     .await;
-    settles("watchdogs ended with their holds", || async {
-        let live: usize = locks.iter().map(|lock| lock.background_tasks()).sum();
-        if live == 0 {
-            Vec::new()
-        } else {
-            vec![format!("{live} background tasks")]
+}
+
+/// The table lock's acquisition cut at every quarter millisecond of its first 10 ms,
+/// wherever that lands: mid-INSERT on a free lock (the undo), in the local queue and
+/// waiting for a notice behind another replica's hold, in the retry a notice sets off,
+/// and in the tick a replica waits after releasing a contended hold. No cut may leave
+/// a row, a task, a queue or a registration, nor keep the lock from the next holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let holder = table_lock(&cluster, "holder").await;
+    let cut = Arc::new(table_lock(&cluster, "cut").await);
+    let started = Instant::now();
+    while !(holder.hears_releases() && cut.hears_releases()) {
+        assert!(started.elapsed() < PATIENCE, "release notices subscribed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut got = 0;
+    for step in 0..40 {
+        let after = Duration::from_micros(250 * step);
+
+        // A free lock: the cut lands before, during or after the INSERT.
+        let attempt = tokio::time::timeout(after, cut.acquire("free", LONG_LEASE)).await;
+        got += usize::from(matches!(attempt, Ok(Ok(_))));
+
+        // Held by another replica: a head and two requests queued behind it.
+        let held = holder.acquire("held", PATIENCE).await.expect("held");
+        let queued = (0..3).map(|_| {
+            let cut = cut.clone();
+            tokio::spawn(async move {
+                let attempt = cut.acquire("held", LONG_LEASE);
+                assert!(
+                    tokio::time::timeout(after, attempt).await.is_err(),
+                    "acquired a held lock"
+                );
+            })
+        });
+        for task in join_all(queued).await {
+            task.expect("queued request");
         }
+        held.release().await.expect("released");
+
+        // Woken by another replica's release: cut in the retry that follows.
+        let held = holder.acquire("woken", PATIENCE).await.expect("held");
+        let waiting = {
+            let cut = cut.clone();
+            tokio::spawn(async move { cut.acquire("woken", LONG_LEASE).await.map(drop) })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        held.release().await.expect("released");
+        tokio::time::sleep(after / 4).await;
+        waiting.abort();
+        got += usize::from(matches!(waiting.await, Ok(Ok(()))));
+
+        // Right after its own release of a hold it had to wait for: the next attempt
+        // waits a tick first.
+        let held = holder.acquire("own", PATIENCE).await.expect("held");
+        let contended = {
+            let cut = cut.clone();
+            tokio::spawn(async move { cut.acquire("own", PATIENCE).await.map(|g| g.release()) })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        held.release().await.expect("released");
+        contended
+            .await
+            .expect("contender")
+            .expect("handed over")
+            .await
+            .expect("released");
+        let attempt = tokio::time::timeout(after / 4, cut.acquire("own", LONG_LEASE)).await;
+        got += usize::from(matches!(attempt, Ok(Ok(_))));
+    }
+    println!("db-unique: {got} of the cut acquisitions got the lock before their cut");
+
+    let mysql = cluster.mysql().await;
+    settles("db-unique rows", || lock_rows(&mysql)).await;
+    let locks = [cut.clone()];
+    settles("cleanups, queues and registrations", || async {
+        table_leftovers(&locks)
     })
     .await;
+    for name in ["free", "held", "woken", "own"] {
+        patient(&holder, name).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -10,6 +10,7 @@ mod faults;
 mod fenced_reads;
 mod fencing;
 mod fuzz;
+mod group_commit;
 mod hangups;
 mod killed_after_commit;
 mod limits;

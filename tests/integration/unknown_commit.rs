@@ -173,3 +173,67 @@ async fn db_for_update_drops_the_cache_after_an_unknown_commit() {
 async fn optimistic_drops_the_cache_after_an_unknown_commit() {
     commit_outcome_unknown("optimistic", false).await;
 }
+
+/// The same lost answer for a group commit: three orders in one batch, its COMMIT
+/// reaches MariaDB and the answer does not. The outcome is unknown for every order of
+/// the batch: each answers that (503), none gives its units back, and the SKU's stock
+/// is dropped until an admin reconciles; then exactly what MySQL has left sells.
+#[tokio::test]
+async fn a_batch_whose_commit_answer_is_lost_keeps_every_order_s_units() {
+    use flashsale::store::{GroupCommit, Records, StockCache, StoreError};
+
+    use crate::group_commit::{epoch, submit_together, take};
+    use crate::support::redis_pool;
+
+    let cluster = TestCluster::start(1, &[]).await;
+    cluster.set_strategy("redis-atomic").await;
+    let sku = "unknown-batch";
+    cluster.reset(sku, 5).await;
+    let (scheme_and_auth, rest) = cluster
+        .database_url
+        .rsplit_once('@')
+        .expect("URL with credentials");
+    let (host, database) = rest.split_once('/').expect("URL with a database");
+    let cutter = CommitCutter::start(host.to_owned()).await;
+    let through_proxy = format!("{scheme_and_auth}@{}/{database}", cutter.address);
+    let records = Records::connect(&through_proxy, 2, Duration::from_secs(10))
+        .await
+        .expect("records through the proxy");
+    let cache = StockCache::new(redis_pool(), cluster.namespace.clone());
+    let committer = GroupCommit::start(records, cache.clone(), "redis-atomic", "replica-x".into());
+    let epoch = epoch(&cluster).await;
+    let mut batch = Vec::new();
+    for i in 0..3 {
+        batch.push(take(&cache, sku, &format!("in-doubt-{i}"), epoch).await);
+    }
+
+    cutter.arm();
+    for pending in submit_together(&committer, batch) {
+        let answer = pending.recorded().await;
+        assert!(
+            matches!(&answer, Err(StoreError::Shared(error))
+                if matches!(**error, StoreError::CommitOutcomeUnknown(_))),
+            "{answer:?}"
+        );
+    }
+    assert_eq!(cluster.count_orders(sku).await, 3, "MySQL did commit");
+    let stats = cluster.sku_stats(sku).await;
+    assert!(stats["stock_redis"].is_null(), "dropped: {stats}");
+    let waiting = cluster.order(0, sku, "next", 1).await;
+    assert_eq!(waiting.status(), StatusCode::SERVICE_UNAVAILABLE);
+
+    cluster.reconcile().await;
+    assert_eq!(cluster.sku_stats(sku).await["stock_redis"], 2);
+    for buyer in 0..2 {
+        let status = cluster
+            .order(0, sku, &format!("after-{buyer}"), 1)
+            .await
+            .status();
+        assert_eq!(status, StatusCode::CREATED, "buyer {buyer}");
+    }
+    let status = cluster.order(0, sku, "too-late", 1).await.status();
+    assert_eq!(status, StatusCode::CONFLICT);
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(stats["orders"], 5, "{stats}");
+    assert_eq!(stats["consistent"], true, "{stats}");
+}
