@@ -2,98 +2,77 @@
 //! holding, and a queue of keys under the lock's prefix served in create-revision order
 //! (the recipe of etcd's `concurrency.Mutex` and of Curator, run here by the client).
 //!
-//! - Joining the queue is one transaction: put `<name>/<service>-<slot>` on the lease
-//!   unless it is there, and read the lock's keys: every other one was queued before
-//!   it. None: the lock is held, one round trip after the grant.
-//! - Otherwise the contender waits until every key queued before it is deleted
-//!   (released, revoked, expired), as heard through its lock service's watch: one
-//!   watch of every deletion under the service's lock prefix, in revision order,
-//!   shared by all its waiters and opened without a start revision. A contender
-//!   subscribes before its join is sent, so every deletion after the join's read
-//!   reaches it; when the last key ahead goes it holds, with no further read. Its own
-//!   key's deletion, heard meanwhile, is a lost acquisition. A waiter that fell behind
-//!   the watch, or whose watch ended (it then opens another), reads the keys ahead
-//!   again, with a check that its own key is still queued.
+//! - Joining the queue is one transaction: put `<name>/<lease id>` on the lease unless it
+//!   is there, and read the two newest keys of the prefix by create revision: this one
+//!   and the one queued just before it. No key before it: the lock is held, one round
+//!   trip after the grant.
+//! - Otherwise the contender watches the key just before its own until it is deleted
+//!   (released, revoked, expired) and looks again: that key may have left the queue
+//!   while others still wait ahead. Each contender watches one key, so a release wakes
+//!   one contender, not all of them.
 //! - Why not etcd's own Lock service, which runs the same recipe on the server: it
 //!   watches the key before it *from the revision of its read*. etcd files a watcher
 //!   whose start revision has already passed as "unsynced" and catches those up every
 //!   100 ms (`syncWatchersLoop`), so nearly every waiter heard of its turn at the next
-//!   tick (a p99 handoff of 93 ms). A watch without a start revision starts "now" and
-//!   is synced, unless a write lands while etcd registers it (then it is unsynced until
-//!   the next tick too); a long-lived watch is past that after its first 100 ms.
-//! - Why one shared watch and not one per wait on the key just before: that watch is
-//!   opened after the read that names the key, so it must be followed by a second read
-//!   (a deletion in between is never heard), it costs a stream per wait, under load
-//!   some were filed unsynced (waiters woke 30-90 ms late), and the deletion it hears
-//!   needs a third read (keys further ahead may remain). Here a handoff is the
-//!   release's revoke and its event, nothing else. The price: every waiter of a
-//!   replica looks at every release of its namespace's locks (no round trip).
-//! - Key names are reused: a slot is the service's again once its acquisition ended
-//!   (a name whose last key is still there, its revoke on the way, is skipped). etcd
-//!   keeps every deleted key in its index until the history is compacted, and every
-//!   read of a prefix walks them all; with a new name per acquisition (etcd's Lock
-//!   names keys after their lease) each read of a busy lock got slower with every
-//!   acquisition it had served, 1.2 ms instead of 0.2 ms after a few benchmark runs.
+//!   tick (a p99 handoff of 93 ms). A watch without a start revision is synced: it hears
+//!   the delete as etcd applies it. It starts "now", though, and a delete between the
+//!   read and the watch would never be heard; so once etcd confirms the watch, the
+//!   contender reads again and only waits if the key before it is still there.
+//! - Every read that decides a turn checks, in the same transaction, that the
+//!   contender's own key is still queued: a key whose lease ran out while it waited is
+//!   a lost acquisition, not a hold.
 //! - The key lives on the lease: if the replica dies, keep-alives stop, the lease
 //!   expires after its TTL and etcd deletes the key, waking the next contender.
-//! - The keep-alive stream is opened by the keep-alive task, off the acquisition's path,
-//!   when the first keep-alive is due (a third of the TTL after the grant: most holds
-//!   never need one). A stream that cannot be opened, breaks, or whose answer is
-//!   awaited longer than a third of the TTL marks the hold lost: the loss is noticed
-//!   while the lease is still alive.
-//! - A holder checks its lease before committing, and that its key is still attached
-//!   to it (LeaseTimeToLive with keys: one call, answered by the leader without a raft
-//!   round). That covers an expired or revoked lease and a key deleted by hand.
+//! - The keep-alive stream is opened by the keep-alive task, off the acquisition's path.
+//!   A stream that cannot be opened, breaks, or whose answer is awaited longer than a
+//!   third of the TTL marks the hold lost: the loss is noticed while the lease is still
+//!   alive.
+//! - A holder checks before committing that its key is still there, with its revision
+//!   and lease. That one read covers the lease (etcd deletes a lease's keys when it
+//!   revokes it, at expiry too) and a key deleted by hand. Nobody else can be served
+//!   while the key is there, even if its lease expired a moment ago.
 //! - The wait lasts as long as the caller's wait and no longer; every call inside it is
-//!   bounded by `CALL_TIMEOUT`.
+//!   bounded by `CALL_TIMEOUT`, except the wait for a deletion.
 //! - Release revokes the lease, which deletes the key with it.
 //! - **Cancellation**: the lease id is chosen here, before the grant is sent, so an
 //!   acquisition dropped at any point (even while its grant is in flight) knows what
-//!   to revoke. Its keep-alive task dies with it, and its cleanup revokes the lease,
-//!   taking its key (a put that arrives after the revoke finds no lease and fails).
-//!   Nothing of a dropped acquisition is kept alive; at worst a grant that lands after
-//!   its revoke expires after its TTL. The shared watch belongs to the lock service
-//!   and ends with it (or when etcd ends it; the next waiter opens another).
-//! - The fencing token is the store's revision at which no key was ahead any more: the
-//!   join's read, or the deletion of the last key ahead. Each holder's comes after its
-//!   predecessor's key was deleted, so the token grows in hold order. (Not the key's
-//!   create revision: a key queued while an earlier contender was still waiting has a
-//!   lower one than the revision that contender was granted at, which is what etcd's
-//!   Lock service, used before, gave as the token, and what MySQL may hold as the
-//!   SKU's fence.)
+//!   to revoke. Its keep-alive task and its watch die with it, and its cleanup revokes
+//!   the lease, taking its key (a put that arrives after the revoke finds no lease and
+//!   fails). Nothing of a dropped acquisition is kept alive; at worst a grant that
+//!   lands after its revoke expires after its TTL.
+//! - The fencing token is the store's revision at the read that found no key ahead:
+//!   each holder's granting read comes after its predecessor's key was deleted, so
+//!   the token grows in hold order. (Not the key's create revision: a key queued while
+//!   an earlier contender was still waiting has a lower one than the revision that
+//!   contender was granted at, which is what etcd's Lock service, used before, gave
+//!   as the token, and what MySQL may hold as the SKU's fence.)
 //!
-//! One lease per acquisition, not one per replica: a key of a dropped acquisition
-//! would live as long as the replica's lease; pausing one holder (`suspend_renewal`)
-//! would pause every contender of its replica; and a holder's check of its lease must
-//! not be answered by a lease someone else uses now. Per acquisition, revoking the
-//! lease is a complete cleanup. Lease ids are never reused, key names are: a key is
-//! only put where none is, and a revoke only deletes the keys of its own lease.
+//! One lease per acquisition, not one per replica: the key is named after the lease,
+//! so two contenders of one replica sharing a lease would share a key and both be
+//! served; a key of a dropped acquisition would live as long as the replica's lease;
+//! and pausing one holder (`suspend_renewal`) would pause every contender of its
+//! replica. Per acquisition, revoking the lease is a complete cleanup.
 
-use std::collections::{HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, LeaseGrantOptions,
-    LeaseTimeToLiveOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
-    TxnResponse, WatchFilterType, WatchOptions, WatchStream,
+    PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType,
+    WatchOptions, WatchStream,
 };
-use tokio::sync::broadcast::error::RecvError;
-use tokio::sync::{Mutex, OnceCell, broadcast};
+use tokio::sync::OnceCell;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, HeldLock, LockError, LockView};
 
-/// Bound on every call.
+/// Bound on every call but the wait for a deletion.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
-/// Deletions kept for a waiter that has not taken them yet; one that falls further
-/// behind reads the queue again.
-const DELETIONS_KEPT: usize = 1024;
-/// Key names a join tries, skipping those whose last key is still there.
-const JOIN_TRIES: usize = 8;
+/// The first look at the queue while a watch may be unsynced; doubled at each look.
+const FIRST_LOOK: Duration = Duration::from_millis(10);
 /// Tries of a background revoke, spread over about a second: a revoke that overtook
 /// its own grant finds no lease, and the grant may still land.
 const REVOKE_TRIES: u32 = 4;
@@ -106,65 +85,7 @@ pub struct EtcdLock {
     /// Made on first use, without a network round trip (the channel connects lazily):
     /// a replica starts even while etcd is down.
     client: OnceCell<Client>,
-    /// The watch of deletions under `prefix` this service's waiters share, once opened.
-    watch: Mutex<Option<SharedWatch>>,
-    slots: Arc<Slots>,
     tasks: Tasks,
-}
-
-/// The key names of a service's acquisitions, `<service>-<slot>`: a slot is free again
-/// once the acquisition that used it ended.
-struct Slots {
-    /// Random per service, so that services never share a name.
-    service: u32,
-    /// Oldest first: a name skipped because its last key is still there comes back last.
-    free: std::sync::Mutex<VecDeque<u32>>,
-    next: AtomicU32,
-}
-
-impl Slots {
-    fn take(self: &Arc<Self>) -> Slot {
-        let free = self
-            .free
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop_front();
-        let number = free.unwrap_or_else(|| self.next.fetch_add(1, Ordering::Relaxed));
-        Slot {
-            slots: self.clone(),
-            number,
-        }
-    }
-}
-
-/// A key name in use, free again when dropped.
-struct Slot {
-    slots: Arc<Slots>,
-    number: u32,
-}
-
-impl Slot {
-    fn key(&self, lock: &str) -> String {
-        format!("{lock}/{:08x}-{}", self.slots.service, self.number)
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let mut free = self
-            .slots
-            .free
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        free.push_back(self.number);
-    }
-}
-
-/// The shared watch: the sender of its deletions (weak, so that the channel closes
-/// when the watch's task ends) and that task.
-struct SharedWatch {
-    deletions: broadcast::WeakSender<Deletions>,
-    _task: AbortOnDrop,
 }
 
 impl EtcdLock {
@@ -174,12 +95,6 @@ impl EtcdLock {
             prefix: format!("/flashsale/{namespace}/locks"),
             lease_ttl: i64::try_from(lease.as_secs().max(2)).unwrap_or(2),
             client: OnceCell::new(),
-            watch: Mutex::new(None),
-            slots: Arc::new(Slots {
-                service: rand::random(),
-                free: std::sync::Mutex::default(),
-                next: AtomicU32::new(0),
-            }),
             tasks: Tasks::default(),
         }
     }
@@ -204,38 +119,6 @@ impl EtcdLock {
             .await
             .map_err(etcd_error)?;
         Ok(client.clone())
-    }
-
-    /// Subscribes to the keys deleted under the lock prefix, opening the shared watch if
-    /// it does not run: every deletion applied after this returns is received, unless
-    /// the watch breaks (the receiver then says it is closed).
-    async fn deletions(
-        &self,
-        client: &mut Client,
-    ) -> Result<broadcast::Receiver<Deletions>, LockError> {
-        let mut shared = self.watch.lock().await;
-        if let Some(deletions) = shared.as_ref().and_then(|watch| watch.deletions.upgrade()) {
-            return Ok(deletions.subscribe());
-        }
-        let options = WatchOptions::new()
-            .with_prefix()
-            .with_filters([WatchFilterType::NoPut]);
-        let prefix = format!("{}/", self.prefix);
-        let mut watch = bounded(client.watch(prefix.as_str(), Some(options))).await?;
-        // Events only count from etcd's answer on: wait for it.
-        match bounded(watch.message()).await? {
-            Some(response) if response.created() && !response.canceled() => {}
-            other => {
-                let why = format!("watch of {prefix} not created: {other:?}");
-                return Err(LockError::backend("etcd", why));
-            }
-        }
-        let (sender, deletions) = broadcast::channel(DELETIONS_KEPT);
-        *shared = Some(SharedWatch {
-            deletions: sender.downgrade(),
-            _task: AbortOnDrop::spawn(pass_on_deletions(watch, sender)),
-        });
-        Ok(deletions)
     }
 
     /// The lock's keys in queue order (create revision), each with its lease; the
@@ -308,16 +191,13 @@ impl DistributedLock for EtcdLock {
             self.lease_ttl,
             lost.clone(),
         ));
-        let slot = self.slots.take();
         let mut place = Place {
-            lock: self,
             client: client.clone(),
-            name: self.lock_name(name),
-            key: slot.key(&self.lock_name(name)),
-            slot,
+            prefix: format!("{}/", self.lock_name(name)),
+            key: format!("{}/{lease:x}", self.lock_name(name)),
             lease,
         };
-        let token = timeout_at(deadline, place.wait_turn())
+        let (revision, token) = timeout_at(deadline, place.wait_turn())
             .await
             .map_err(|_| too_late())??;
         if lost.load(Ordering::SeqCst) {
@@ -329,8 +209,8 @@ impl DistributedLock for EtcdLock {
         Ok(EtcdGuard {
             client,
             key: place.key,
-            _slot: place.slot,
             lease,
+            revision,
             token,
             lost,
             keep_alive,
@@ -369,119 +249,135 @@ async fn bounded<T>(
         .map_err(etcd_error)
 }
 
-/// One acquisition's place in a lock's queue: its key `<name>/<service>-<slot>`.
-struct Place<'a> {
-    lock: &'a EtcdLock,
+/// A key in a lock's queue.
+#[derive(Debug, PartialEq)]
+struct Queued {
+    key: Vec<u8>,
+    create_revision: i64,
+}
+
+impl Queued {
+    fn of(kv: &KeyValue) -> Queued {
+        Queued {
+            key: kv.key().to_vec(),
+            create_revision: kv.create_revision(),
+        }
+    }
+}
+
+/// One acquisition's place in a lock's queue: its key `<prefix><lease id>`.
+struct Place {
     client: Client,
-    /// The lock's name, its keys' prefix without the slash.
-    name: String,
+    prefix: String,
     key: String,
-    slot: Slot,
     lease: i64,
 }
 
-impl Place<'_> {
+impl Place {
     /// Queues the key and waits until no key queued before it is left. Returns the
-    /// fencing token: the revision at which no key was ahead any more (see the module
-    /// comment).
-    async fn wait_turn(&mut self) -> Result<i64, LockError> {
-        // Listening before joining: every deletion after the join's read is heard.
-        let mut deletions = self.lock.deletions(&mut self.client).await?;
-        let (revision, mut ahead) = self.join().await?;
-        let mut turn_at = ahead.read_at;
-        while !ahead.keys.is_empty() {
-            match deletions.recv().await {
-                Ok(batch) => {
-                    // Those at or before the read are in it already.
-                    for deleted in batch.iter().filter(|d| d.revision > ahead.read_at) {
-                        if deleted.key == self.key.as_bytes() {
-                            return Err(LockError::Lost(format!(
-                                "{} was deleted while waiting (lease {:x} expired or revoked)",
-                                self.key, self.lease
-                            )));
-                        }
-                        if ahead.keys.remove(&deleted.key) {
-                            turn_at = deleted.revision;
-                        }
-                    }
-                }
-                // Some deletions went past unheard: read the queue again.
-                Err(RecvError::Lagged(_)) => {
-                    ahead = self.ahead(revision).await?;
-                    turn_at = ahead.read_at;
-                }
-                // The watch ended: a new one, then a read, for what it did not hear.
-                Err(RecvError::Closed) => {
-                    deletions = self.lock.deletions(&mut self.client).await?;
-                    ahead = self.ahead(revision).await?;
-                    turn_at = ahead.read_at;
-                }
-            }
+    /// key's create revision and the fencing token (the revision of the read that
+    /// found the turn, see the module comment).
+    async fn wait_turn(&mut self) -> Result<(i64, i64), LockError> {
+        let (revision, mut ahead, mut read_at) = self.join().await?;
+        while let Some(predecessor) = ahead {
+            (ahead, read_at) = self.outwait(revision, predecessor).await?;
         }
-        Ok(turn_at)
+        Ok((revision, read_at))
     }
 
-    /// Puts the key on the lease unless it is there, and reads the lock's keys: all
-    /// but this one (the transaction's own put, the newest) were queued before it.
-    /// Returns the key's create revision and the keys ahead. A name whose last key
-    /// is still there is kept aside (not to be taken again at once) and another
-    /// tried.
-    async fn join(&mut self) -> Result<(i64, Ahead), LockError> {
-        let mut still_there = Vec::new();
-        for _ in 0..JOIN_TRIES {
-            let put = PutOptions::new().with_lease(self.lease);
-            let keys = GetOptions::new().with_prefix().with_keys_only();
-            let txn = Txn::new()
-                .when([Compare::create_revision(
-                    self.key.as_str(),
-                    CompareOp::Equal,
-                    0,
-                )])
-                .and_then([
-                    TxnOp::put(self.key.as_str(), "", Some(put)),
-                    TxnOp::get(format!("{}/", self.name), Some(keys)),
-                ]);
-            let response = bounded(self.client.txn(txn)).await?;
-            if response.succeeded() {
-                let (own, others): (Vec<_>, Vec<_>) = read_of(&response, 1)
-                    .into_iter()
-                    .partition(|kv| kv.key() == self.key.as_bytes());
-                let Some(revision) = own.first().map(KeyValue::create_revision) else {
-                    return Err(LockError::backend(
-                        "etcd",
-                        format!("{} was put but not read back", self.key),
-                    ));
-                };
-                let ahead = Ahead {
-                    keys: others.iter().map(|kv| kv.key().to_vec()).collect(),
-                    read_at: revision,
-                };
-                return Ok((revision, ahead));
-            }
-            let other = self.lock.slots.take();
-            self.key = other.key(&self.name);
-            still_there.push(std::mem::replace(&mut self.slot, other));
+    /// Waits until `predecessor` is no longer the key just before `revision`; returns
+    /// the key that is now, if any.
+    async fn outwait(
+        &mut self,
+        revision: i64,
+        predecessor: Queued,
+    ) -> Result<(Option<Queued>, i64), LockError> {
+        let (mut watch, watched_from) = self.watch_deletion(&predecessor.key).await?;
+        // The watch hears only what happens after it starts: the key may be gone.
+        let (ahead, read_at) = self.just_before(revision).await?;
+        if ahead.as_ref() != Some(&predecessor) {
+            return Ok((ahead, read_at));
         }
-        Err(LockError::backend(
-            "etcd",
-            format!("{JOIN_TRIES} key names of {} still in use", self.name),
-        ))
+        // etcd starts a watch after the revision it read just before registering it,
+        // and files it as synced only if nothing was written in between. After a write
+        // it may be unsynced, hearing the deletion only at etcd's next 100 ms sync: then
+        // the queue is read again after 10 ms, 20 ms, 40 ms... of silence, so a late
+        // watch costs at most about as long as the wait so far.
+        let mut silence = (read_at != watched_from).then_some(FIRST_LOOK);
+        loop {
+            let heard = match silence {
+                None => Some(deleted(&mut watch).await?),
+                Some(silence) => timeout(silence, deleted(&mut watch))
+                    .await
+                    .ok()
+                    .transpose()?,
+            };
+            let (ahead, read_at) = self.just_before(revision).await?;
+            if heard.is_some() || ahead.as_ref() != Some(&predecessor) {
+                return Ok((ahead, read_at));
+            }
+            silence = silence.map(|silence| silence * 2);
+        }
     }
 
-    /// The keys queued before `revision`, read only if this acquisition's key is still
-    /// queued at `revision`.
-    async fn ahead(&mut self, revision: i64) -> Result<Ahead, LockError> {
-        let before = GetOptions::new()
+    /// Puts the key on the lease unless it is there, and reads the two newest keys by
+    /// create revision: this one (the transaction's own put) and the one before it.
+    /// Returns the key's create revision, the key queued just before it and the
+    /// store's revision at the read.
+    async fn join(&mut self) -> Result<(i64, Option<Queued>, i64), LockError> {
+        let newest_two = GetOptions::new()
             .with_prefix()
-            .with_keys_only()
-            .with_max_create_revision(revision - 1);
+            .with_sort(SortTarget::Create, SortOrder::Descend)
+            .with_limit(2);
+        let put = PutOptions::new().with_lease(self.lease);
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                self.key.as_str(),
+                CompareOp::Equal,
+                0,
+            )])
+            .and_then([
+                TxnOp::put(self.key.as_str(), "", Some(put)),
+                TxnOp::get(self.prefix.as_str(), Some(newest_two)),
+            ])
+            .or_else([TxnOp::get(self.key.as_str(), None)]);
+        let response = bounded(self.client.txn(txn)).await?;
+        let read = read_of(&response, if response.succeeded() { 1 } else { 0 });
+        let read_at = response.header().map_or(0, |header| header.revision());
+        match read.as_slice() {
+            [own, before @ ..] if response.succeeded() && own.key() == self.key.as_bytes() => Ok((
+                own.create_revision(),
+                before.first().map(Queued::of),
+                read_at,
+            )),
+            // Queued already (a join sent twice): look for its place.
+            [own] if !response.succeeded() && own.lease() == self.lease => {
+                let revision = own.create_revision();
+                let (ahead, read_at) = self.just_before(revision).await?;
+                Ok((revision, ahead, read_at))
+            }
+            _ => Err(LockError::backend(
+                "etcd",
+                format!("{} is not queued on lease {:x}", self.key, self.lease),
+            )),
+        }
+    }
+
+    /// The key queued just before `revision`, read only if this acquisition's key is
+    /// still queued at `revision`; and the store's revision at the read.
+    async fn just_before(&mut self, revision: i64) -> Result<(Option<Queued>, i64), LockError> {
+        let last_before = GetOptions::new()
+            .with_prefix()
+            .with_max_create_revision(revision - 1)
+            .with_sort(SortTarget::Create, SortOrder::Descend)
+            .with_limit(1);
         let txn = Txn::new()
             .when([Compare::create_revision(
                 self.key.as_str(),
                 CompareOp::Equal,
                 revision,
             )])
-            .and_then([TxnOp::get(format!("{}/", self.name), Some(before))]);
+            .and_then([TxnOp::get(self.prefix.as_str(), Some(last_before))]);
         let response = bounded(self.client.txn(txn)).await?;
         if !response.succeeded() {
             return Err(LockError::Lost(format!(
@@ -489,55 +385,52 @@ impl Place<'_> {
                 self.key, self.lease
             )));
         }
-        Ok(Ahead {
-            keys: read_of(&response, 0)
-                .iter()
-                .map(|kv| kv.key().to_vec())
-                .collect(),
-            read_at: response.header().map_or(0, |header| header.revision()),
-        })
+        let read_at = response.header().map_or(0, |header| header.revision());
+        Ok((read_of(&response, 0).first().map(Queued::of), read_at))
+    }
+
+    /// A watch of `key`'s deletion, once etcd confirms it is in place, and the store's
+    /// revision it starts after. Without a start revision, so that etcd files it as
+    /// synced (see `wait_turn`).
+    async fn watch_deletion(&mut self, key: &[u8]) -> Result<(WatchStream, i64), LockError> {
+        let options = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
+        let mut watch = bounded(self.client.watch(key, Some(options))).await?;
+        match bounded(watch.message()).await? {
+            Some(response) if response.created() && !response.canceled() => {
+                let from = response.header().map_or(0, |header| header.revision());
+                Ok((watch, from))
+            }
+            other => Err(LockError::backend(
+                "etcd",
+                format!(
+                    "watch of {} not created: {other:?}",
+                    String::from_utf8_lossy(key)
+                ),
+            )),
+        }
     }
 }
 
-/// The keys queued before an acquisition's, as read at revision `read_at` and less
-/// those deleted since.
-struct Ahead {
-    keys: HashSet<Vec<u8>>,
-    read_at: i64,
-}
-
-/// A key deleted under the lock prefix, and the revision of its deletion.
-struct Deletion {
-    key: Vec<u8>,
-    revision: i64,
-}
-
-/// The deletions of one watch answer, which holds every deletion of its revisions: a
-/// waiter takes them together (a revision that deletes a key ahead and its own key
-/// too is a lost acquisition, not a turn).
-type Deletions = Arc<[Deletion]>;
-
-/// Passes the deletions the watch reports, in its order (revision order), to the lock
-/// service's waiters, until the watch ends or the service is dropped.
-async fn pass_on_deletions(mut watch: WatchStream, deletions: broadcast::Sender<Deletions>) {
-    while let Ok(Some(response)) = watch.message().await {
+/// Waits for a deletion on `watch`.
+async fn deleted(watch: &mut WatchStream) -> Result<(), LockError> {
+    loop {
+        let Some(response) = watch.message().await.map_err(etcd_error)? else {
+            return Err(LockError::backend("etcd", "the watch stream ended"));
+        };
         if response.canceled() {
-            break;
+            return Err(LockError::backend(
+                "etcd",
+                format!("watch canceled: {}", response.cancel_reason()),
+            ));
         }
-        let batch: Deletions = response
+        if response
             .events()
             .iter()
-            .filter(|event| event.event_type() == EventType::Delete)
-            .filter_map(|event| event.kv())
-            .map(|kv| Deletion {
-                key: kv.key().to_vec(),
-                revision: kv.mod_revision(),
-            })
-            .collect();
-        // Nobody waiting is no error.
-        let _ = deletions.send(batch);
+            .any(|event| event.event_type() == EventType::Delete)
+        {
+            return Ok(());
+        }
     }
-    tracing::debug!("etcd watch of lock deletions ended; the next waiter opens another");
 }
 
 /// The keys read by the `index`th operation of a transaction (none if it was no read).
@@ -548,12 +441,11 @@ fn read_of(response: &TxnResponse, index: usize) -> Vec<KeyValue> {
     }
 }
 
-/// Keeps the lease alive: a keep-alive every third of the TTL, each answer awaited at
-/// most a third; marks the hold lost when the stream cannot be opened, etcd says the
-/// lease is gone, or the stream breaks or stalls. The lease then still has a third of
-/// its TTL to run: the holder learns of the loss before anyone else can take the lock.
-/// The stream is opened (which sends the first keep-alive) only when that first
-/// keep-alive is due: the lease was just granted, and most holds end before.
+/// Opens the lease's keep-alive stream, then sends a keep-alive every third of the
+/// TTL and waits at most a third for each answer; marks the hold lost when the stream
+/// cannot be opened, etcd says the lease is gone, or the stream breaks or stalls. The
+/// lease then still has a third of its TTL to run: the holder learns of the loss
+/// before anyone else can take the lock.
 async fn keep_alive(mut client: Client, lease: i64, ttl: i64, lost: Arc<AtomicBool>) {
     let period = Duration::from_millis(u64::try_from(ttl * 1000 / 3).unwrap_or(500));
     let give_up = |why: &str| {
@@ -564,7 +456,6 @@ async fn keep_alive(mut client: Client, lease: i64, ttl: i64, lost: Arc<AtomicBo
         );
         lost.store(true, Ordering::SeqCst);
     };
-    tokio::time::sleep(period).await;
     let (mut keeper, mut responses) = match timeout(period, client.lease_keep_alive(lease)).await {
         Ok(Ok(stream)) => stream,
         Ok(Err(_)) => return give_up("the keep-alive stream could not be opened"),
@@ -618,9 +509,9 @@ impl Drop for Revoker {
 pub struct EtcdGuard {
     client: Client,
     key: String,
-    /// The key's name, not to be used by another acquisition while this one lives.
-    _slot: Slot,
     lease: i64,
+    /// The key's create revision.
+    revision: i64,
     /// The fencing token: the revision at which the turn was found.
     token: i64,
     lost: Arc<AtomicBool>,
@@ -639,21 +530,18 @@ impl HeldLock for EtcdGuard {
                 self.lease
             )));
         }
-        let options = LeaseTimeToLiveOptions::new().with_keys();
-        let status = bounded(
-            self.client
-                .clone()
-                .lease_time_to_live(self.lease, Some(options)),
-        )
-        .await?;
-        let own_key = self.key.as_bytes();
-        if status.ttl() > 0 && status.keys().iter().any(|key| key == own_key) {
+        let read = bounded(self.client.clone().get(self.key.as_str(), None)).await?;
+        let queued = read
+            .kvs()
+            .first()
+            .is_some_and(|kv| kv.create_revision() == self.revision && kv.lease() == self.lease);
+        if queued {
             Ok(())
         } else {
             self.lost.store(true, Ordering::SeqCst);
             Err(LockError::Lost(format!(
-                "lease {:x} expired or revoked, or {} deleted",
-                self.lease, self.key
+                "{} is gone (lease {:x} expired or revoked, or the key deleted)",
+                self.key, self.lease
             )))
         }
     }

@@ -8,19 +8,18 @@ pub fn explanation() -> Explanation {
     Explanation {
         name: "etcd",
         title: "etcd lease and lock (revision order)",
-        summary: "Each acquisition grants a lease and keeps it alive, then queues a key on it \
-                  under the SKU's lock prefix. Contenders are served in the order their keys \
-                  were created: each waits until every key queued before its own is deleted, \
-                  as one watch per replica reports them. The key lives on the lease: if the \
-                  replica dies, the lease expires and the next one proceeds.",
+        summary: "Each acquisition grants a lease and keeps it alive, then queues a key named \
+                  after the lease under the SKU's lock prefix. Contenders are served in the \
+                  order their keys were created: each watches only the key queued just \
+                  before its own and looks again once it is deleted. The key lives on the \
+                  lease: if the replica dies, the lease expires and the next one proceeds.",
         commands: vec![
-            "once per replica: Watch(/flashsale/<ns>/locks/, prefix, deletions only, from now)",
             "LeaseGrant(ttl, id chosen by the replica) → lease; LeaseKeepAlive(lease) every ttl/3",
-            "Txn: if <prefix>/<replica>-<slot> is absent, PUT it on the lease; GET <prefix> keys → held if no other key",
-            "else: held once the watch reported every other key deleted (own key deleted first: lost)",
-            "before commit: LeaseTimeToLive(lease, keys) > 0 and lists the lock key",
+            "Txn: if <prefix>/<lease> is absent, PUT it on the lease; GET <prefix> newest 2 by create revision → held if no key before it",
+            "else: Watch the key just before (from now), GET it again, wait for its DELETE, look again",
+            "before commit: GET <prefix>/<lease> (still there: same create revision, same lease)",
             "release: LeaseRevoke(lease), which deletes the lock key",
-            "fencing token: the revision at which no key was before it any more (the join's read or the last deletion; grows in hold order)",
+            "fencing token: the revision of the read that found no key before it (grows in hold order)",
         ],
         failure_mode: "Lease expiry: a holder cut off from etcd, or paused, longer than the \
                        lease TTL loses the lock while it may still be working; checking the \
