@@ -22,6 +22,9 @@ trap 'stop_replicas; rm -rf "$WORK"' EXIT
 for round in $(seq 1 "$rounds"); do
   for label in before after; do
     if [ "$label" = before ]; then BINARY=${builds[0]}; else BINARY=${builds[1]}; fi
+    # Each build its own database and Redis namespace: an older build refuses a
+    # database that a newer one has migrated further.
+    BENCH_DATABASE=flashsale_bench_$label
     log "round $round of $rounds: $label ($BINARY)"
     start_replicas
     admin PUT /api/admin/fencing '{"enabled":false}'

@@ -52,19 +52,22 @@ print(json.dumps({"strategy": label, "repeat": int(repeat),
 }
 
 start_replicas() {
-  # A database and Redis namespace of their own, so a demo running beside keeps its
-  # strategy and stock.
+  # A database and Redis namespace of their own (BENCH_DATABASE, default
+  # flashsale_bench), so a demo running beside keeps its strategy and stock, and two
+  # builds with different migrations (before-after.sh) each keep theirs.
+  local name=${BENCH_DATABASE:-flashsale_bench}
+  [[ "$name" =~ ^flashsale_[a-z0-9_]+$ ]] || die "BENCH_DATABASE must look like flashsale_name"
   local base=${FLASHSALE_DATABASE_URL:-mysql://flashsale:flashsale@127.0.0.1:3390/flashsale}
-  local url="${base%/*}/flashsale_bench"
-  python3 - "$url" <<'PY' || die "could not create the benchmark's database"
+  local url="${base%/*}/$name"
+  python3 - "$url" "$name" <<'PY' || die "could not create the benchmark's database"
 import subprocess, sys, urllib.parse
 u = urllib.parse.urlparse(sys.argv[1])
 subprocess.run(["mariadb", "--no-defaults", "-h", u.hostname, "-P", str(u.port or 3306),
                 "-u", u.username, f"-p{u.password}", "-e",
-                "CREATE DATABASE IF NOT EXISTS flashsale_bench"], check=True)
+                f"CREATE DATABASE IF NOT EXISTS {sys.argv[2]}"], check=True)
 PY
   # No simulated work: the figures are the strategies' cost.
-  FLASHSALE_WORK_MS=0 FLASHSALE_DATABASE_URL="$url" FLASHSALE_NAMESPACE=flashsale-bench \
+  FLASHSALE_WORK_MS=0 FLASHSALE_DATABASE_URL="$url" FLASHSALE_NAMESPACE="${name//_/-}" \
     "$BINARY" cluster --replicas 3 --base-port "$PORT" \
     >"$WORK/cluster.log" 2>&1 &
   CLUSTER_PID=$!
