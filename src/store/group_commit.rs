@@ -51,8 +51,11 @@
 //! **A failing committer answers everyone.** A batch that panics is caught: its outcome
 //! is unknown (the panic may have come after COMMIT), so its SKUs' stocks are dropped
 //! until reconciled and each of its orders answers `GroupCommitLost`; the committer goes
-//! on with the next batch. Should the task end anyway, the orders still queued lose
-//! their reply channel (an error, never a hang) and the next `submit` starts a new task.
+//! on with the next batch. Should the task end anyway (a panic outside the batch, the
+//! runtime shutting down), the orders still queued lose their reply channel and answer
+//! `GroupCommitLost` (an error, never a hang): their units were taken and nobody settled
+//! them, so the order's own task drops the SKU's stock until reconciled
+//! (`SaleFlow::commit_failed`), and the next `submit` starts a new committer.
 
 use std::collections::BTreeMap;
 use std::future::Future;

@@ -301,24 +301,39 @@ async fn write_order(
 /// `StockWrite::Decrement`'s statement: the stock falls by `quantity` only while the
 /// sale is at `epoch` and the stock covers it. A group commit (`group_commit.rs`) runs
 /// it once per SKU with the quantity of all its orders together.
+///
+/// It waits for the product row at most `DECREMENT_ROW_WAIT_SECONDS`. The group
+/// committer records one replica's orders one batch at a time, so a batch waiting on a
+/// row another transaction holds (an admin's change, a db-for-update holder around a
+/// strategy switch, someone's manual transaction) holds up every order queued behind
+/// it: InnoDB's default would be 50 s. Past the bound the statement fails before
+/// COMMIT (`StoreError::RowLockTimeout`): nothing was written, the orders give their
+/// units back and answer 503 busy. db-for-update already holds its row, so the bound
+/// never applies there.
 pub(super) async fn decrement(
     tx: &mut Transaction<'static, MySql>,
     sku: &str,
     quantity: i64,
     epoch: &str,
-) -> Result<MySqlQueryResult, sqlx::Error> {
-    sqlx::query(
-        "UPDATE products p JOIN cluster_settings e ON e.name = 'epoch'
+) -> Result<MySqlQueryResult, StoreError> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        // The number is a constant; MariaDB takes no placeholder in SET STATEMENT.
+        "SET STATEMENT innodb_lock_wait_timeout = {DECREMENT_ROW_WAIT_SECONDS} FOR
+         UPDATE products p JOIN cluster_settings e ON e.name = 'epoch'
          SET p.stock = p.stock - ?, p.version = LAST_INSERT_ID(p.version + 1)
-         WHERE p.sku = ? AND e.value = ? AND p.stock >= ?",
-    )
+         WHERE p.sku = ? AND e.value = ? AND p.stock >= ?"
+    )))
     .bind(quantity)
     .bind(sku)
     .bind(epoch)
     .bind(quantity)
     .execute(&mut **tx)
     .await
+    .map_err(row_lock_error)
 }
+
+/// How long a decrement waits for its product row (InnoDB counts whole seconds).
+pub(crate) const DECREMENT_ROW_WAIT_SECONDS: u64 = 5;
 
 /// Why the update matched nothing, read inside the same transaction.
 async fn diagnose(

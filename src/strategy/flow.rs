@@ -293,9 +293,14 @@ impl SaleFlow {
     }
 
     /// The order's answer when its MySQL write failed. After a COMMIT whose outcome is
-    /// unknown the Redis stock can no longer be trusted and is dropped.
+    /// unknown the Redis stock can no longer be trusted and is dropped; so after a
+    /// group commit that ended without settling the order (redis-atomic's units may
+    /// be taken and unrecorded, or recorded).
     pub async fn commit_failed(&self, order: &NewOrder, error: StoreError) -> OrderError {
-        if matches!(error, StoreError::CommitOutcomeUnknown(_)) {
+        if matches!(
+            error,
+            StoreError::CommitOutcomeUnknown(_) | StoreError::GroupCommitLost
+        ) {
             self.forget_stock(order).await;
         }
         error.into()

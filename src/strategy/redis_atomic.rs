@@ -138,11 +138,12 @@ impl RedisAtomicStrategy {
         });
         // Answered after the batch's COMMIT, with the units already settled: given
         // back if refused or failed before COMMIT, kept (and the SKU's stock dropped)
-        // if COMMIT's outcome is unknown.
+        // if COMMIT's outcome is unknown. A committer that ended without settling the
+        // order (`GroupCommitLost`) leaves its units unknown: the stock is dropped here.
         match pending.recorded().await {
             Ok(Ok(committed)) => Ok(committed.order),
             Ok(Err(refusal)) => Err(flow.refused(order, refusal).await),
-            Err(error) => Err(error.into()),
+            Err(error) => Err(flow.commit_failed(order, error).await),
         }
     }
 }

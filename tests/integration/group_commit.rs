@@ -449,3 +449,58 @@ async fn a_batch_that_fails_before_commit_gives_every_order_its_units_back() {
     assert_eq!((orders, left), (0, stock));
     mysql.close().await;
 }
+
+/// A batch whose product row another transaction holds (here a manual `SELECT … FOR
+/// UPDATE` left open) waits a bounded time, not InnoDB's 50 s: the committer records a
+/// replica's orders one batch at a time, so every order queued behind it would wait as
+/// long. Past the bound the batch fails before COMMIT, each order gets its units back,
+/// and once the row is free the next order of the same committer is recorded.
+#[tokio::test]
+async fn a_batch_waits_for_a_held_product_row_a_bounded_time() {
+    let cluster = TestCluster::start(1, &[]).await;
+    cluster.set_strategy("redis-atomic").await;
+    let sku = "held-row";
+    cluster.reset(sku, 5).await;
+    let (committer, cache) = committer(&cluster).await;
+    let epoch = epoch(&cluster).await;
+    let sku_name = Sku::parse(sku).expect("sku");
+    let mysql = cluster.mysql().await;
+    let mut holder = mysql.begin().await.expect("begin");
+    sqlx::query("SELECT stock FROM products WHERE sku = ? FOR UPDATE")
+        .bind(sku)
+        .fetch_one(&mut *holder)
+        .await
+        .expect("hold the row");
+
+    let started = std::time::Instant::now();
+    let batch = vec![
+        take(&cache, sku, "first", epoch).await,
+        take(&cache, sku, "second", epoch).await,
+    ];
+    for pending in submit_together(&committer, batch) {
+        let answer = tokio::time::timeout(Duration::from_secs(20), pending.recorded())
+            .await
+            .expect("answered while the row is still held");
+        assert!(
+            matches!(&answer, Err(StoreError::Shared(error)) if matches!(**error, StoreError::RowLockTimeout)),
+            "{answer:?}"
+        );
+    }
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(12),
+        "the batch waited {waited:?} for the row"
+    );
+    assert_eq!(cache.stock(&sku_name).await.expect("stock"), Some(5));
+
+    holder.rollback().await.expect("free the row");
+    let answer = committer
+        .submit(take(&cache, sku, "after", epoch).await)
+        .recorded()
+        .await;
+    assert!(matches!(answer, Ok(Ok(_))), "{answer:?}");
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(stats["orders"], 1, "{stats}");
+    assert_eq!(stats["consistent"], true, "{stats}");
+    mysql.close().await;
+}
