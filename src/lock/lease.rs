@@ -29,6 +29,12 @@ const RELEASE_TRY_TIMEOUT: Duration = Duration::from_secs(2);
 pub trait LeaseHold: Clone + Send + Sync + 'static {
     /// Extends the lease to `lease` from now if the hold is still ours; `false` if not.
     async fn renew(&self, lease: Duration) -> Result<bool, LockError>;
+    /// The holder's last check before it writes: is the hold still ours, with enough
+    /// of its lease left to write in? The backend answers, never the local clock. By
+    /// default this renews, which also gives the write a whole lease.
+    async fn confirm(&self, lease: Duration) -> Result<bool, LockError> {
+        self.renew(lease).await
+    }
     /// Deletes the hold if it is still ours; `false` if it was already gone.
     async fn delete(&self) -> Result<bool, LockError>;
     /// For logs and errors: the key, path or row.
@@ -68,9 +74,10 @@ impl<H: LeaseHold> LeaseGuard<H> {
 
 #[async_trait]
 impl<H: LeaseHold> HeldLock for LeaseGuard<H> {
-    /// Renews on the server, so the answer is the backend's, not a local guess.
+    /// Asks the server (`LeaseHold::confirm`), so the answer is the backend's, not a
+    /// local guess.
     async fn ensure_held(&self) -> Result<(), LockError> {
-        if !self.lost.load(Ordering::SeqCst) && self.hold.renew(self.lease).await? {
+        if !self.lost.load(Ordering::SeqCst) && self.hold.confirm(self.lease).await? {
             return Ok(());
         }
         self.lost.store(true, Ordering::SeqCst);

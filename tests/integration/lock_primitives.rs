@@ -1573,3 +1573,47 @@ async fn hand_over_without_notices(holder: &TableLock, waiter: Arc<TableLock>, w
         "{what}: handed over within a poll: {handoff:?}"
     );
 }
+
+/// The lock table's last check before a write is a read while the lease is fresh:
+/// the renewal's UPDATE is an InnoDB commit with an fsync on every order's critical
+/// path. With less than a third of the lease left it renews, and a row no longer
+/// there is a lost lock.
+#[tokio::test]
+async fn table_lock_last_check_reads_while_the_lease_is_fresh() {
+    let (cluster, factory) = table_factory().await;
+    let lease = Duration::from_millis(3000);
+    let holder = factory.make("holder", lease).await;
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    guard.suspend_renewal();
+    let mysql = cluster.mysql().await;
+    let expiry = || {
+        sqlx::query_scalar::<_, chrono::NaiveDateTime>(
+            "SELECT expires_at FROM distributed_locks WHERE lock_name = 'item'",
+        )
+        .fetch_one(&mysql)
+    };
+
+    let acquired = expiry().await.expect("the row");
+    guard.ensure_held().await.expect("held");
+    assert_eq!(
+        expiry().await.expect("the row"),
+        acquired,
+        "a fresh lease is checked, not renewed"
+    );
+
+    // Less than a third left: the check renews.
+    tokio::time::sleep(lease * 3 / 4).await;
+    guard.ensure_held().await.expect("still held");
+    let renewed = expiry().await.expect("the row");
+    assert!(renewed > acquired, "renewed: {acquired} -> {renewed}");
+
+    sqlx::query("DELETE FROM distributed_locks WHERE lock_name = 'item'")
+        .execute(&mysql)
+        .await
+        .expect("the row taken away");
+    assert!(
+        matches!(guard.ensure_held().await, Err(LockError::Lost(_))),
+        "a row that is gone is a lost lock"
+    );
+    mysql.close().await;
+}
