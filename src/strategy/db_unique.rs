@@ -10,7 +10,9 @@ pub fn explanation() -> Explanation {
         title: "Database unique-key lock table",
         summary: "The lock is a row in distributed_locks, whose unique key on lock_name \
                   lets only one INSERT per SKU succeed. The holder extends its expiry \
-                  while it works and deletes its row (by name and owner) when done, then \
+                  while it works; its last check before the commit reads the row (still \
+                  its own, with a third of the lease left by MySQL's clock, or else it \
+                  renews), and it deletes its row (by name and owner) when done, then \
                   publishes a release notice on Redis. A row left by a crashed holder is \
                   taken over once expired, by deleting exactly that row by its id. Within \
                   a replica, requests for one SKU queue locally and only the first sends \
@@ -20,7 +22,8 @@ pub fn explanation() -> Explanation {
             "INSERT INTO distributed_locks (lock_name, owner, expires_at) VALUES (?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)",
             "on 1062/1213, when the row may be old: SELECT id, owner, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) FROM distributed_locks WHERE lock_name = ?; \
              if expired: DELETE FROM distributed_locks WHERE id = ? AND expires_at < UTC_TIMESTAMP(6)",
-            "renew: UPDATE distributed_locks SET expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND WHERE id = ? AND owner = ?",
+            "renew (every lease/3): UPDATE distributed_locks SET expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND WHERE id = ? AND owner = ?",
+            "last check before the commit: SELECT TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) FROM distributed_locks WHERE id = ? AND owner = ? (renew if under lease/3)",
             "release: DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?; PUBLISH <ns>:lock-row-released:<sku> <owner>",
         ],
         failure_mode: "A crashed holder's row blocks everyone until it expires. The release \
