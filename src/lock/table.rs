@@ -581,8 +581,10 @@ impl LeaseHold for TableHold {
     /// lock. MySQL says whether the row is still ours and how much of its lease is
     /// left, by its own clock, as the renewal would. With at least a third left (the
     /// watchdog renews every third, so normally two thirds or more are) the write that
-    /// follows has that long; with less, this renews. The guarantee is the renewal's:
-    /// the row was ours, unexpired, with time left, when the server answered.
+    /// follows has that long; with less, this renews. So the write is promised at least
+    /// a third of a lease (3.3 s by default, 1 s with the demo's 3 s lease), not the
+    /// whole lease a renewal gives; a write slower than that is still stopped by the
+    /// row id's fencing token, which MySQL checks in the order's own transaction.
     async fn confirm(&self, lease: Duration) -> Result<bool, LockError> {
         let left_us: Option<i64> = sqlx::query_scalar(
             "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS SIGNED)

@@ -62,6 +62,15 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// The failure itself, looked at through the sharing of a group commit: a batch's
+    /// orders must answer as one order alone with that failure would.
+    pub fn cause(&self) -> &StoreError {
+        match self {
+            StoreError::Shared(error) => error.cause(),
+            other => other,
+        }
+    }
+
     /// The backend's name when the error means "could not reach it in time" (worth a
     /// 503 and a retry), `None` when it is a bug or bad data.
     pub fn unavailable_backend(&self) -> Option<&'static str> {

@@ -202,11 +202,11 @@ impl OrderError {
 
 impl From<StoreError> for OrderError {
     fn from(error: StoreError) -> Self {
-        match error {
+        match error.cause() {
             StoreError::RowLockTimeout => {
                 OrderError::Busy("the row lock was not granted in time; try again".into())
             }
-            other => OrderError::Store(other),
+            _ => OrderError::Store(error),
         }
     }
 }

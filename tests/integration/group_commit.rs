@@ -504,3 +504,55 @@ async fn a_batch_waits_for_a_held_product_row_a_bounded_time() {
     assert_eq!(stats["consistent"], true, "{stats}");
     mysql.close().await;
 }
+
+/// The same bounded wait seen by shoppers: orders that queue on one replica while the
+/// product row is held answer 503 with `Retry-After`, as one order alone would, never
+/// 500, whether the committer took them alone or as a batch (whose failure is shared
+/// by its orders); nothing is sold and the units are still there once the row is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orders_queued_behind_a_held_product_row_answer_busy_not_internal() {
+    let cluster = TestCluster::start(1, &[]).await;
+    cluster.set_strategy("redis-atomic").await;
+    let sku = "held-row-http";
+    cluster.reset(sku, 5).await;
+    let mysql = cluster.mysql().await;
+    let mut holder = mysql.begin().await.expect("begin");
+    sqlx::query("SELECT stock FROM products WHERE sku = ? FOR UPDATE")
+        .bind(sku)
+        .fetch_one(&mut *holder)
+        .await
+        .expect("hold the row");
+
+    // The first order holds the committer on the row; the others queue behind it and
+    // are recorded together once it gives up.
+    let order = |i: usize| {
+        let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
+        let body = json!({ "sku": sku, "user_id": format!("queued-{i}"), "quantity": 1 });
+        async move {
+            let response = http.post(url).json(&body).send().await.expect("answered");
+            let retry_after = response.headers().get("retry-after").cloned();
+            let status = response.status();
+            let body: serde_json::Value = response.json().await.unwrap_or_default();
+            (status, retry_after, body)
+        }
+    };
+    let first = tokio::spawn(order(0));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let queued = futures::future::join_all((1..4).map(order));
+    let mut answers = queued.await;
+    answers.push(first.await.expect("first order"));
+    for (status, retry_after, body) in &answers {
+        assert_eq!(*status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(retry_after.is_some(), "no Retry-After: {body}");
+        assert_eq!(body["error"], "lock_timeout", "{body}");
+    }
+
+    holder.rollback().await.expect("free the row");
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(stats["orders"], 0, "{stats}");
+    assert_eq!(stats["stock_mysql"], 5, "{stats}");
+    assert_eq!(stats["stock_redis"], 5, "{stats}");
+    let (status, _, body) = order(9).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    mysql.close().await;
+}
