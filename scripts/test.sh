@@ -48,4 +48,10 @@ fi
 
 ./scripts/check-deploy.sh  # docker-compose.yml, Prometheus and Grafana configuration
 
-cargo test --workspace "$@"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --workspace "$@" 2>&1 | tee "$log"
+# cargo prints one summary per test binary, the last usually a doc-test run of none:
+# one closing line with the whole run's totals.
+awk '/^test result:/ { passed += $4; failed += $6 }
+     END { printf "tests: %d passed, %d failed\n", passed, failed }' "$log"
