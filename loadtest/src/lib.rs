@@ -38,6 +38,12 @@ pub async fn prepare(options: &Options) -> anyhow::Result<(Service, Vec<String>)
     let service = Service::new(&options.targets, options.admin_token.as_deref())?;
     service.check_targets().await?;
     let known = service.strategy_names().await?;
+    if let Some((unknown, _)) = options.stock_for.iter().find(|(s, _)| !known.contains(s)) {
+        bail!(
+            "--stock-for: unknown strategy '{unknown}'; the service knows: {}",
+            known.join(", ")
+        );
+    }
     let strategies = if options.strategies.trim() == "all" {
         known
     } else {
@@ -124,7 +130,7 @@ async fn run_strategy(
 ) -> anyhow::Result<RunResult> {
     service.switch_strategy(strategy).await?;
     for sku in skus {
-        service.reset(sku, options.stock).await?;
+        service.reset(sku, options.stock_of(strategy)).await?;
     }
     let pause = match options.fault {
         Some(Fault::PauseHolder) => Some(service.arm_pause().await?),
@@ -151,7 +157,7 @@ async fn run_strategy(
     play(
         &sale,
         strategy.to_owned(),
-        options.stock * skus.len() as i64,
+        options.stock_of(strategy) * skus.len() as i64,
         options.rate,
         &html,
     )

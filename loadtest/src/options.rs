@@ -59,6 +59,12 @@ pub struct Options {
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
     pub stock: i64,
 
+    /// Initial stock of each SKU for one strategy instead of --stock, repeatable
+    /// (`redis-atomic=20000`): a strategy that sells 1000 units in a tenth of a second
+    /// needs a larger sale for its rate to be measured rather than its first instants.
+    #[arg(long, value_name = "STRATEGY=UNITS", value_parser = parse_stock_for)]
+    pub stock_for: Vec<(String, i64)>,
+
     /// SKUs on sale at once (1 = one hot item; more spreads the lock contention).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
     pub skus: u64,
@@ -126,6 +132,28 @@ pub struct Options {
     /// (from 0) opens at this moment + i × (max-seconds + 6 s). Clocks must agree.
     #[arg(long, env = "FLASHSALE_DOORS_OPEN", value_parser = crate::split::parse_doors_open)]
     pub doors_open: Option<DateTime<Utc>>,
+}
+
+impl Options {
+    /// The initial stock of each SKU in `strategy`'s runs.
+    pub fn stock_of(&self, strategy: &str) -> i64 {
+        self.stock_for
+            .iter()
+            .rev()
+            .find(|(name, _)| name == strategy)
+            .map_or(self.stock, |(_, units)| *units)
+    }
+}
+
+fn parse_stock_for(raw: &str) -> Result<(String, i64), String> {
+    let wrong = || "STRATEGY=UNITS, with UNITS between 1 and 1000000".to_owned();
+    let (strategy, units) = raw.split_once('=').ok_or_else(wrong)?;
+    match units.trim().parse::<i64>() {
+        Ok(units) if (1..=1_000_000).contains(&units) && !strategy.trim().is_empty() => {
+            Ok((strategy.trim().to_owned(), units))
+        }
+        _ => Err(wrong()),
+    }
 }
 
 fn parse_rate(raw: &str) -> Result<f64, String> {

@@ -264,13 +264,14 @@ pub fn markdown(report: &LoadReport) -> String {
     let _ = writeln!(md, "Generated {}.\n", report.generated_at.to_rfc3339());
     let _ = writeln!(
         md,
-        "{} shoppers over {} replica(s) ({}), {} SKU(s) with {} units each; each run ends {} ms \
+        "{} shoppers over {} replica(s) ({}), {} SKU(s) with {} units each{}; each run ends {} ms \
          after everything sold out, or after {} s.{}\n",
         c.users,
         c.targets.len(),
         c.targets.join(", "),
         c.skus,
         c.stock,
+        other_stock(report),
         c.grace_ms,
         c.max_seconds,
         c.fault
@@ -321,6 +322,25 @@ pub fn markdown(report: &LoadReport) -> String {
          HTML report per strategy is beside this file (its charts load from a CDN)."
     );
     md
+}
+
+/// The strategies sold with another stock than the config's (`--stock-for`), from
+/// their runs' records: " (redis-atomic: 20000)".
+fn other_stock(report: &LoadReport) -> String {
+    let skus = i64::try_from(report.config.skus.max(1)).unwrap_or(1);
+    let mut others: Vec<String> = Vec::new();
+    for run in &report.runs {
+        let each = run.initial_stock / skus;
+        let said = format!("{}: {each}", run.strategy);
+        if each != report.config.stock && !others.contains(&said) {
+            others.push(said);
+        }
+    }
+    if others.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", others.join(", "))
+    }
 }
 
 /// What makes a run fail (its exit status): a lock strategy that oversold or left the

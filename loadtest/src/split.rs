@@ -252,7 +252,7 @@ pub async fn run_part(
             eprintln!("{label}: restocking and switching the cluster");
             service.switch_strategy(strategy).await?;
             for sku in &skus {
-                service.reset(sku, options.stock).await?;
+                service.reset(sku, options.stock_of(strategy)).await?;
             }
         } else {
             let bound = plus(doors, Duration::from_secs(options.max_seconds));

@@ -31,6 +31,9 @@ async fn report_figures_are_the_services_records() {
             "20",
             "--stock",
             "15",
+            // redis-lock's SKUs get their own stock; none keeps --stock.
+            "--stock-for",
+            "redis-lock=12",
             "--skus",
             "2",
             "--max-seconds",
@@ -53,10 +56,14 @@ async fn report_figures_are_the_services_records() {
             .await
             .expect("count");
         assert_eq!(run.orders as i64, orders, "{strategy}: orders are MySQL's");
-        assert_eq!(run.initial_stock, 30);
+        let units = if strategy == "redis-lock" { 24 } else { 30 };
+        assert_eq!(
+            run.initial_stock, units,
+            "{strategy}: the stock it was given"
+        );
         assert_eq!(
             run.oversold,
-            (orders - 30).max(0),
+            (orders - units).max(0),
             "{strategy}: oversold from MySQL"
         );
         // Every 201 the crowd received is a row in MySQL, and nothing else is (no
@@ -194,6 +201,23 @@ async fn bad_arguments_stop_before_any_load() {
         Options::try_parse_from(["loadtest", "--stock", "-3"]).is_err(),
         "negative stock"
     );
+    for bad in ["redis-atomic", "redis-atomic=0", "=10", "redis-atomic=lots"] {
+        assert!(
+            Options::try_parse_from(["loadtest", "--stock-for", bad]).is_err(),
+            "--stock-for {bad}"
+        );
+    }
+    let options = Options::parse_from([
+        "loadtest",
+        "--stock",
+        "30",
+        "--stock-for",
+        "redis-atomic=500",
+    ]);
+    assert_eq!(
+        (options.stock_of("redis-atomic"), options.stock_of("etcd")),
+        (500, 30)
+    );
 
     let options = Options::parse_from(["loadtest", "--goose=--no-such-goose-option"]);
     let error = loadtest::prepare(&options)
@@ -228,4 +252,16 @@ async fn bad_arguments_stop_before_any_load() {
         error.to_string().contains("unknown strategy 'magic'"),
         "{error}"
     );
+    let options = Options::parse_from([
+        "loadtest",
+        "--targets",
+        &cluster.replicas[0].base_url,
+        "--stock-for",
+        "magic=10",
+    ]);
+    let error = loadtest::prepare(&options)
+        .await
+        .err()
+        .expect("unknown strategy given a stock");
+    assert!(error.to_string().contains("--stock-for"), "{error}");
 }
