@@ -135,3 +135,51 @@ async fn fencing_admits_the_first_holder_of_every_lock() {
         }
     }
 }
+
+/// A holder from before a reset registers its token after it: the registration must
+/// not land (it is guarded by the sale's epoch). The reset cleared the SKU's fences so
+/// that a lock service restarted with low tokens can fence again; a late high token
+/// of the old sale would otherwise refuse every holder of the new one.
+#[tokio::test]
+async fn a_fence_registered_for_an_ended_sale_does_not_land() {
+    use flashsale::model::Sku;
+    use flashsale::store::Records;
+
+    let cluster = TestCluster::start(1, &[]).await;
+    let sku = Sku::parse("fence-epochs").expect("sku");
+    let mysql = cluster.mysql().await;
+    let epoch = || async {
+        let value: String =
+            sqlx::query_scalar("SELECT value FROM cluster_settings WHERE name = 'epoch'")
+                .fetch_one(&mysql)
+                .await
+                .expect("epoch");
+        value.parse::<u64>().expect("a number")
+    };
+    cluster.reset(sku.as_str(), 5).await;
+    let ended = epoch().await;
+    cluster.reset(sku.as_str(), 5).await;
+    let current = epoch().await;
+    assert!(current > ended, "{ended} then {current}");
+
+    let records = Records::connect(&cluster.database_url, 2, std::time::Duration::from_secs(10))
+        .await
+        .expect("records");
+    records
+        .register_fence(&sku, "redis-lock", 900, ended)
+        .await
+        .expect("sent");
+    records
+        .register_fence(&sku, "redis-lock", 3, current)
+        .await
+        .expect("sent");
+    let fence: i64 = sqlx::query_scalar(
+        "SELECT CAST(fence AS SIGNED) FROM product_fences WHERE sku = ? AND lock_service = 'redis-lock'",
+    )
+    .bind(sku.as_str())
+    .fetch_one(&mysql)
+    .await
+    .expect("the fence");
+    assert_eq!(fence, 3, "the ended sale's token 900 landed");
+    mysql.close().await;
+}
