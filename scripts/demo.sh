@@ -77,11 +77,12 @@ cmd_run() {
   local targets
   targets=$(seq -s, -f "http://127.0.0.1:%g" "$BASE_PORT" $((BASE_PORT + REPLICAS - 1)))
   # redis-atomic sells 1000 units in about 0.15 s, too short a sale for its rate to
-  # be measured (two runs were 25 % apart); 20000 units last about 3 s. Any --stock
-  # option given here replaces this default.
+  # be measured (two runs were 25 % apart); 20000 units last about 3 s. The default
+  # is sized for the default sale: any option that reshapes it (stock, SKUs, crowd,
+  # arrival rate, time limit) drops it, so what is asked for is what runs.
   local stock=(--stock-for redis-atomic=20000)
   for arg in "$@"; do
-    case "$arg" in --stock*) stock=() ;; esac
+    case "$arg" in --stock* | --skus* | --users* | --rate* | --max-seconds*) stock=() ;; esac
   done
   log "load test over every strategy (progress below)"
   ./target/release/loadtest --targets "$targets" --out "$ROOT/target/flashsale" "${stock[@]}" "$@"

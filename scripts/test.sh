@@ -50,8 +50,14 @@ fi
 
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-cargo test --workspace "$@" 2>&1 | tee "$log"
+# Every test binary runs even after one fails (--no-fail-fast), and the totals are
+# printed whatever the outcome; the script's status is cargo's.
+set +e
+cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
 # cargo prints one summary per test binary, the last usually a doc-test run of none:
 # one closing line with the whole run's totals.
 awk '/^test result:/ { passed += $4; failed += $6 }
      END { printf "tests: %d passed, %d failed\n", passed, failed }' "$log"
+exit "$status"

@@ -17,8 +17,9 @@ use utoipa::ToSchema;
 
 use crate::config::AdminToken;
 
-/// Output lines kept for a page that connects mid-run.
-const RECENT_LINES: usize = 200;
+/// Output lines kept for a page that connects mid-run: enough for a run over every
+/// strategy, each of which prints its progress and Goose's summary (~45 lines).
+const RECENT_LINES: usize = 1000;
 
 pub const BUILD_HINT: &str = "cargo build --release -p loadtest";
 

@@ -7,15 +7,33 @@
 // "60 shoppers · 200 units × 1 SKU · fencing off · no fault": what a run was run with
 // (the report's `config`). Fields a report may lack (older or newer load tests) are
 // said only when present: an open model's arrival rate, repeated runs, the work time.
-function runSettings(config) {
+function runSettings(report) {
+  const config = report.config;
   const crowd = config.rate
     ? `${config.rate} orders/s arriving`
     : `${config.users} shopper${config.users === 1 ? "" : "s"}`;
-  const parts = [crowd, `${config.stock} unit${config.stock === 1 ? "" : "s"} × ${config.skus} SKU${config.skus === 1 ? "" : "s"}`];
+  const parts = [crowd, stockSaid(report)];
   if (config.repeat > 1) parts.push(`each strategy ${config.repeat}×`);
   if (config.work_ms !== undefined && config.work_ms !== null) parts.push(`work ${config.work_ms} ms`);
   parts.push(`fencing ${config.fencing ? "on" : "off"}`, config.fault ? `fault: ${config.fault}` : "no fault");
   return parts.join(" · ");
+}
+
+// "200 units × 1 SKU": the units per SKU from the runs' records rather than the
+// config, since `--stock-for` gives some strategies another stock; the stock most
+// strategies sold first, the others after it (as report.md says it).
+function stockSaid(report) {
+  const skus = Math.max(report.config.skus, 1);
+  const stocks = new Map();
+  for (const run of report.runs) {
+    if (!stocks.has(run.strategy)) stocks.set(run.strategy, run.initial_stock === undefined ? report.config.stock : run.initial_stock / skus);
+  }
+  const all = [...stocks.values()];
+  const count = (n) => all.filter((m) => m === n).length;
+  const base = all.length ? all.reduce((best, n) => (count(n) > count(best) ? n : best)) : report.config.stock;
+  const others = [...stocks].filter(([, n]) => n !== base).map(([strategy, n]) => `${strategy}: ${n}`);
+  return `${base} unit${base === 1 ? "" : "s"} × ${skus} SKU${skus === 1 ? "" : "s"}` +
+    (others.length ? ` (${others.join(", ")})` : "");
 }
 
 // A report's runs, one entry per strategy: a strategy run several times (`--repeat`)
@@ -68,7 +86,7 @@ function renderComparison(report) {
     return;
   }
   settings.textContent = `Run ${runName(report)}, ${new Date(report.generated_at).toLocaleString()}: ` +
-    `${runSettings(report.config)}.`;
+    `${runSettings(report)}.`;
   const strategies = byStrategy(report);
   drawBars("compare-orders", strategies, [
     { pick: (s) => s.orders_per_s.median, format: (s) => spreadText(s.orders_per_s), class: "orders" }]);
@@ -91,7 +109,7 @@ function renderTrends(chronological) {
   const trends = document.getElementById("trends");
   const labels = document.getElementById("run-labels");
   labels.replaceChildren(...chronological.map((report) =>
-    el("li", { dataset: { run: report.id } }, el("strong", {}, runName(report)), ` ${runSettings(report.config)}: `,
+    el("li", { dataset: { run: report.id } }, el("strong", {}, runName(report)), ` ${runSettings(report)}: `,
       byStrategy(report).map((s) => s.strategy).join(", "))));
   if (chronological.length < 2) {
     // One run has no trend; the comparison above shows it.
@@ -120,7 +138,7 @@ function renderTrends(chronological) {
       splits: () => x.filter((i) => i % Math.ceil(chronological.length / 12) === 0),
       values: (_, splits) => splits.map(nameAt),
     },
-    xSeries: { label: "run", value: (_, i) => (i === null || !chronological[i] ? "–" : `${nameAt(i)}: ${runSettings(chronological[i].config)}`) },
+    xSeries: { label: "run", value: (_, i) => (i === null || !chronological[i] ? "–" : `${nameAt(i)}: ${runSettings(chronological[i])}`) },
   };
   drawChart("orders", "history-orders", [x, ...column((s) => s.orders_per_s.median)], series, options);
   drawChart("p99", "history-p99", [x, ...column((s) => s.p99.median)], series, options);
@@ -130,7 +148,7 @@ function renderTrends(chronological) {
 function renderHistoryTable(reports) {
   const rows = reports.flatMap((report) => {
     const when = new Date(report.generated_at).toLocaleString();
-    const settings = runSettings(report.config);
+    const settings = runSettings(report);
     const repeated = report.config.repeat > 1;
     return report.runs.map((run) => el("tr", { dataset: { run: report.id } },
       el("td", {}, `${runName(report)} ${when}`), el("td", {}, settings),

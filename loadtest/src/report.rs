@@ -264,14 +264,13 @@ pub fn markdown(report: &LoadReport) -> String {
     let _ = writeln!(md, "Generated {}.\n", report.generated_at.to_rfc3339());
     let _ = writeln!(
         md,
-        "{} shoppers over {} replica(s) ({}), {} SKU(s) with {} units each{}; each run ends {} ms \
+        "{} shoppers over {} replica(s) ({}), {} SKU(s) with {}; each run ends {} ms \
          after everything sold out, or after {} s.{}\n",
         c.users,
         c.targets.len(),
         c.targets.join(", "),
         c.skus,
-        c.stock,
-        other_stock(report),
+        stock_said(report),
         c.grace_ms,
         c.max_seconds,
         c.fault
@@ -324,22 +323,35 @@ pub fn markdown(report: &LoadReport) -> String {
     md
 }
 
-/// The strategies sold with another stock than the config's (`--stock-for`), from
-/// their runs' records: " (redis-atomic: 20000)".
-fn other_stock(report: &LoadReport) -> String {
+/// The units per SKU the runs sold, from their records rather than the config, since
+/// `--stock-for` gives some strategies another stock: "1000 units each (redis-atomic:
+/// 20000)", the stock most strategies sold first.
+fn stock_said(report: &LoadReport) -> String {
     let skus = i64::try_from(report.config.skus.max(1)).unwrap_or(1);
-    let mut others: Vec<String> = Vec::new();
+    let mut stocks: Vec<(String, i64)> = Vec::new();
     for run in &report.runs {
-        let each = run.initial_stock / skus;
-        let said = format!("{}: {each}", run.strategy);
-        if each != report.config.stock && !others.contains(&said) {
-            others.push(said);
+        if !stocks.iter().any(|(strategy, _)| *strategy == run.strategy) {
+            stocks.push((run.strategy.clone(), run.initial_stock / skus));
         }
     }
+    // On a tie, the stock of the strategy run first (max_by_key keeps the last).
+    let Some(base) = stocks
+        .iter()
+        .rev()
+        .map(|(_, each)| *each)
+        .max_by_key(|each| stocks.iter().filter(|(_, e)| e == each).count())
+    else {
+        return format!("{} units each", report.config.stock);
+    };
+    let others: Vec<String> = stocks
+        .iter()
+        .filter(|(_, each)| *each != base)
+        .map(|(strategy, each)| format!("{strategy}: {each}"))
+        .collect();
     if others.is_empty() {
-        String::new()
+        format!("{base} units each")
     } else {
-        format!(" ({})", others.join(", "))
+        format!("{base} units each ({})", others.join(", "))
     }
 }
 
@@ -409,12 +421,13 @@ mod tests {
         assert_eq!(latency(&new_times()).p99, 0.0);
     }
 
-    #[test]
-    fn a_lock_strategy_that_oversold_or_diverged_fails_the_run_and_none_does_not() {
-        let run = |strategy: &str, oversold: i64, consistent: bool| RunResult {
+    /// A run of `strategy` with its record's figures, the rest empty.
+    fn run(strategy: &str, oversold: i64, consistent: bool, initial_stock: i64) -> RunResult {
+        RunResult {
             strategy: strategy.into(),
             oversold,
             consistent,
+            initial_stock,
             ..run_result(
                 strategy,
                 1,
@@ -424,14 +437,18 @@ mod tests {
                 None,
                 ServiceFigures::default(),
             )
-        };
-        let report = |runs| LoadReport {
+        }
+    }
+
+    /// A report of `runs` over `skus` SKUs of `stock` units.
+    fn report(runs: Vec<RunResult>, stock: i64, skus: u64) -> LoadReport {
+        LoadReport {
             generated_at: chrono::Utc::now(),
             config: flashsale_wire::report::LoadConfig {
                 targets: vec![],
                 users: 1,
-                stock: 1,
-                skus: 1,
+                stock,
+                skus,
                 max_seconds: 1,
                 grace_ms: 0,
                 strategies: vec![],
@@ -442,6 +459,36 @@ mod tests {
                 parts: 1,
             },
             runs,
+        }
+    }
+
+    #[test]
+    fn the_stock_said_is_the_runs_not_the_configs() {
+        let runs = |stocks: &[(&str, i64)]| {
+            stocks
+                .iter()
+                .map(|(strategy, units)| run(strategy, 0, true, *units))
+                .collect()
+        };
+        let said = |stocks: &[(&str, i64)]| stock_said(&report(runs(stocks), 1000, 2));
+        assert_eq!(said(&[]), "1000 units each");
+        assert_eq!(
+            said(&[("none", 2000), ("etcd", 2000), ("redis-atomic", 40000)]),
+            "1000 units each (redis-atomic: 20000)"
+        );
+        // Every run sold with --stock-for: the config's stock was sold by none.
+        assert_eq!(said(&[("redis-atomic", 40000)]), "20000 units each");
+        assert_eq!(
+            said(&[("etcd", 20), ("redlock", 40)]),
+            "10 units each (redlock: 20)"
+        );
+    }
+
+    #[test]
+    fn a_lock_strategy_that_oversold_or_diverged_fails_the_run_and_none_does_not() {
+        let report = |runs| report(runs, 1, 1);
+        let run = |strategy: &str, oversold: i64, consistent: bool| {
+            run(strategy, oversold, consistent, 1)
         };
         assert!(
             violations(&report(vec![

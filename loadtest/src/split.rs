@@ -407,7 +407,7 @@ async fn play(
         crate::play(
             &sale,
             format!("{strategy} (part {}/{})", part.number, part.of),
-            options.stock * skus.len() as i64,
+            options.stock_of(strategy) * skus.len() as i64,
             options.rate,
             &html,
         )

@@ -297,8 +297,10 @@ impl SaleFlow {
     /// group commit that ended without settling the order (redis-atomic's units may
     /// be taken and unrecorded, or recorded).
     pub async fn commit_failed(&self, order: &NewOrder, error: StoreError) -> OrderError {
+        // A group commit's failure reaches its orders wrapped (Shared); its cause says
+        // whether the outcome is known.
         if matches!(
-            error,
+            error.cause(),
             StoreError::CommitOutcomeUnknown(_) | StoreError::GroupCommitLost
         ) {
             self.forget_stock(order).await;

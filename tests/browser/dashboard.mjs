@@ -148,10 +148,10 @@ try {
   if (cards !== strategies.length) throw new Error(`${cards} strategy cards for ${strategies.length} strategies`);
 
   step("two runs in the history: the latest compared strategy by strategy, both as trends");
-  const run = (strategy, ordersPerS, p50, p99, oversold, repeat = 1) => ({
+  const run = (strategy, ordersPerS, p50, p99, oversold, repeat = 1, stock = 200) => ({
     strategy, repeat, requests: 260, orders: 200 + oversold, orders_acknowledged: 200 + oversold, sold_out: 60,
     busy: 0, errors: 0, duration_s: 1.5, sell_out_s: 1.0, rps: 170.0, orders_per_s: ordersPerS,
-    latency_ms: { p50, p90: p99 * 0.8, p99, max: p99 * 1.2 }, initial_stock: 200, oversold,
+    latency_ms: { p50, p90: p99 * 0.8, p99, max: p99 * 1.2 }, initial_stock: stock, oversold,
     stock_redis: 0, stock_mysql: 0, consistent: oversold === 0,
   });
   const report = (minutesAgo, config, runs) => ({
@@ -160,7 +160,7 @@ try {
     runs,
   });
   await postJson(`${base}/api/runs`, report(30, { users: 20, stock: 200, skus: 1, fault: null, fencing: false },
-    [run("none", 900, 2.0, 9.0, 35), run("redis-lock", 400, 8.0, 40.0, 0), run("redlock", 250, 12.0, 70.0, 0)]));
+    [run("none", 900, 2.0, 9.0, 35), run("redis-lock", 400, 8.0, 40.0, 0), run("redlock", 250, 12.0, 70.0, 0, 1, 400)]));
   // The latest ran each strategy twice (`--repeat 2`): a strategy's bars show its
   // median and range, its oversold the worse run.
   await postJson(`${base}/api/runs`, report(1, { users: 60, stock: 200, skus: 1, fault: "pause-holder", fencing: true, repeat: 2 },
@@ -188,8 +188,8 @@ try {
   // The trends: one chart per figure, a run per tick, every run listed with its settings.
   if (await page.locator("#trends").isHidden()) throw new Error("trends hidden with two runs");
   if (await page.locator("#trends canvas").count() < 3) throw new Error("no trend charts");
-  await expectText(page.locator("#run-labels li").first(), /^#\d+ 20 shoppers · 200 units × 1 SKU · fencing off · no fault: none, redis-lock, redlock$/,
-    "the older run's settings");
+  await expectText(page.locator("#run-labels li").first(), /^#\d+ 20 shoppers · 200 units × 1 SKU \(redlock: 400\) · fencing off · no fault: none, redis-lock, redlock$/,
+    "the older run's settings, redlock's stock from its record (--stock-for)");
   await expectText(page.locator("#run-labels li").nth(1), /^#\d+ 60 shoppers .* fault: pause-holder: none, redis-lock, redlock, db-for-update$/,
     "the newer run's settings");
   await expectText(page.locator("#history-table tbody tr td:nth-child(2)").first(), /^60 shoppers/, "settings in the table");
