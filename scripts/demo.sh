@@ -79,10 +79,11 @@ cmd_run() {
   # redis-atomic sells 1000 units in about 0.15 s, too short a sale for its rate to
   # be measured (two runs were 25 % apart); 20000 units last about 3 s. The default
   # is sized for the default sale: any option that reshapes it (stock, SKUs, crowd,
-  # arrival rate, time limit) drops it, so what is asked for is what runs.
+  # arrival rate, time limit, or any of Goose's own, which can set the crowd and run
+  # time) drops it, so what is asked for is what runs.
   local stock=(--stock-for redis-atomic=20000)
   for arg in "$@"; do
-    case "$arg" in --stock* | --skus* | --users* | --rate* | --max-seconds*) stock=() ;; esac
+    case "$arg" in --stock* | --skus* | --users* | --rate* | --max-seconds* | --goose*) stock=() ;; esac
   done
   log "load test over every strategy (progress below)"
   ./target/release/loadtest --targets "$targets" --out "$ROOT/target/flashsale" "${stock[@]}" "$@"

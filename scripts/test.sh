@@ -56,8 +56,11 @@ set +e
 cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
-# cargo prints one summary per test binary, the last usually a doc-test run of none:
-# one closing line with the whole run's totals.
-awk '/^test result:/ { passed += $4; failed += $6 }
-     END { printf "tests: %d passed, %d failed\n", passed, failed }' "$log"
+# cargo prints one summary line per test binary; the totals add them up. A binary
+# that crashed, or a build that failed, prints none: the status says so.
+awk -v status="$status" '/^test result:/ { passed += $4; failed += $6 }
+     END {
+       printf "tests: %d passed, %d failed\n", passed, failed
+       if (status != 0 && failed == 0) print "tests: cargo failed without a failing test (a build error or a crashed test binary): see above"
+     }' "$log"
 exit "$status"

@@ -5,7 +5,7 @@
 "use strict";
 
 // "60 shoppers · 200 units × 1 SKU · fencing off · no fault": what a run was run with
-// (the report's `config`). Fields a report may lack (older or newer load tests) are
+// (the report's `config`, and the runs' own stock, see stockSaid). Fields a report may lack (older or newer load tests) are
 // said only when present: an open model's arrival rate, repeated runs, the work time.
 function runSettings(report) {
   const config = report.config;
@@ -26,7 +26,8 @@ function stockSaid(report) {
   const skus = Math.max(report.config.skus, 1);
   const stocks = new Map();
   for (const run of report.runs) {
-    if (!stocks.has(run.strategy)) stocks.set(run.strategy, run.initial_stock === undefined ? report.config.stock : run.initial_stock / skus);
+    // Whole units, as report.md says them.
+    if (!stocks.has(run.strategy)) stocks.set(run.strategy, Math.trunc(run.initial_stock / skus));
   }
   const all = [...stocks.values()];
   const count = (n) => all.filter((m) => m === n).length;

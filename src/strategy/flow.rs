@@ -295,12 +295,11 @@ impl SaleFlow {
     /// The order's answer when its MySQL write failed. After a COMMIT whose outcome is
     /// unknown the Redis stock can no longer be trusted and is dropped; so after a
     /// group commit that ended without settling the order (redis-atomic's units may
-    /// be taken and unrecorded, or recorded).
+    /// be taken and unrecorded, or recorded). A group commit's other failures reach
+    /// redis-atomic already settled by the committer, which does not call this.
     pub async fn commit_failed(&self, order: &NewOrder, error: StoreError) -> OrderError {
-        // A group commit's failure reaches its orders wrapped (Shared); its cause says
-        // whether the outcome is known.
         if matches!(
-            error.cause(),
+            error,
             StoreError::CommitOutcomeUnknown(_) | StoreError::GroupCommitLost
         ) {
             self.forget_stock(order).await;

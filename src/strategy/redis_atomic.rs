@@ -11,7 +11,7 @@ use async_trait::async_trait;
 
 use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
 use crate::model::{NewOrder, Order, Sku};
-use crate::store::{GroupCommit, Taken, TakenOrder};
+use crate::store::{GroupCommit, StoreError, Taken, TakenOrder};
 
 #[derive(Default)]
 pub struct RedisAtomicStrategy {
@@ -140,10 +140,12 @@ impl RedisAtomicStrategy {
         // back if refused or failed before COMMIT, kept (and the SKU's stock dropped)
         // if COMMIT's outcome is unknown. A committer that ended without settling the
         // order (`GroupCommitLost`) leaves its units unknown: the stock is dropped here.
+        // Dropping it again for a settled failure could undo a reconcile made since.
         match pending.recorded().await {
             Ok(Ok(committed)) => Ok(committed.order),
             Ok(Err(refusal)) => Err(flow.refused(order, refusal).await),
-            Err(error) => Err(flow.commit_failed(order, error).await),
+            Err(error @ StoreError::GroupCommitLost) => Err(flow.commit_failed(order, error).await),
+            Err(error) => Err(error.into()),
         }
     }
 }
