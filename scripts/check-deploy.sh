@@ -32,9 +32,9 @@ fi
 if [ ${#missing[@]} -gt 0 ]; then
   log "installing ${missing[*]}"
   if [ "$(id -u)" = 0 ]; then sudo_cmd=(); else sudo_cmd=(sudo); fi
-  "${sudo_cmd[@]}" apt-get update -qq
+  ${sudo_cmd[@]+"${sudo_cmd[@]}"} apt-get update -qq
   # No recommends: prometheus recommends node-exporter, a daemon we do not need.
-  "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive \
+  ${sudo_cmd[@]+"${sudo_cmd[@]}"} env DEBIAN_FRONTEND=noninteractive \
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
@@ -47,8 +47,8 @@ profile_args=()
 for profile in $(docker-compose config --profiles); do
   profile_args+=(--profile "$profile")
 done
-docker-compose "${profile_args[@]}" config -q
-docker-compose "${profile_args[@]}" config >"$tmp/compose.yml"
+docker-compose ${profile_args[@]+"${profile_args[@]}"} config -q
+docker-compose ${profile_args[@]+"${profile_args[@]}"} config >"$tmp/compose.yml"
 log "docker-compose.yml is valid with profiles: ${profile_args[*]:-none}"
 
 # 2. Prometheus's own check of its configuration.

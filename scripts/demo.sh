@@ -86,7 +86,7 @@ cmd_run() {
     case "$arg" in --stock* | --skus* | --users* | --rate* | --max-seconds* | --goose*) stock=() ;; esac
   done
   log "load test over every strategy (progress below)"
-  ./target/release/loadtest --targets "$targets" --out "$ROOT/target/flashsale" "${stock[@]}" "$@"
+  ./target/release/loadtest --targets "$targets" --out "$ROOT/target/flashsale" ${stock[@]+"${stock[@]}"} "$@"
 }
 
 case "${1:-}" in

@@ -27,4 +27,4 @@ done
 exec ./target/release/loadtest explore \
   --targets http://127.0.0.1:8081,http://127.0.0.1:8082,http://127.0.0.1:8083 \
   --lease-ms "$FLASHSALE_LOCK_LEASE_MS" --database-url "$FLASHSALE_DATABASE_URL" \
-  "${rounds[@]}" "$@"
+  ${rounds[@]+"${rounds[@]}"} "$@"

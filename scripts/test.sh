@@ -29,8 +29,8 @@ python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "[test] installing ${missing[*]}" >&2
   if [ "$(id -u)" = 0 ]; then sudo_cmd=(); else sudo_cmd=(sudo); fi
-  "${sudo_cmd[@]}" apt-get update -qq
-  "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  ${sudo_cmd[@]+"${sudo_cmd[@]}"} apt-get update -qq
+  ${sudo_cmd[@]+"${sudo_cmd[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 # playwright-core drives that chromium; its version is pinned in the lockfile.
 if [ ! -d tests/browser/node_modules/playwright-core ]; then

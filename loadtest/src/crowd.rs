@@ -250,11 +250,14 @@ impl Sale {
     }
 }
 
+/// Busy is the strategy refusing under contention, as designed (a lock not free in
+/// time, optimistic retries run out): the shopper may try again. Anything else that is
+/// not an order or a sold-out is an error.
 fn classify(status: u16, code: Option<&str>) -> Answer {
     match (status, code) {
         (201, _) => Answer::Order,
         (409, Some("sold_out")) => Answer::SoldOut,
-        (503, Some("lock_timeout")) => Answer::Busy,
+        (503, Some("lock_timeout" | "too_many_conflicts")) => Answer::Busy,
         _ => Answer::Error,
     }
 }
@@ -357,4 +360,26 @@ pub async fn attack(sale: Arc<Sale>, html_report: &Path) -> anyhow::Result<()> {
         .execute()
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contention_refusals_are_busy_and_the_rest_errors() {
+        assert!(matches!(classify(201, None), Answer::Order));
+        assert!(matches!(classify(409, Some("sold_out")), Answer::SoldOut));
+        assert!(matches!(classify(503, Some("lock_timeout")), Answer::Busy));
+        assert!(matches!(
+            classify(503, Some("too_many_conflicts")),
+            Answer::Busy
+        ));
+        assert!(matches!(
+            classify(503, Some("backend_unavailable")),
+            Answer::Error
+        ));
+        assert!(matches!(classify(409, Some("lock_lost")), Answer::Error));
+        assert!(matches!(classify(500, None), Answer::Error));
+    }
 }

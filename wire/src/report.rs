@@ -69,7 +69,7 @@ pub struct RunResult {
     /// 201 answers the crowd received (equal to `orders` unless answers were lost).
     pub orders_acknowledged: u64,
     pub sold_out: u64,
-    /// 503 lock_timeout answers.
+    /// Refusals under contention: 503 lock_timeout and too_many_conflicts answers.
     pub busy: u64,
     /// Everything that is neither an order, a sold-out nor busy.
     pub errors: u64,
