@@ -30,10 +30,17 @@ pub(crate) const GATHER_OPEN: Duration = Duration::from_millis(300);
 /// Checks everything that can be checked before any load is sent: targets answer,
 /// strategies exist. Returns the service client and the strategies to run.
 pub async fn prepare(options: &Options) -> anyhow::Result<(Service, Vec<String>)> {
-    <goose::config::GooseConfiguration as gumdrop::Options>::parse_args_default(
+    let goose = <goose::config::GooseConfiguration as gumdrop::Options>::parse_args_default(
         &options.goose_options,
     )
     .map_err(|error| anyhow::anyhow!("--goose options: {error}"))?;
+    if goose.no_print_metrics {
+        // Goose 0.18.1 leaves its HTML report empty when it prints no summary.
+        eprintln!(
+            "--goose=--no-print-metrics: Goose's HTML reports will be empty; \
+             report.json and report.md are not affected"
+        );
+    }
     split::check(options)?;
     let service = Service::new(&options.targets, options.admin_token.as_deref())?;
     service.check_targets().await?;
