@@ -215,26 +215,39 @@ FAIRNESS_GOAL = 2.0  # the busiest contender's cycles over the idlest's
 
 
 def goals(args):
-    runs = {}
+    # Every lock's reports in run order, None for a failed run, so that run k of ours
+    # pairs with run k of theirs (bench.sh runs them one after the other).
+    attempts = {}
     with open(args.reports) as lines:
         for line in lines:
             if line.strip():
                 report = json.loads(line)
-                if not report.get("failed"):
-                    runs.setdefault(report["lock"], []).append(report)
+                attempts.setdefault(report["lock"], []).append(
+                    None if report.get("failed") else report
+                )
+    runs = {lock: [r for r in rs if r] for lock, rs in attempts.items()}
     median = lambda lock, figure: (  # noqa: E731
         statistics.median(figure(r) for r in runs[lock]) if runs.get(lock) else None
     )
-    rows = ["| goal | ours | theirs | ours ÷ theirs | met |", "|---|---|---|---|---|"]
+    rows = [
+        "| goal | ours | theirs | ours ÷ theirs (run by run: min–max) | met |",
+        "|---|---|---|---|---|",
+    ]
     for ours, theirs, times in THROUGHPUT_GOALS:
         a, b = (median(lock, lambda r: r["cycles_per_s"]) for lock in (ours, theirs))
         if a is None or b is None:
             rows.append(f"| {ours} ≥ {times}× {theirs} (cycles/s) | – | – | not measured | – |")
             continue
         ratio = a / b
+        paired = [
+            x["cycles_per_s"] / y["cycles_per_s"]
+            for x, y in zip(attempts[ours], attempts[theirs])
+            if x and y and y["cycles_per_s"] > 0
+        ]
+        spread = f" ({min(paired):.2f}–{max(paired):.2f})" if paired else ""
         rows.append(
             f"| {ours} ≥ {times}× {theirs} (cycles/s) | {a:.0f} | {b:.0f} | "
-            f"{ratio:.2f} | {'yes' if ratio >= times else '**no**'} |"
+            f"{ratio:.2f}{spread} | {'yes' if ratio >= times else '**no**'} |"
         )
     lock, limit = HANDOFF_GOAL
     p50 = median(lock, lambda r: r["handoff_ms"]["p50"] or 0)
