@@ -27,8 +27,8 @@
 #   BENCH_ORDER_SECONDS (5), BENCH_CONNECTIONS (10 per replica), BENCH_PORT (8181,
 #   the first of the three replicas this script starts and stops), BENCH_STRATEGIES
 #   (space-separated, default all), BENCH_BINARY (default target/release/flashsale).
-# Every run is bounded in time; the whole default run takes about two minutes after
-# the build.
+# Every run is bounded in time; the whole default run takes about five minutes after
+# the build (two for lockbench and the peers, three for the orders).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -101,11 +101,11 @@ replace_section() {
 PEERS=${BENCH_PEERS-python-redis-lock,redis-py-lock,kazoo,python-etcd3}
 PEERS_VENV="$ROOT/target/bench-peers"
 
-# The peers' virtualenv, made or brought up to the pinned versions; false (and the
-# peers are left out) when PyPI cannot be reached.
+# The peers' virtualenv, made (again, if a half-made one has no pip) or brought up to
+# the pinned versions; false when it cannot be (no python3-venv, PyPI unreachable).
 peers_ready() {
-  [ -n "$PEERS" ] || return 1
-  if [ ! -x "$PEERS_VENV/bin/python" ]; then
+  if [ ! -x "$PEERS_VENV/bin/pip" ]; then
+    rm -rf "$PEERS_VENV"
     python3 -m venv "$PEERS_VENV" || return 1
   fi
   "$PEERS_VENV/bin/pip" install -q --disable-pip-version-check \
@@ -115,9 +115,14 @@ peers_ready() {
 section_lockbench() {
   local results="$WORK/lockbench.jsonl" lock run out bound load peers=""
   bound=$((${SECONDS_PER_RUN%.*} + 60))
-  if peers_ready; then
+  local no_peers=""
+  if [ -z "$PEERS" ]; then
+    no_peers="were left out of this run (\`BENCH_PEERS\` was empty)"
+  elif peers_ready; then
     peers=${PEERS//,/ }
   else
+    no_peers="were not measured in this run: their virtualenv could not be made or
+installed from PyPI"
     log "the peers' libraries could not be installed; measuring ours alone"
   fi
   load=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -153,16 +158,17 @@ same runs and the same shape by \`scripts/bench/peers.py\` (versions pinned in
 \`scripts/bench/peers-requirements.txt\`): python-redis-lock (waiters block on a
 list the release pushes to), redis-py's \`Lock\` polling every 1 ms, kazoo's
 \`Lock\` (ZooKeeper's recipe) and python-etcd3's \`Lock\` (a lease per attempt,
-every waiter watching the one key). Python is slower than Rust at the client end,
-so the ratios below credit part of the gap to the language, not to the recipe.
+every waiter watching the one key; its protobuf 3.20 runs in pure Python). Python
+is slower than Rust at the client end, so the ratios below credit part of the gap
+to the language, not to the recipe. A round is every lock once, ours then theirs;
+each ratio is taken round by round.
 
 The goals, from the medians above:
 
 $(python3 scripts/bench/peers.py goals "$results")"
   else
     against="The libraries people use instead (python-redis-lock, redis-py's \`Lock\`,
-kazoo, python-etcd3) were not measured in this run: their virtualenv could not be
-installed from PyPI, and figures from another run would not compare."
+kazoo, python-etcd3) $no_peers; figures from another run would not compare."
   fi
 
   cat >"$WORK/lockbench.md" <<EOF
