@@ -20,15 +20,16 @@
 #   scripts/bench.sh [--no-stack] lockbench|orders   only that section
 #
 # Settings, from the environment:
-#   BENCH_CONTENDERS (8), BENCH_SECONDS (3), BENCH_REPEAT (3),
+#   BENCH_CONTENDERS (8), BENCH_SECONDS (3), BENCH_REPEAT (5),
 #   BENCH_LOCKS (redis-lock,db-unique,zookeeper,db-for-update,etcd,redlock,none),
 #   BENCH_PEERS (python-redis-lock,redis-py-lock,kazoo,python-etcd3; empty: none),
 #   FLASHSALE_LOCK_LEASE_MS and FLASHSALE_ZK_SESSION_MS as for `flashsale serve`;
 #   BENCH_ORDER_SECONDS (5), BENCH_CONNECTIONS (10 per replica), BENCH_PORT (8181,
 #   the first of the three replicas this script starts and stops), BENCH_STRATEGIES
 #   (space-separated, default all), BENCH_BINARY (default target/release/flashsale).
-# Every run is bounded in time; the whole default run takes about five minutes after
-# the build (two for lockbench and the peers, three for the orders).
+# Every run is bounded in time; the whole default run takes about nine minutes after
+# the build (four for lockbench and the peers, five for the orders). Five repeats,
+# because three left a goal's verdict to one noisy round.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -50,7 +51,7 @@ done
 
 CONTENDERS=${BENCH_CONTENDERS:-8}
 SECONDS_PER_RUN=${BENCH_SECONDS:-3}
-REPEAT=${BENCH_REPEAT:-3}
+REPEAT=${BENCH_REPEAT:-5}
 LOCKS=${BENCH_LOCKS:-redis-lock,db-unique,zookeeper,db-for-update,etcd,redlock,none}
 [[ "$CONTENDERS" =~ ^[0-9]+$ ]] || die "BENCH_CONTENDERS must be a whole number"
 [[ "$REPEAT" =~ ^[1-9][0-9]*$ ]] || die "BENCH_REPEAT must be a whole number above 0"
