@@ -164,7 +164,7 @@ is slower than Rust at the client end, so the ratios below credit part of the ga
 to the language, not to the recipe. A round is every lock once, ours then theirs;
 each ratio is taken round by round.
 
-The goals, from the medians above:
+The goals, from the runs above:
 
 $(python3 scripts/bench/peers.py goals "$results")"
   else
