@@ -19,6 +19,7 @@ Runs in the virtualenv `scripts/bench.sh` makes (the libraries are not needed fo
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import queue
@@ -77,8 +78,9 @@ def make_lock(lib, name, lease_s, zk_session_s):
 def acquire(lib, lock, wait_s, lease_s):
     """One attempt bounded by `wait_s`; True if held. Each library spells it its way."""
     if lib == "python-redis-lock":
-        # It refuses to wait longer than its lease.
-        return lock.acquire(blocking=True, timeout=min(max(wait_s, 0.001), max(1, lease_s)))
+        # It takes whole seconds (0 would mean no limit) and no more than its lease.
+        whole = max(1, math.ceil(wait_s))
+        return lock.acquire(blocking=True, timeout=min(whole, max(1, math.ceil(lease_s))))
     if lib == "redis-py-lock":
         return lock.acquire(blocking=True, blocking_timeout=wait_s)
     if lib == "kazoo":
