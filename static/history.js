@@ -5,8 +5,9 @@
 "use strict";
 
 // "60 shoppers · 200 units × 1 SKU · fencing off · no fault": what a run was run with
-// (the report's `config`, and the runs' own stock, see stockSaid). Fields a report may lack (older or newer load tests) are
-// said only when present: an open model's arrival rate, repeated runs, the work time.
+// (the report's `config`, and the runs' own stock, see stockSaid). Fields a report
+// may lack (older or newer load tests) are said only when present: an open model's
+// arrival rate, repeated runs, the work time.
 function runSettings(report) {
   const config = report.config;
   const crowd = config.rate
