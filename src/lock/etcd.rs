@@ -23,7 +23,8 @@
 //!   a lost acquisition, not a hold.
 //! - The key lives on the lease: if the replica dies, keep-alives stop, the lease
 //!   expires after its TTL and etcd deletes the key, waking the next contender.
-//! - The keep-alive stream is opened by the keep-alive task, off the acquisition's path.
+//! - The keep-alive stream is opened by the keep-alive task, off the acquisition's
+//!   path, and only when the first renewal is due: most holds end before.
 //!   A stream that cannot be opened, breaks, or whose answer is awaited longer than a
 //!   third of the TTL marks the hold lost: the loss is noticed while the lease is still
 //!   alive.
@@ -175,6 +176,7 @@ impl DistributedLock for EtcdLock {
             tasks: self.tasks.clone(),
             armed: true,
         };
+        let granted_at = Instant::now();
         let grant = client.lease_grant(
             self.lease_ttl,
             Some(LeaseGrantOptions::new().with_id(lease)),
@@ -189,6 +191,7 @@ impl DistributedLock for EtcdLock {
             client.clone(),
             lease,
             self.lease_ttl,
+            granted_at,
             lost.clone(),
         ));
         let mut place = Place {
@@ -441,13 +444,24 @@ fn read_of(response: &TxnResponse, index: usize) -> Vec<KeyValue> {
     }
 }
 
-/// Opens the lease's keep-alive stream, then sends a keep-alive every third of the
+/// Once a third of the TTL has passed since the grant was sent (`granted_at`), opens the lease's keep-alive
+/// stream (opening it renews the lease), then sends a keep-alive every third of the
 /// TTL and waits at most a third for each answer; marks the hold lost when the stream
 /// cannot be opened, etcd says the lease is gone, or the stream breaks or stalls. The
 /// lease then still has a third of its TTL to run: the holder learns of the loss
-/// before anyone else can take the lock.
-async fn keep_alive(mut client: Client, lease: i64, ttl: i64, lost: Arc<AtomicBool>) {
+/// before anyone else can take the lock. Most acquisitions end before the first
+/// renewal is due and never open a stream: a stream opened per order was a gRPC
+/// stream and a renewal that etcd, the busiest process under contention, served for
+/// nothing.
+async fn keep_alive(
+    mut client: Client,
+    lease: i64,
+    ttl: i64,
+    granted_at: Instant,
+    lost: Arc<AtomicBool>,
+) {
     let period = Duration::from_millis(u64::try_from(ttl * 1000 / 3).unwrap_or(500));
+    tokio::time::sleep_until(granted_at + period).await;
     let give_up = |why: &str| {
         tracing::warn!(
             lease,

@@ -976,6 +976,32 @@ async fn etcd_tokens_grow_across_a_queue_shared_with_etcds_lock_service() {
     );
 }
 
+/// A hold kept for several TTLs stays held, and nobody else is served meanwhile: the
+/// keep-alive stream, opened only once the first renewal is due, renews the lease for
+/// as long as the holder lives.
+#[tokio::test]
+async fn etcd_hold_outlives_its_lease_ttl() {
+    let namespace = format!("outlive-{:x}", rand::random::<u32>());
+    let ttl = Duration::from_secs(2);
+    let holder = EtcdLock::new(&etcd_endpoints(), &namespace, ttl);
+    let rival = EtcdLock::new(&etcd_endpoints(), &namespace, ttl);
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    tokio::time::sleep(ttl * 3).await;
+    guard
+        .ensure_held()
+        .await
+        .expect("still held after three TTLs");
+    assert_timeout(
+        rival.acquire("item", Duration::from_millis(300)).await,
+        "held by a live holder",
+    );
+    guard.release().await.expect("released");
+    rival
+        .acquire("item", LONG)
+        .await
+        .expect("free after release");
+}
+
 /// A keep-alive stream that stops answering (etcd unreachable, the connection still
 /// open) is noticed while the lease would still be alive: the holder learns it lost
 /// the lock instead of waiting on a silent stream.
