@@ -24,10 +24,10 @@
 //! - The key lives on the lease: if the replica dies, keep-alives stop, the lease
 //!   expires after its TTL and etcd deletes the key, waking the next contender.
 //! - The keep-alive stream is opened by the keep-alive task, off the acquisition's
-//!   path, and only when the first renewal is due: most holds end before.
-//!   A stream that cannot be opened, breaks, or whose answer is awaited longer than a
-//!   third of the TTL marks the hold lost: the loss is noticed while the lease is still
-//!   alive.
+//!   path, and only when the first renewal is due, a third of the TTL after the grant:
+//!   an order's hold ends before. A stream that cannot be opened, breaks, or leaves a
+//!   renewal unanswered when the next is due marks the hold lost: the loss is noticed
+//!   while the lease is still alive.
 //! - A holder checks before committing that its key is still there, with its revision
 //!   and lease. That one read covers the lease (etcd deletes a lease's keys when it
 //!   revokes it, at expiry too) and a key deleted by hand. Nobody else can be served
@@ -444,15 +444,16 @@ fn read_of(response: &TxnResponse, index: usize) -> Vec<KeyValue> {
     }
 }
 
-/// Once a third of the TTL has passed since the grant was sent (`granted_at`), opens the lease's keep-alive
-/// stream (opening it renews the lease), then sends a keep-alive every third of the
-/// TTL and waits at most a third for each answer; marks the hold lost when the stream
-/// cannot be opened, etcd says the lease is gone, or the stream breaks or stalls. The
-/// lease then still has a third of its TTL to run: the holder learns of the loss
-/// before anyone else can take the lock. Most acquisitions end before the first
-/// renewal is due and never open a stream: a stream opened per order was a gRPC
-/// stream and a renewal that etcd, the busiest process under contention, served for
-/// nothing.
+/// Keeps the lease alive: a renewal is due every third of the TTL, counted from when
+/// the grant was sent (`granted_at`), and each must be answered before the next is
+/// due. The first renewal opens the keep-alive stream (etcd-client renews as it opens
+/// it), so an acquisition that ends within a third of its TTL, an order's, never opens
+/// one: etcd, the busiest process under contention, served a stream and a renewal per
+/// order for nothing. The hold is marked lost when the stream cannot be opened, etcd
+/// says the lease is gone, or the stream breaks or stalls. Every renewal etcd applied
+/// restarted the full TTL no earlier than it was due, so at the moment one is given up
+/// the lease still has a third of its TTL to run: the holder learns of the loss before
+/// anyone else can take the lock.
 async fn keep_alive(
     mut client: Client,
     lease: i64,
@@ -461,7 +462,6 @@ async fn keep_alive(
     lost: Arc<AtomicBool>,
 ) {
     let period = Duration::from_millis(u64::try_from(ttl * 1000 / 3).unwrap_or(500));
-    tokio::time::sleep_until(granted_at + period).await;
     let give_up = |why: &str| {
         tracing::warn!(
             lease,
@@ -470,14 +470,18 @@ async fn keep_alive(
         );
         lost.store(true, Ordering::SeqCst);
     };
-    let (mut keeper, mut responses) = match timeout(period, client.lease_keep_alive(lease)).await {
+    let mut due = granted_at + period;
+    tokio::time::sleep_until(due).await;
+    let opened = timeout_at(due + period, client.lease_keep_alive(lease)).await;
+    let (mut keeper, mut responses) = match opened {
         Ok(Ok(stream)) => stream,
         Ok(Err(_)) => return give_up("the keep-alive stream could not be opened"),
         Err(_) => return give_up("opening the keep-alive stream stalled"),
     };
     loop {
-        tokio::time::sleep(period).await;
-        let answered = timeout(period, async {
+        due += period;
+        tokio::time::sleep_until(due).await;
+        let answered = timeout_at(due + period, async {
             keeper.keep_alive().await?;
             responses.message().await
         })

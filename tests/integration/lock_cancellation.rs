@@ -506,3 +506,44 @@ async fn etcd_lock_survives_cancelled_acquisitions() {
     })
     .await;
 }
+
+/// Acquisitions dropped around the moment their first renewal is due (a third of the
+/// TTL after the grant), when the keep-alive task sleeps, opens its stream or renews: a
+/// holder and a waiter queued behind it, each dropped at a random instant near it.
+/// Nothing may be kept alive after them: no lease, no key, no keep-alive task. (A
+/// keep-alive that outlived its acquisition and a revoke that never came would keep
+/// the lease and its key; either alone is caught by the other or by the TTL.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_drops_around_the_first_renewal_leave_nothing() {
+    let etcd = PrivateEtcd::start().await;
+    let ns = format!("renewal{:x}", rand::random::<u32>());
+    let ttl = Duration::from_secs(2);
+    let lock = Arc::new(EtcdLock::new(&etcd.endpoint, &ns, ttl));
+    for _ in 0..6 {
+        let guard = lock.acquire("hot", PATIENCE).await.expect("acquired");
+        let waiter = {
+            let lock = lock.clone();
+            tokio::spawn(async move { lock.acquire("hot", PATIENCE).await.map(drop) })
+        };
+        let near_first_renewal = Duration::from_millis(rand::random_range(600..760));
+        tokio::time::sleep(near_first_renewal).await;
+        waiter.abort();
+        drop(guard);
+    }
+    let patient_lock = EtcdLock::new(&etcd.endpoint, &ns, ttl);
+    let waited = patient(&patient_lock, "hot").await;
+    println!("etcd: the patient contender waited {waited:?}");
+    settles("etcd keys", || async {
+        let (keys, _) = patient_lock.inspect("hot").await.expect("keys");
+        keys.into_iter().map(|(key, _, _)| key).collect()
+    })
+    .await;
+    settles("etcd leases", || etcd.leases()).await;
+    settles("keep-alives ended with their acquisitions", || async {
+        match lock.background_tasks() {
+            0 => Vec::new(),
+            live => vec![format!("{live} background tasks")],
+        }
+    })
+    .await;
+}

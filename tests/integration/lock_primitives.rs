@@ -977,16 +977,24 @@ async fn etcd_tokens_grow_across_a_queue_shared_with_etcds_lock_service() {
 }
 
 /// A hold kept for several TTLs stays held, and nobody else is served meanwhile: the
-/// keep-alive stream, opened only once the first renewal is due, renews the lease for
-/// as long as the holder lives.
+/// keep-alive stream, opened only once the first renewal is due (a third of the TTL),
+/// renews the lease on time and for as long as the holder lives.
 #[tokio::test]
 async fn etcd_hold_outlives_its_lease_ttl() {
     let namespace = format!("outlive-{:x}", rand::random::<u32>());
-    let ttl = Duration::from_secs(2);
+    let ttl = Duration::from_secs(3);
     let holder = EtcdLock::new(&etcd_endpoints(), &namespace, ttl);
     let rival = EtcdLock::new(&etcd_endpoints(), &namespace, ttl);
     let guard = holder.acquire("item", LONG).await.expect("acquired");
-    tokio::time::sleep(ttl * 3).await;
+    // Renewed after 1 s (and 2 s), the lease has about 2 s left at 2.4 s; unrenewed,
+    // 0.6 s, which etcd reports as 0 whole seconds.
+    tokio::time::sleep(ttl * 4 / 5).await;
+    let (_, left) = holder.inspect("item").await.expect("keys");
+    assert!(
+        left.is_some_and(|seconds| seconds >= 1),
+        "renewed within the first two thirds of the TTL ({left:?} s left at 2.4 s)"
+    );
+    tokio::time::sleep(ttl * 11 / 5).await;
     guard
         .ensure_held()
         .await
