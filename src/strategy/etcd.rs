@@ -14,7 +14,7 @@ pub fn explanation() -> Explanation {
                   before its own and looks again once it is deleted. The key lives on the \
                   lease: if the replica dies, the lease expires and the next one proceeds.",
         commands: vec![
-            "LeaseGrant(ttl, id chosen by the replica) → lease; LeaseKeepAlive(lease) every ttl/3",
+            "LeaseGrant(ttl, id chosen by the replica) → lease; LeaseKeepAlive(lease) every ttl/3 from the grant (an order done sooner sends none)",
             "Txn: if <prefix>/<lease> is absent, PUT it on the lease; GET <prefix> newest 2 by create revision → held if no key before it",
             "else: Watch the key just before (from now), GET it again, wait for its DELETE, look again",
             "before commit: GET <prefix>/<lease> (still there: same create revision, same lease)",
