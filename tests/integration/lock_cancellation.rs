@@ -490,6 +490,11 @@ async fn etcd_lock_survives_cancelled_acquisitions() {
     let patient_lock = make("patient");
     let waited = patient(&*patient_lock, "hot").await;
     report("etcd", acquired, waited);
+    etcd_left_nothing(&etcd, &patient_lock, &locks).await;
+}
+
+/// After the patient release: no key under the lock, no lease, no task of `locks`.
+async fn etcd_left_nothing(etcd: &PrivateEtcd, patient_lock: &EtcdLock, locks: &[Arc<EtcdLock>]) {
     settles("etcd keys", || async {
         let (keys, _) = patient_lock.inspect("hot").await.expect("keys");
         keys.into_iter().map(|(key, _, _)| key).collect()
@@ -497,11 +502,9 @@ async fn etcd_lock_survives_cancelled_acquisitions() {
     .await;
     settles("etcd leases", || etcd.leases()).await;
     settles("keep-alives ended with their acquisitions", || async {
-        let live: usize = locks.iter().map(|lock| lock.background_tasks()).sum();
-        if live == 0 {
-            Vec::new()
-        } else {
-            vec![format!("{live} background tasks")]
+        match locks.iter().map(|lock| lock.background_tasks()).sum() {
+            0 => Vec::new(),
+            live => vec![format!("{live} background tasks")],
         }
     })
     .await;
@@ -533,17 +536,5 @@ async fn etcd_drops_around_the_first_renewal_leave_nothing() {
     let patient_lock = EtcdLock::new(&etcd.endpoint, &ns, ttl);
     let waited = patient(&patient_lock, "hot").await;
     println!("etcd: the patient contender waited {waited:?}");
-    settles("etcd keys", || async {
-        let (keys, _) = patient_lock.inspect("hot").await.expect("keys");
-        keys.into_iter().map(|(key, _, _)| key).collect()
-    })
-    .await;
-    settles("etcd leases", || etcd.leases()).await;
-    settles("keep-alives ended with their acquisitions", || async {
-        match lock.background_tasks() {
-            0 => Vec::new(),
-            live => vec![format!("{live} background tasks")],
-        }
-    })
-    .await;
+    etcd_left_nothing(&etcd, &patient_lock, &[lock]).await;
 }

@@ -286,12 +286,18 @@ where
         lease_renewed_above::<F>(&holder, "item", lease_ms * 3 / 4, lease * 4).await;
         renewals += 1;
     }
+    holds_off_until_released(guard, &rival, "after more than two leases").await;
+    tasks_end::<F>(&holder).await;
+}
+
+/// `guard` still holds (`when`): `rival` is refused, then served once it is released.
+async fn holds_off_until_released<L: DistributedLock>(guard: impl HeldLock, rival: &L, when: &str) {
     guard
         .ensure_held()
         .await
-        .expect("still held after more than two leases");
+        .unwrap_or_else(|error| panic!("not held {when}: {error}"));
     assert_timeout(
-        rival.acquire("item", Duration::from_millis(200)).await,
+        rival.acquire("item", Duration::from_millis(300)).await,
         "held by a live holder",
     );
     guard.release().await.expect("released");
@@ -299,7 +305,6 @@ where
         .acquire("item", LONG)
         .await
         .expect("free after release");
-    tasks_end::<F>(&holder).await;
 }
 
 /// A holder that stalls past its lease loses the lock to a rival; it then knows it
@@ -995,19 +1000,7 @@ async fn etcd_hold_outlives_its_lease_ttl() {
         "renewed within the first two thirds of the TTL ({left:?} s left at 2.4 s)"
     );
     tokio::time::sleep(ttl * 11 / 5).await;
-    guard
-        .ensure_held()
-        .await
-        .expect("still held after three TTLs");
-    assert_timeout(
-        rival.acquire("item", Duration::from_millis(300)).await,
-        "held by a live holder",
-    );
-    guard.release().await.expect("released");
-    rival
-        .acquire("item", LONG)
-        .await
-        .expect("free after release");
+    holds_off_until_released(guard, &rival, "after three TTLs").await;
 }
 
 /// A keep-alive stream that stops answering (etcd unreachable, the connection still
