@@ -453,7 +453,9 @@ fn read_of(response: &TxnResponse, index: usize) -> Vec<KeyValue> {
 /// says the lease is gone, or the stream breaks or stalls. Every renewal etcd applied
 /// restarted the full TTL no earlier than it was due, so at the moment one is given up
 /// the lease still has a third of its TTL to run: the holder learns of the loss before
-/// anyone else can take the lock.
+/// anyone else can take the lock, provided this task runs within a third of the TTL of
+/// each deadline. A process paused longer learns nothing here; its last check before
+/// the commit reads etcd, and only the fencing token covers what comes after that.
 async fn keep_alive(
     mut client: Client,
     lease: i64,
@@ -488,7 +490,8 @@ async fn keep_alive(
         .await;
         match answered {
             Ok(Ok(Some(response))) if response.ttl() > 0 => {}
-            Ok(Ok(_)) => return give_up("the lease is gone"),
+            Ok(Ok(Some(_))) => return give_up("the lease is gone"),
+            Ok(Ok(None)) => return give_up("the keep-alive stream ended"),
             Ok(Err(_)) => return give_up("the keep-alive stream broke"),
             Err(_) => return give_up("the keep-alive stalled"),
         }
