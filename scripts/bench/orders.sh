@@ -66,6 +66,14 @@ subprocess.run(["mariadb", "--no-defaults", "-h", u.hostname, "-P", str(u.port o
                 "-u", u.username, f"-p{u.password}", "-e",
                 f"CREATE DATABASE IF NOT EXISTS {sys.argv[2]}"], check=True)
 PY
+  # Replicas already answering on these ports (a demo, a forgotten run) would be
+  # measured in place of this build's, under their own settings.
+  local port
+  for port in "$PORT" $((PORT + 1)) $((PORT + 2)); do
+    if curl -s -o /dev/null "http://127.0.0.1:$port/healthz"; then
+      die "something already answers on port $port; stop it or set BENCH_PORT"
+    fi
+  done
   # No simulated work: the figures are the strategies' cost.
   FLASHSALE_WORK_MS=0 FLASHSALE_DATABASE_URL="$url" FLASHSALE_NAMESPACE="${name//_/-}" \
     "$BINARY" cluster --replicas 3 --base-port "$PORT" \
@@ -73,6 +81,7 @@ PY
   CLUSTER_PID=$!
   local i
   for i in $(seq 1 120); do
+    kill -0 "$CLUSTER_PID" 2>/dev/null || die "the benchmark's replicas exited (see $WORK/cluster.log)"
     curl -sf "http://127.0.0.1:$((PORT + 2))/healthz" >/dev/null && return 0
     sleep 0.5
   done
