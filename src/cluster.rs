@@ -10,6 +10,12 @@
 //! back-off, never in a busy loop. The restart count goes to the replica
 //! (`FLASHSALE_RESTARTS`), which announces it, so the dashboard shows the restart.
 //!
+//! Replicas on one machine share its cores, so each replica's Tokio runtime gets its
+//! share of them (`TOKIO_WORKER_THREADS`, at least one) rather than a worker per
+//! core: three replicas of two workers each on two cores spent the contended orders'
+//! time waking and stealing between threads (BENCHMARKS, "Round trips per order",
+//! item 8). A `TOKIO_WORKER_THREADS` set for the supervisor is passed on as it is.
+//!
 //! On SIGINT/SIGTERM nothing is restarted any more: every replica receives SIGTERM and
 //! gets time to finish its in-flight orders, then SIGKILL. No replica outlives the
 //! supervisor: a dropped child is killed (`kill_on_drop`), and a replica whose
@@ -42,6 +48,14 @@ const ORPHAN_CHECK: Duration = Duration::from_secs(1);
 pub async fn run(config: ClusterConfig, log_format: LogFormat) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating the flashsale binary")?;
     let stopping = CancellationToken::new();
+    let worker_threads = match std::env::var(WORKER_THREADS) {
+        Ok(chosen) => chosen,
+        Err(_) => {
+            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            workers_per_replica(cores, config.replicas).to_string()
+        }
+    };
+    tracing::info!(replicas = config.replicas, worker_threads = %worker_threads, "starting replicas");
     let mut keepers = Vec::new();
     for index in 0..config.replicas {
         let port = config
@@ -54,6 +68,7 @@ pub async fn run(config: ClusterConfig, log_format: LogFormat) -> anyhow::Result
             log_format,
             port,
             id: format!("replica-{}", index + 1),
+            worker_threads: worker_threads.clone(),
         };
         keepers.push(tokio::spawn(keep(replica, stopping.clone())));
     }
@@ -67,6 +82,14 @@ pub async fn run(config: ClusterConfig, log_format: LogFormat) -> anyhow::Result
     Ok(())
 }
 
+/// Tokio's own setting of a runtime's worker threads.
+const WORKER_THREADS: &str = "TOKIO_WORKER_THREADS";
+
+/// Each replica's share of the machine's `cores`, at least one worker.
+fn workers_per_replica(cores: usize, replicas: u16) -> usize {
+    (cores / usize::from(replicas.max(1))).max(1)
+}
+
 /// What it takes to start one replica.
 struct Replica {
     exe: PathBuf,
@@ -74,6 +97,8 @@ struct Replica {
     log_format: LogFormat,
     port: u16,
     id: String,
+    /// Its runtime's worker threads (`TOKIO_WORKER_THREADS`).
+    worker_threads: String,
 }
 
 impl Replica {
@@ -91,6 +116,7 @@ impl Replica {
             .env("FLASHSALE_REPLICA_ID", &self.id)
             .env("FLASHSALE_RESTARTS", restarts.to_string())
             .env("FLASHSALE_SUPERVISOR_PID", std::process::id().to_string())
+            .env(WORKER_THREADS, &self.worker_threads)
             .kill_on_drop(true)
             .spawn()
     }
@@ -220,5 +246,13 @@ mod tests {
         assert_eq!(waits, [250, 500, 1000, 2000, 4000, 8000, 8000]);
         assert_eq!(backoff.after(STABLE_AFTER), FIRST_BACKOFF);
         assert_eq!(backoff.after(young), FIRST_BACKOFF * 2);
+    }
+
+    #[test]
+    fn replicas_split_the_cores_and_each_keeps_one_worker() {
+        assert_eq!(workers_per_replica(2, 3), 1);
+        assert_eq!(workers_per_replica(8, 3), 2);
+        assert_eq!(workers_per_replica(16, 1), 16);
+        assert_eq!(workers_per_replica(1, 0), 1);
     }
 }
