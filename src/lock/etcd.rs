@@ -34,7 +34,10 @@
 //!   while the key is there, even if its lease expired a moment ago.
 //! - The wait lasts as long as the caller's wait and no longer; every call inside it is
 //!   bounded by `CALL_TIMEOUT`, except the wait for a deletion.
-//! - Release revokes the lease, which deletes the key with it.
+//! - Release revokes the lease, which deletes the key with it. etcd keeps the deleted
+//!   key in its index until its history is compacted, and every read of the queue
+//!   walks past it: on a busy lock reads slow down until then, so the stack compacts
+//!   every 5 s (`scripts/stack.sh`). Nothing here needs the history.
 //! - **Cancellation**: the lease id is chosen here, before the grant is sent, so an
 //!   acquisition dropped at any point (even while its grant is in flight) knows what
 //!   to revoke. Its keep-alive task and its watch die with it, and its cleanup revokes

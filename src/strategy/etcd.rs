@@ -12,7 +12,10 @@ pub fn explanation() -> Explanation {
                   after the lease under the SKU's lock prefix. Contenders are served in the \
                   order their keys were created: each watches only the key queued just \
                   before its own and looks again once it is deleted. The key lives on the \
-                  lease: if the replica dies, the lease expires and the next one proceeds.",
+                  lease: if the replica dies, the lease expires and the next one proceeds. \
+                  Each released key stays in etcd's index until the history is compacted, \
+                  and every look at the queue walks past them: a busy lock needs a short \
+                  history (the stack keeps 5 s).",
         commands: vec![
             "LeaseGrant(ttl, id chosen by the replica) → lease; LeaseKeepAlive(lease) every ttl/3 from the grant (an order done sooner sends none)",
             "Txn: if <prefix>/<lease> is absent, PUT it on the lease; GET <prefix> newest 2 by create revision → held if no key before it",
