@@ -178,6 +178,9 @@ impl LoadTests {
             request.strategies.join(",")
         };
         let mut command = tokio::process::Command::new(&self.binary);
+        // `flashsale cluster` gives this replica its share of the cores; the load
+        // generator is a program of its own and sizes its runtime to the machine.
+        command.env_remove("TOKIO_WORKER_THREADS");
         command
             .arg("--targets")
             .arg(targets.join(","))
