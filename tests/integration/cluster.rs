@@ -351,3 +351,28 @@ async fn replicas_stop_when_their_supervisor_is_killed() {
     );
     assert!(health(&url).await.is_err(), "nothing answers on its port");
 }
+
+/// Replicas on one machine split its cores: each runtime is started with its share
+/// (`TOKIO_WORKER_THREADS`, at least one), or with the number the supervisor was given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_get_their_share_of_the_cores() {
+    let replicas = 2;
+    let supervisor = Supervisor::start(replicas, None, Stdio::inherit()).await;
+    let url = supervisor.url(1);
+    assert!(wait_healthy(&url).await);
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let expected = std::env::var("TOKIO_WORKER_THREADS")
+        .unwrap_or_else(|_| (cores / usize::from(replicas)).max(1).to_string());
+    let mut pids = Vec::new();
+    for replica in ["replica-1", "replica-2"] {
+        let pid = pid_of(&announced(&url, replica).await);
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).expect("environ");
+        let workers = environ
+            .split(|byte| *byte == 0)
+            .find_map(|entry| entry.strip_prefix(b"TOKIO_WORKER_THREADS="))
+            .map(|value| String::from_utf8_lossy(value).into_owned());
+        assert_eq!(workers.as_deref(), Some(expected.as_str()), "{replica}");
+        pids.push(pid);
+    }
+    terminate(supervisor, &pids).await;
+}
