@@ -1,11 +1,19 @@
-//! An etcd lock: a lease granted per acquisition and kept alive while waiting and
-//! holding, and a queue of keys under the lock's prefix served in create-revision order
-//! (the recipe of etcd's `concurrency.Mutex` and of Curator, run here by the client).
+//! An etcd lock: a queue of keys under the lock's prefix served in create-revision
+//! order, each key on the replica's session lease (the recipe of etcd's
+//! `concurrency.Session` and `concurrency.Mutex`, run here by the client).
+//!
+//! - **Session**: one lease per replica, granted on first use and kept alive by one
+//!   stream for as long as the replica uses it; a lock's key is `<name>/<lease id>`.
+//!   The replica's requests for one lock take turns (`local_queue`), so a session has
+//!   at most one key per lock, which is what `concurrency.Mutex` asks of a session's
+//!   users. A lease per acquisition made every order pay a grant, one of the three raft
+//!   writes each order cost etcd (grant, queue put, revoke); one per replica sold 1.26×
+//!   as many orders (BENCHMARKS.md, "Round trips per order", item 5).
 //!
 //! - Joining the queue is one transaction: put `<name>/<lease id>` on the lease unless it
 //!   is there, and read the two newest keys of the prefix by create revision: this one
-//!   and the one queued just before it. No key before it: the lock is held, one round
-//!   trip after the grant.
+//!   and the one queued just before it. No key before it: the lock is held, in one
+//!   round trip (once the replica has its session).
 //! - Otherwise the contender watches the key just before its own until it is deleted
 //!   (released, revoked, expired) and looks again: that key may have left the queue
 //!   while others still wait ahead. Each contender watches one key, so a release wakes
@@ -23,39 +31,41 @@
 //!   a lost acquisition, not a hold.
 //! - The key lives on the lease: if the replica dies, keep-alives stop, the lease
 //!   expires after its TTL and etcd deletes the key, waking the next contender.
-//! - The keep-alive stream is opened by the keep-alive task, off the acquisition's
-//!   path, and only when the first renewal is due, a third of the TTL after the grant:
-//!   an order's hold ends before. A stream that cannot be opened, breaks, or leaves a
-//!   renewal unanswered when the next is due marks the hold lost: the loss is noticed
-//!   while the lease is still alive.
+//! - The keep-alive stream is opened by the session's keep-alive task, off any
+//!   acquisition's path, when the first renewal is due. A stream that cannot be opened,
+//!   breaks, or leaves a renewal unanswered when the next is due marks the session lost:
+//!   its holds learn it while the lease is still alive, and the next acquisition opens
+//!   a new session. A session nobody uses any more (replaced, or its lock service
+//!   dropped) revokes its lease.
 //! - A holder checks before committing that its key is still there, with its revision
 //!   and lease. That one read covers the lease (etcd deletes a lease's keys when it
 //!   revokes it, at expiry too) and a key deleted by hand. Nobody else can be served
 //!   while the key is there, even if its lease expired a moment ago.
 //! - The wait lasts as long as the caller's wait and no longer; every call inside it is
 //!   bounded by `CALL_TIMEOUT`, except the wait for a deletion.
-//! - Release revokes the lease, which deletes the key with it. etcd keeps the deleted
-//!   key in its index until its history is compacted, and every read of the queue
-//!   walks past it: on a busy lock reads slow down until then, so the stack compacts
-//!   every 5 s (`scripts/stack.sh`). Nothing here needs the history.
-//! - **Cancellation**: the lease id is chosen here, before the grant is sent, so an
-//!   acquisition dropped at any point (even while its grant is in flight) knows what
-//!   to revoke. Its keep-alive task and its watch die with it, and its cleanup revokes
-//!   the lease, taking its key (a put that arrives after the revoke finds no lease and
-//!   fails). Nothing of a dropped acquisition is kept alive; at worst a grant that
-//!   lands after its revoke expires after its TTL.
+//! - Release deletes the key. etcd keeps a deleted key in its index until its history
+//!   is compacted, and every read of the queue walks past it: on a busy lock reads slow
+//!   down until then, so the stack compacts every 5 s (`scripts/stack.sh`). Nothing
+//!   here needs the history.
+//! - **Cancellation**: the key's name is known before the queue put is sent, so an
+//!   acquisition dropped at any point deletes it from a cleanup task. The cleanup keeps
+//!   the replica's turn until etcd confirms the delete: the replica's next request
+//!   would otherwise queue under the same name, find the key still there, and be
+//!   served on a key about to be deleted under it. A delete that cannot be confirmed
+//!   gives the session up (renewals stop, its holds are told they lost the lock), so the
+//!   key goes with the lease within a TTL. A session dropped while its grant is in
+//!   flight revokes the lease; at worst a grant that lands after its revoke expires
+//!   after its TTL.
 //! - The fencing token is the store's revision at the read that found no key ahead:
 //!   each holder's granting read comes after its predecessor's key was deleted, so
 //!   the token grows in hold order. (Not the key's create revision: a key queued while
 //!   an earlier contender was still waiting has a lower one than the revision that
 //!   contender was granted at, which is what etcd's Lock service, used before, gave
 //!   as the token, and what MySQL may hold as the SKU's fence.)
-//!
-//! One lease per acquisition, not one per replica: the key is named after the lease,
-//! so two contenders of one replica sharing a lease would share a key and both be
-//! served; a key of a dropped acquisition would live as long as the replica's lease;
-//! and pausing one holder (`suspend_renewal`) would pause every contender of its
-//! replica. Per acquisition, revoking the lease is a complete cleanup.
+//! - Pausing a holder (`suspend_renewal`, the paused-holder fault) stops its session's
+//!   renewals without telling its holds, as a paused process would: every key of the
+//!   session expires after the TTL, and the replica's next acquisitions open a new
+//!   session.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,6 +80,7 @@ use etcd_client::{
 use tokio::sync::OnceCell;
 use tokio::time::{Instant, timeout, timeout_at};
 
+use super::local_queue::{LocalQueues, Turn};
 use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, HeldLock, LockError, LockView};
 
@@ -89,6 +100,10 @@ pub struct EtcdLock {
     /// Made on first use, without a network round trip (the channel connects lazily):
     /// a replica starts even while etcd is down.
     client: OnceCell<Client>,
+    /// The session this replica's keys live on now; replaced once it stops serving.
+    session: tokio::sync::Mutex<Option<Arc<Session>>>,
+    /// The replica's requests for one lock take turns: one key per lock and session.
+    local_queues: LocalQueues,
     tasks: Tasks,
 }
 
@@ -99,12 +114,14 @@ impl EtcdLock {
             prefix: format!("/flashsale/{namespace}/locks"),
             lease_ttl: i64::try_from(lease.as_secs().max(2)).unwrap_or(2),
             client: OnceCell::new(),
+            session: tokio::sync::Mutex::new(None),
+            local_queues: LocalQueues::default(),
             tasks: Tasks::default(),
         }
     }
 
-    /// Background tasks running now: keep-alives of acquisitions and revokes of
-    /// dropped ones.
+    /// Background tasks running now: cleanups of dropped acquisitions and guards, and
+    /// revokes of sessions nobody uses any more.
     pub fn background_tasks(&self) -> usize {
         self.tasks.live()
     }
@@ -123,6 +140,18 @@ impl EtcdLock {
             .await
             .map_err(etcd_error)?;
         Ok(client.clone())
+    }
+
+    /// The replica's session, or a new one if there is none or it stopped serving.
+    /// Contenders that need a new one wait for the same grant.
+    async fn session(&self, client: &Client) -> Result<Arc<Session>, LockError> {
+        let mut current = self.session.lock().await;
+        if let Some(session) = current.as_ref().filter(|session| session.serves()) {
+            return Ok(session.clone());
+        }
+        let session = Session::grant(client.clone(), self.lease_ttl, &self.tasks).await?;
+        *current = Some(session.clone());
+        Ok(session)
     }
 
     /// The lock's keys in queue order (create revision), each with its lease; the
@@ -167,61 +196,47 @@ impl DistributedLock for EtcdLock {
     async fn acquire(&self, name: &str, wait: Duration) -> Result<EtcdGuard, LockError> {
         let deadline = Instant::now() + wait;
         let too_late = || LockError::Timeout { waited: wait };
-        let mut client = timeout_at(deadline, self.client())
+        let lock_name = self.lock_name(name);
+        let turn = self
+            .local_queues
+            .turn(&lock_name, deadline)
+            .await
+            .ok_or_else(too_late)?;
+        let client = timeout_at(deadline, self.client())
             .await
             .map_err(|_| too_late())??;
-        // Positive and not 0 (0 asks etcd to choose).
-        let lease = rand::random_range(1..i64::MAX);
-        // From here on a drop revokes the lease, whatever was sent.
-        let mut pending = Revoker {
-            client: client.clone(),
-            lease,
-            tasks: self.tasks.clone(),
-            armed: true,
-        };
-        let granted_at = Instant::now();
-        let grant = client.lease_grant(
-            self.lease_ttl,
-            Some(LeaseGrantOptions::new().with_id(lease)),
-        );
-        timeout_at(deadline.min(Instant::now() + CALL_TIMEOUT), grant)
+        let session = timeout_at(deadline, self.session(&client))
             .await
-            .map_err(|_| too_late())?
-            .map_err(etcd_error)?;
-        let lost = Arc::new(AtomicBool::new(false));
-        // Kept alive while waiting too: a wait may outlast the TTL.
-        let keep_alive = self.tasks.spawn_owned(keep_alive(
-            client.clone(),
-            lease,
-            self.lease_ttl,
-            granted_at,
-            lost.clone(),
-        ));
-        let mut place = Place {
+            .map_err(|_| too_late())??;
+        let key = format!("{lock_name}/{:x}", session.lease);
+        // From here on a drop deletes the key, whatever was sent, before the turn passes.
+        let queued = QueuedKey {
             client: client.clone(),
-            prefix: format!("{}/", self.lock_name(name)),
-            key: format!("{}/{lease:x}", self.lock_name(name)),
-            lease,
+            key: key.clone(),
+            session: session.clone(),
+            turn: Some(turn),
+            tasks: self.tasks.clone(),
+            settled: false,
+        };
+        let mut place = Place {
+            client,
+            prefix: format!("{lock_name}/"),
+            key,
+            lease: session.lease,
         };
         let (revision, token) = timeout_at(deadline, place.wait_turn())
             .await
             .map_err(|_| too_late())??;
-        if lost.load(Ordering::SeqCst) {
+        if session.lost() {
             return Err(LockError::Lost(format!(
-                "lease {lease:x} stopped being kept alive while waiting"
+                "lease {:x} stopped being kept alive while waiting",
+                session.lease
             )));
         }
-        pending.armed = false;
         Ok(EtcdGuard {
-            client,
-            key: place.key,
-            lease,
+            queued,
             revision,
             token,
-            lost,
-            keep_alive,
-            released: false,
-            tasks: self.tasks.clone(),
         })
     }
 
@@ -447,15 +462,13 @@ fn read_of(response: &TxnResponse, index: usize) -> Vec<KeyValue> {
     }
 }
 
-/// Keeps the lease alive: a renewal is due every third of the TTL, counted from when
-/// the grant was sent (`granted_at`), and each must be answered before the next is
-/// due. The first renewal opens the keep-alive stream (etcd-client renews as it opens
-/// it), so an acquisition that ends within a third of its TTL, an order's, never opens
-/// one: etcd, the busiest process under contention, served a stream and a renewal per
-/// order for nothing. The hold is marked lost when the stream cannot be opened, etcd
-/// says the lease is gone, or the stream breaks or stalls. Every renewal etcd applied
+/// Keeps a session's lease alive: a renewal is due every third of the TTL, counted
+/// from when the grant was sent (`granted_at`), and each must be answered before the
+/// next is due. The first renewal opens the keep-alive stream (etcd-client renews as it
+/// opens it). The session is marked lost when the stream cannot be opened, etcd says
+/// the lease is gone, or the stream breaks or stalls. Every renewal etcd applied
 /// restarted the full TTL no earlier than it was due, so at the moment one is given up
-/// the lease still has a third of its TTL to run: the holder learns of the loss before
+/// the lease still has a third of its TTL to run: a holder learns of the loss before
 /// anyone else can take the lock, provided this task runs within a third of the TTL of
 /// each deadline. A process paused longer learns nothing here; its last check before
 /// the commit reads etcd, and only the fencing token covers what comes after that.
@@ -501,24 +514,73 @@ async fn keep_alive(
     }
 }
 
-/// Revokes a lease when dropped while armed, in the background and bounded.
-struct Revoker {
+/// The replica's lease and its keep-alive: what its lock keys live on.
+struct Session {
     client: Client,
     lease: i64,
+    /// Set when the keep-alive gave up, or a key could not be cleaned up.
+    lost: Arc<AtomicBool>,
+    /// Set when renewals were suspended (the paused-holder fault): the holds are not
+    /// told, but nobody new queues on a lease left to expire.
+    suspended: AtomicBool,
+    keep_alive: AbortOnDrop,
     tasks: Tasks,
-    armed: bool,
 }
 
-impl Drop for Revoker {
+impl Session {
+    /// Grants a lease and starts keeping it alive. The lease id is chosen here and the
+    /// session made before the grant is sent, so one dropped at any point revokes.
+    async fn grant(client: Client, ttl: i64, tasks: &Tasks) -> Result<Arc<Session>, LockError> {
+        // Positive and not 0 (0 asks etcd to choose).
+        let lease = rand::random_range(1..i64::MAX);
+        let lost = Arc::new(AtomicBool::new(false));
+        let granted_at = Instant::now();
+        let session = Session {
+            client: client.clone(),
+            lease,
+            lost: lost.clone(),
+            suspended: AtomicBool::new(false),
+            // Not counted among the lock's tasks: it lives as long as the session.
+            keep_alive: AbortOnDrop::spawn(keep_alive(
+                client.clone(),
+                lease,
+                ttl,
+                granted_at,
+                lost,
+            )),
+            tasks: tasks.clone(),
+        };
+        let options = LeaseGrantOptions::new().with_id(lease);
+        bounded(client.clone().lease_grant(ttl, Some(options))).await?;
+        Ok(Arc::new(session))
+    }
+
+    fn lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
+    /// Whether new acquisitions may queue on it.
+    fn serves(&self) -> bool {
+        !self.lost() && !self.suspended.load(Ordering::SeqCst)
+    }
+
+    /// Stops renewing and tells its holds: its keys go with the lease within a TTL.
+    fn give_up(&self) {
+        self.keep_alive.abort();
+        self.lost.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Session {
+    /// Nobody holds, waits or queues on it any more: revoke, in the background and
+    /// bounded; the lease otherwise expires, unrenewed.
     fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
         let (mut client, lease) = (self.client.clone(), self.lease);
         self.tasks.spawn_detached(async move {
             for attempt in 0..REVOKE_TRIES {
                 match bounded(client.lease_revoke(lease)).await {
                     Ok(_) => return,
+                    Err(error) if error.to_string().contains("lease not found") => return,
                     Err(error) if attempt + 1 == REVOKE_TRIES => {
                         tracing::debug!(%error, lease, "lease revoke failed; it will expire");
                     }
@@ -529,43 +591,89 @@ impl Drop for Revoker {
     }
 }
 
-/// A held etcd lock: its key and the lease the key lives on.
-pub struct EtcdGuard {
+/// An acquisition's key, queued or perhaps queued, with the replica's turn on the
+/// lock. Dropped unsettled, it deletes the key in the background and gives the turn up
+/// only once etcd confirmed the delete (see the module comment).
+struct QueuedKey {
     client: Client,
     key: String,
-    lease: i64,
+    session: Arc<Session>,
+    turn: Option<Turn>,
+    tasks: Tasks,
+    /// Set once the key's deletion was confirmed.
+    settled: bool,
+}
+
+impl QueuedKey {
+    /// Deletes the key; whether it was still there.
+    async fn delete(&self) -> Result<bool, LockError> {
+        let deleted = bounded(self.client.clone().delete(self.key.as_str(), None)).await?;
+        Ok(deleted.deleted() > 0)
+    }
+}
+
+impl Drop for QueuedKey {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let (mut client, key, session, turn) = (
+            self.client.clone(),
+            self.key.clone(),
+            self.session.clone(),
+            self.turn.take(),
+        );
+        self.tasks.spawn_detached(async move {
+            for _ in 0..REVOKE_TRIES {
+                if bounded(client.delete(key.as_str(), None)).await.is_ok() {
+                    drop(turn);
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            tracing::warn!(%key, lease = session.lease, "could not delete a lock key; giving its session up");
+            session.give_up();
+            drop(turn);
+        });
+    }
+}
+
+/// A held etcd lock: its key, on the replica's session.
+pub struct EtcdGuard {
+    queued: QueuedKey,
     /// The key's create revision.
     revision: i64,
     /// The fencing token: the revision at which the turn was found.
     token: i64,
-    lost: Arc<AtomicBool>,
-    keep_alive: AbortOnDrop,
-    /// Set once etcd confirmed the revoke: nothing left to release.
-    released: bool,
-    tasks: Tasks,
 }
 
 #[async_trait]
 impl HeldLock for EtcdGuard {
     async fn ensure_held(&self) -> Result<(), LockError> {
-        if self.lost.load(Ordering::SeqCst) {
+        let session = &self.queued.session;
+        if session.lost() {
             return Err(LockError::Lost(format!(
                 "lease {:x} stopped being kept alive",
-                self.lease
+                session.lease
             )));
         }
-        let read = bounded(self.client.clone().get(self.key.as_str(), None)).await?;
+        let read = bounded(
+            self.queued
+                .client
+                .clone()
+                .get(self.queued.key.as_str(), None),
+        )
+        .await?;
         let queued = read
             .kvs()
             .first()
-            .is_some_and(|kv| kv.create_revision() == self.revision && kv.lease() == self.lease);
+            .is_some_and(|kv| kv.create_revision() == self.revision && kv.lease() == session.lease);
         if queued {
             Ok(())
         } else {
-            self.lost.store(true, Ordering::SeqCst);
             Err(LockError::Lost(format!(
                 "{} is gone (lease {:x} expired or revoked, or the key deleted)",
-                self.key, self.lease
+                self.queued.key, session.lease
             )))
         }
     }
@@ -575,43 +683,25 @@ impl HeldLock for EtcdGuard {
     }
 
     fn suspend_renewal(&self) {
-        self.keep_alive.abort();
+        let session = &self.queued.session;
+        session.keep_alive.abort();
+        session.suspended.store(true, Ordering::SeqCst);
     }
 
-    /// Revoking the lease deletes the lock key with it. If the revoke fails, the drop
-    /// retries it in the background; the lease otherwise expires, unrenewed.
+    /// Deletes the key; the next contender's watch hears it. If the delete fails, the
+    /// drop retries it in the background.
     async fn release(mut self) -> Result<(), LockError> {
-        self.keep_alive.abort();
-        match bounded(self.client.clone().lease_revoke(self.lease)).await {
-            Ok(_) => {
-                self.released = true;
-                Ok(())
-            }
-            Err(error) if error.to_string().contains("lease not found") => {
-                self.released = true;
-                tracing::warn!(
-                    lease = self.lease,
-                    "released a lock whose lease had expired"
-                );
-                Err(LockError::Lost(format!(
-                    "lease {:x} had expired before release",
-                    self.lease
-                )))
-            }
-            Err(error) => Err(error),
+        let was_there = self.queued.delete().await?;
+        self.queued.settled = true;
+        if was_there {
+            Ok(())
+        } else {
+            tracing::warn!(key = %self.queued.key, "released a lock whose key was gone");
+            Err(LockError::Lost(format!(
+                "{} was gone before release (lease {:x} expired or revoked)",
+                self.queued.key, self.queued.session.lease
+            )))
         }
-    }
-}
-
-impl Drop for EtcdGuard {
-    fn drop(&mut self) {
-        self.keep_alive.abort();
-        drop(Revoker {
-            client: self.client.clone(),
-            lease: self.lease,
-            tasks: self.tasks.clone(),
-            armed: !self.released,
-        });
     }
 }
 

@@ -8,20 +8,22 @@ pub fn explanation() -> Explanation {
     Explanation {
         name: "etcd",
         title: "etcd lease and lock (revision order)",
-        summary: "Each acquisition grants a lease and keeps it alive, then queues a key named \
-                  after the lease under the SKU's lock prefix. Contenders are served in the \
-                  order their keys were created: each watches only the key queued just \
-                  before its own and looks again once it is deleted. The key lives on the \
-                  lease: if the replica dies, the lease expires and the next one proceeds. \
-                  Each released key stays in etcd's index until the history is compacted, \
-                  and every look at the queue walks past them: a busy lock needs a short \
+        summary: "Each replica holds one lease, its session, kept alive for as long as it \
+                  runs (etcd's concurrency.Session), and its requests for one SKU take \
+                  turns. The one whose turn it is queues a key named after the session's \
+                  lease under the SKU's lock prefix. Contenders are served in the order \
+                  their keys were created: each watches only the key queued just before \
+                  its own and looks again once it is deleted. The key lives on the lease: \
+                  if the replica dies, the lease expires and the next one proceeds. Each \
+                  released key stays in etcd's index until the history is compacted, and \
+                  every look at the queue walks past them: a busy lock needs a short \
                   history (the stack keeps 5 s).",
         commands: vec![
-            "LeaseGrant(ttl, id chosen by the replica) → lease; LeaseKeepAlive(lease) every ttl/3 from the grant (an order done sooner sends none)",
+            "once per replica: LeaseGrant(ttl, id chosen by the replica) → session lease; LeaseKeepAlive(lease) every ttl/3",
             "Txn: if <prefix>/<lease> is absent, PUT it on the lease; GET <prefix> newest 2 by create revision → held if no key before it",
             "else: Watch the key just before (from now), GET it again, wait for its DELETE, look again",
             "before commit: GET <prefix>/<lease> (still there: same create revision, same lease)",
-            "release: LeaseRevoke(lease), which deletes the lock key",
+            "release: DELETE <prefix>/<lease> (a dropped request's key is deleted before the replica's next request for the SKU queues)",
             "fencing token: the revision of the read that found no key before it (grows in hold order)",
         ],
         failure_mode: "Lease expiry: a holder cut off from etcd, or paused, longer than the \

@@ -490,32 +490,50 @@ async fn etcd_lock_survives_cancelled_acquisitions() {
     let patient_lock = make("patient");
     let waited = patient(&*patient_lock, "hot").await;
     report("etcd", acquired, waited);
-    etcd_left_nothing(&etcd, &patient_lock, &locks).await;
+    etcd_left_nothing(&etcd, patient_lock, locks).await;
 }
 
-/// After the patient release: no key under the lock, no lease, no task of `locks`.
-async fn etcd_left_nothing(etcd: &PrivateEtcd, patient_lock: &EtcdLock, locks: &[Arc<EtcdLock>]) {
+/// After the patient release: no key under the lock, no cleanup task of `locks`, and
+/// no lease with a key on it. Each lock service keeps its session's lease, without
+/// keys, until it is dropped; then no lease is left either.
+async fn etcd_left_nothing(
+    etcd: &PrivateEtcd,
+    patient_lock: Arc<EtcdLock>,
+    locks: Vec<Arc<EtcdLock>>,
+) {
     settles("etcd keys", || async {
         let (keys, _) = patient_lock.inspect("hot").await.expect("keys");
         keys.into_iter().map(|(key, _, _)| key).collect()
     })
     .await;
-    settles("etcd leases", || etcd.leases()).await;
-    settles("keep-alives ended with their acquisitions", || async {
+    settles("cleanups ended", || async {
         match locks.iter().map(|lock| lock.background_tasks()).sum() {
             0 => Vec::new(),
             live => vec![format!("{live} background tasks")],
         }
     })
     .await;
+    settles("etcd leases with keys", || async {
+        let mut leases = etcd.leases().await;
+        leases.retain(|lease| !lease.ends_with("keys []"));
+        leases
+    })
+    .await;
+    let services = locks.len() + 1;
+    let sessions = etcd.leases().await.len();
+    assert!(
+        sessions <= services,
+        "at most one lease per lock service: {sessions} for {services}"
+    );
+    drop((patient_lock, locks));
+    settles("etcd leases of dropped lock services", || etcd.leases()).await;
 }
 
-/// Acquisitions dropped around the moment their first renewal is due (a third of the
-/// TTL after the grant), when the keep-alive task sleeps, opens its stream or renews: a
-/// holder and a waiter queued behind it, each dropped at a random instant near it.
-/// Nothing may be kept alive after them: no lease, no key, no keep-alive task. (A
-/// keep-alive that outlived its acquisition and a revoke that never came would keep
-/// the lease and its key; either alone is caught by the other or by the TTL.)
+/// Acquisitions dropped around the moment the session's first renewal is due (a third
+/// of the TTL after the grant), when the keep-alive task sleeps, opens its stream or
+/// renews: a holder and a waiter queued behind it, each dropped at a random instant
+/// near it. Nothing of them may be left: no key, no cleanup task, and once the lock
+/// service is dropped, no lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_drops_around_the_first_renewal_leave_nothing() {
     let etcd = PrivateEtcd::start().await;
@@ -533,8 +551,8 @@ async fn etcd_drops_around_the_first_renewal_leave_nothing() {
         waiter.abort();
         drop(guard);
     }
-    let patient_lock = EtcdLock::new(&etcd.endpoint, &ns, ttl);
-    let waited = patient(&patient_lock, "hot").await;
+    let patient_lock = Arc::new(EtcdLock::new(&etcd.endpoint, &ns, ttl));
+    let waited = patient(&*patient_lock, "hot").await;
     println!("etcd: the patient contender waited {waited:?}");
-    etcd_left_nothing(&etcd, &patient_lock, &[lock]).await;
+    etcd_left_nothing(&etcd, patient_lock, vec![lock]).await;
 }
