@@ -47,15 +47,18 @@
 //!   is compacted, and every read of the queue walks past it: on a busy lock reads slow
 //!   down until then, so the stack compacts every 5 s (`scripts/stack.sh`). Nothing
 //!   here needs the history.
-//! - **Cancellation**: the key's name is known before the queue put is sent, so an
-//!   acquisition dropped at any point deletes it from a cleanup task. The cleanup keeps
-//!   the replica's turn until etcd confirms the delete: the replica's next request
-//!   would otherwise queue under the same name, find the key still there, and be
-//!   served on a key about to be deleted under it. A delete that cannot be confirmed
-//!   gives the session up (renewals stop, its holds are told they lost the lock), so the
-//!   key goes with the lease within a TTL. A session dropped while its grant is in
-//!   flight revokes the lease; at worst a grant that lands after its revoke expires
-//!   after its TTL.
+//! - **Cancellation**: the queue put runs in a task of its own, to its answer, so an
+//!   acquisition dropped at any point leaves a cleanup that knows whether, and at
+//!   which create revision, its key was made; the cleanup deletes it only if it is
+//!   still that key. (Deleted at once instead, a put still in flight could land after
+//!   the delete, on a lease kept alive for the replica's other locks: a key nobody
+//!   would ever delete.) The cleanup keeps the replica's turn until etcd confirms the
+//!   delete: the replica's next request would otherwise queue under the same name,
+//!   find the key still there, and be served on a key about to be deleted under it. A
+//!   put that failed or went unanswered, or a delete that cannot be confirmed, gives
+//!   the session up (renewals stop, its holds are told they lost the lock), so the key
+//!   goes with the lease within a TTL. A grant dropped in flight revokes its lease; at
+//!   worst a grant that lands after its revoke expires after its TTL.
 //! - The fencing token is the store's revision at the read that found no key ahead:
 //!   each holder's granting read comes after its predecessor's key was deleted, so
 //!   the token grows in hold order. (Not the key's create revision: a key queued while
@@ -63,9 +66,10 @@
 //!   contender was granted at, which is what etcd's Lock service, used before, gave
 //!   as the token, and what MySQL may hold as the SKU's fence.)
 //! - Pausing a holder (`suspend_renewal`, the paused-holder fault) stops its session's
-//!   renewals without telling its holds, as a paused process would: every key of the
-//!   session expires after the TTL, and the replica's next acquisitions open a new
-//!   session.
+//!   renewals without telling it, as pausing the process would: every key of the
+//!   session expires after the TTL. The replica's other holds, which are not paused,
+//!   are told they lost the lock at their next check, and the replica's next
+//!   acquisitions open a new session.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -77,7 +81,7 @@ use etcd_client::{
     PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType,
     WatchOptions, WatchStream,
 };
-use tokio::sync::OnceCell;
+use tokio::sync::{OnceCell, oneshot};
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::local_queue::{LocalQueues, Turn};
@@ -143,7 +147,9 @@ impl EtcdLock {
     }
 
     /// The replica's session, or a new one if there is none or it stopped serving.
-    /// Contenders that need a new one wait for the same grant.
+    /// One grant at a time: contenders that need a session wait for the one being
+    /// granted. A contender that gives up while granting drops its grant, which revokes
+    /// that lease, and the next one grants again.
     async fn session(&self, client: &Client) -> Result<Arc<Session>, LockError> {
         let mut current = self.session.lock().await;
         if let Some(session) = current.as_ref().filter(|session| session.serves()) {
@@ -208,26 +214,35 @@ impl DistributedLock for EtcdLock {
         let session = timeout_at(deadline, self.session(&client))
             .await
             .map_err(|_| too_late())??;
-        let key = format!("{lock_name}/{:x}", session.lease);
-        // From here on a drop deletes the key, whatever was sent, before the turn passes.
-        let queued = QueuedKey {
-            client: client.clone(),
-            key: key.clone(),
-            session: session.clone(),
-            turn: Some(turn),
-            tasks: self.tasks.clone(),
-            settled: false,
-        };
         let mut place = Place {
-            client,
+            client: client.clone(),
             prefix: format!("{lock_name}/"),
-            key,
+            key: format!("{lock_name}/{:x}", session.lease),
             lease: session.lease,
         };
-        let (revision, token) = timeout_at(deadline, place.wait_turn())
-            .await
-            .map_err(|_| too_late())??;
-        if session.lost() {
+        // The queue put runs to its answer even if this acquisition is dropped, and
+        // from here on a drop deletes the key once that answer is in, before the
+        // replica's turn passes (see the module comment).
+        let (answer, joined) = oneshot::channel();
+        let mut joining = place.clone();
+        self.tasks.spawn_detached(async move {
+            let _ = answer.send(joining.join().await);
+        });
+        let mut queued = QueuedKey {
+            client,
+            key: place.key.clone(),
+            session: session.clone(),
+            put: Put::InFlight(joined),
+            turn: Some(turn),
+            tasks: self.tasks.clone(),
+        };
+        let (revision, token) = timeout_at(deadline, async {
+            let joined = queued.joined().await?;
+            place.wait_turn(joined).await
+        })
+        .await
+        .map_err(|_| too_late())??;
+        if !session.serves() {
             return Err(LockError::Lost(format!(
                 "lease {:x} stopped being kept alive while waiting",
                 session.lease
@@ -237,6 +252,7 @@ impl DistributedLock for EtcdLock {
             queued,
             revision,
             token,
+            paused: AtomicBool::new(false),
         })
     }
 
@@ -270,6 +286,10 @@ async fn bounded<T>(
         .map_err(etcd_error)
 }
 
+/// What joining the queue found: the key's create revision, the key queued just before
+/// it, and the store's revision at the read.
+type Joined = (i64, Option<Queued>, i64);
+
 /// A key in a lock's queue.
 #[derive(Debug, PartialEq)]
 struct Queued {
@@ -287,6 +307,7 @@ impl Queued {
 }
 
 /// One acquisition's place in a lock's queue: its key `<prefix><lease id>`.
+#[derive(Clone)]
 struct Place {
     client: Client,
     prefix: String,
@@ -295,11 +316,11 @@ struct Place {
 }
 
 impl Place {
-    /// Queues the key and waits until no key queued before it is left. Returns the
-    /// key's create revision and the fencing token (the revision of the read that
-    /// found the turn, see the module comment).
-    async fn wait_turn(&mut self) -> Result<(i64, i64), LockError> {
-        let (revision, mut ahead, mut read_at) = self.join().await?;
+    /// Waits, from what the queue put (`join`) found, until no key queued before this
+    /// one is left. Returns the key's create revision and the fencing token (the
+    /// revision of the read that found the turn, see the module comment).
+    async fn wait_turn(&mut self, joined: Joined) -> Result<(i64, i64), LockError> {
+        let (revision, mut ahead, mut read_at) = joined;
         while let Some(predecessor) = ahead {
             (ahead, read_at) = self.outwait(revision, predecessor).await?;
         }
@@ -345,7 +366,7 @@ impl Place {
     /// create revision: this one (the transaction's own put) and the one before it.
     /// Returns the key's create revision, the key queued just before it and the
     /// store's revision at the read.
-    async fn join(&mut self) -> Result<(i64, Option<Queued>, i64), LockError> {
+    async fn join(&mut self) -> Result<Joined, LockError> {
         let newest_two = GetOptions::new()
             .with_prefix()
             .with_sort(SortTarget::Create, SortOrder::Descend)
@@ -516,43 +537,40 @@ async fn keep_alive(
 
 /// The replica's lease and its keep-alive: what its lock keys live on.
 struct Session {
-    client: Client,
     lease: i64,
     /// Set when the keep-alive gave up, or a key could not be cleaned up.
     lost: Arc<AtomicBool>,
-    /// Set when renewals were suspended (the paused-holder fault): the holds are not
-    /// told, but nobody new queues on a lease left to expire.
+    /// Set when renewals were suspended (the paused-holder fault): nobody new queues
+    /// on a lease left to expire, and the holds that were not paused are told.
     suspended: AtomicBool,
     keep_alive: AbortOnDrop,
-    tasks: Tasks,
+    /// Revokes the lease once nobody holds, waits or queues on the session any more.
+    _revoke: Revoker,
 }
 
 impl Session {
-    /// Grants a lease and starts keeping it alive. The lease id is chosen here and the
-    /// session made before the grant is sent, so one dropped at any point revokes.
+    /// Grants a lease and starts keeping it alive. The lease id is chosen here, so a
+    /// grant dropped at any point, even in flight, revokes it.
     async fn grant(client: Client, ttl: i64, tasks: &Tasks) -> Result<Arc<Session>, LockError> {
         // Positive and not 0 (0 asks etcd to choose).
         let lease = rand::random_range(1..i64::MAX);
-        let lost = Arc::new(AtomicBool::new(false));
-        let granted_at = Instant::now();
-        let session = Session {
+        let revoke = Revoker {
             client: client.clone(),
+            lease,
+            tasks: tasks.clone(),
+        };
+        let granted_at = Instant::now();
+        let options = LeaseGrantOptions::new().with_id(lease);
+        bounded(client.clone().lease_grant(ttl, Some(options))).await?;
+        let lost = Arc::new(AtomicBool::new(false));
+        Ok(Arc::new(Session {
             lease,
             lost: lost.clone(),
             suspended: AtomicBool::new(false),
             // Not counted among the lock's tasks: it lives as long as the session.
-            keep_alive: AbortOnDrop::spawn(keep_alive(
-                client.clone(),
-                lease,
-                ttl,
-                granted_at,
-                lost,
-            )),
-            tasks: tasks.clone(),
-        };
-        let options = LeaseGrantOptions::new().with_id(lease);
-        bounded(client.clone().lease_grant(ttl, Some(options))).await?;
-        Ok(Arc::new(session))
+            keep_alive: AbortOnDrop::spawn(keep_alive(client, lease, ttl, granted_at, lost)),
+            _revoke: revoke,
+        }))
     }
 
     fn lost(&self) -> bool {
@@ -571,16 +589,21 @@ impl Session {
     }
 }
 
-impl Drop for Session {
-    /// Nobody holds, waits or queues on it any more: revoke, in the background and
-    /// bounded; the lease otherwise expires, unrenewed.
+/// Revokes a lease when dropped, in the background and bounded; the lease otherwise
+/// expires, unrenewed.
+struct Revoker {
+    client: Client,
+    lease: i64,
+    tasks: Tasks,
+}
+
+impl Drop for Revoker {
     fn drop(&mut self) {
         let (mut client, lease) = (self.client.clone(), self.lease);
         self.tasks.spawn_detached(async move {
             for attempt in 0..REVOKE_TRIES {
                 match bounded(client.lease_revoke(lease)).await {
                     Ok(_) => return,
-                    Err(error) if error.to_string().contains("lease not found") => return,
                     Err(error) if attempt + 1 == REVOKE_TRIES => {
                         tracing::debug!(%error, lease, "lease revoke failed; it will expire");
                     }
@@ -591,41 +614,99 @@ impl Drop for Session {
     }
 }
 
+/// Where an acquisition's queue put stands.
+enum Put {
+    /// Sent; its answer comes on this channel.
+    InFlight(oneshot::Receiver<Result<Joined, LockError>>),
+    /// Answered: the key is queued with this create revision.
+    Queued(i64),
+    /// Failed: the key may have been made, or be made still.
+    Unknown,
+    /// The key is deleted (or was never made): nothing left to clean up.
+    Settled,
+}
+
 /// An acquisition's key, queued or perhaps queued, with the replica's turn on the
-/// lock. Dropped unsettled, it deletes the key in the background and gives the turn up
-/// only once etcd confirmed the delete (see the module comment).
+/// lock. Dropped unsettled, it deletes the key in the background once its put was
+/// answered, and gives the turn up only once etcd confirmed the delete (see the module
+/// comment).
 struct QueuedKey {
     client: Client,
     key: String,
     session: Arc<Session>,
+    put: Put,
     turn: Option<Turn>,
     tasks: Tasks,
-    /// Set once the key's deletion was confirmed.
-    settled: bool,
 }
 
 impl QueuedKey {
-    /// Deletes the key; whether it was still there.
-    async fn delete(&self) -> Result<bool, LockError> {
-        let deleted = bounded(self.client.clone().delete(self.key.as_str(), None)).await?;
-        Ok(deleted.deleted() > 0)
+    /// Waits for the queue put's answer.
+    async fn joined(&mut self) -> Result<Joined, LockError> {
+        let Put::InFlight(answer) = &mut self.put else {
+            return Err(LockError::backend(
+                "etcd",
+                "the queue put was already answered",
+            ));
+        };
+        let joined = answer
+            .await
+            .unwrap_or_else(|_| Err(LockError::backend("etcd", "the queue put was stopped")));
+        self.put = match &joined {
+            Ok((revision, _, _)) => Put::Queued(*revision),
+            Err(_) => Put::Unknown,
+        };
+        joined
     }
+}
+
+/// Deletes `key` if it is still the one created at `revision` (so a late delete can
+/// never take a later key of the same name); whether it was.
+async fn delete_key(mut client: Client, key: &str, revision: i64) -> Result<bool, LockError> {
+    let txn = Txn::new()
+        .when([Compare::create_revision(key, CompareOp::Equal, revision)])
+        .and_then([TxnOp::delete(key, None)]);
+    Ok(bounded(client.txn(txn)).await?.succeeded())
 }
 
 impl Drop for QueuedKey {
     fn drop(&mut self) {
-        if self.settled {
+        let put = std::mem::replace(&mut self.put, Put::Settled);
+        if matches!(put, Put::Settled) {
             return;
         }
-        let (mut client, key, session, turn) = (
+        if tokio::runtime::Handle::try_current().is_err() {
+            // Nothing to run a cleanup on: let the lease take the key.
+            self.session.give_up();
+            return;
+        }
+        let (client, key, session, turn) = (
             self.client.clone(),
             self.key.clone(),
             self.session.clone(),
             self.turn.take(),
         );
         self.tasks.spawn_detached(async move {
+            let revision = match put {
+                Put::Queued(revision) => Some(revision),
+                // The put task ends within `CALL_TIMEOUT`.
+                Put::InFlight(answer) => match timeout(CALL_TIMEOUT * 2, answer).await {
+                    Ok(Ok(Ok((revision, _, _)))) => Some(revision),
+                    _ => None,
+                },
+                Put::Unknown => None,
+                Put::Settled => return,
+            };
+            let Some(revision) = revision else {
+                // The put failed or went unanswered: it may land later still, on a lease
+                // kept alive for the replica's other locks. Give the session up so that
+                // whatever it left expires with the lease.
+                tracing::warn!(%key, lease = session.lease, "a queue put went unanswered; giving its session up");
+                session.give_up();
+                drop(turn);
+                return;
+            };
             for _ in 0..REVOKE_TRIES {
-                if bounded(client.delete(key.as_str(), None)).await.is_ok() {
+                if delete_key(client.clone(), &key, revision).await.is_ok() {
                     drop(turn);
                     return;
                 }
@@ -645,13 +726,19 @@ pub struct EtcdGuard {
     revision: i64,
     /// The fencing token: the revision at which the turn was found.
     token: i64,
+    /// Set by `suspend_renewal`: this hold plays the paused process.
+    paused: AtomicBool,
 }
 
 #[async_trait]
 impl HeldLock for EtcdGuard {
     async fn ensure_held(&self) -> Result<(), LockError> {
         let session = &self.queued.session;
-        if session.lost() {
+        // A paused process would not run this check before its lease ran out; the other
+        // holds of its replica, which go on running, learn at once that their lease is
+        // no longer renewed.
+        let paused = self.paused.load(Ordering::SeqCst);
+        if session.lost() || (!paused && !session.serves()) {
             return Err(LockError::Lost(format!(
                 "lease {:x} stopped being kept alive",
                 session.lease
@@ -684,6 +771,7 @@ impl HeldLock for EtcdGuard {
 
     fn suspend_renewal(&self) {
         let session = &self.queued.session;
+        self.paused.store(true, Ordering::SeqCst);
         session.keep_alive.abort();
         session.suspended.store(true, Ordering::SeqCst);
     }
@@ -691,8 +779,9 @@ impl HeldLock for EtcdGuard {
     /// Deletes the key; the next contender's watch hears it. If the delete fails, the
     /// drop retries it in the background.
     async fn release(mut self) -> Result<(), LockError> {
-        let was_there = self.queued.delete().await?;
-        self.queued.settled = true;
+        let key = self.queued.key.clone();
+        let was_there = delete_key(self.queued.client.clone(), &key, self.revision).await?;
+        self.queued.put = Put::Settled;
         if was_there {
             Ok(())
         } else {

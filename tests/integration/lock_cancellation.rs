@@ -539,20 +539,25 @@ async fn etcd_drops_around_the_first_renewal_leave_nothing() {
     let etcd = PrivateEtcd::start().await;
     let ns = format!("renewal{:x}", rand::random::<u32>());
     let ttl = Duration::from_secs(2);
-    let lock = Arc::new(EtcdLock::new(&etcd.endpoint, &ns, ttl));
+    let mut services = Vec::new();
     for _ in 0..6 {
-        let guard = lock.acquire("hot", PATIENCE).await.expect("acquired");
+        // Fresh services each time, so the drops fall near their sessions' first
+        // renewal; the waiter of another service, so that it has a key queued.
+        let holder = Arc::new(EtcdLock::new(&etcd.endpoint, &ns, ttl));
+        let other = Arc::new(EtcdLock::new(&etcd.endpoint, &ns, ttl));
+        let guard = holder.acquire("hot", PATIENCE).await.expect("acquired");
         let waiter = {
-            let lock = lock.clone();
-            tokio::spawn(async move { lock.acquire("hot", PATIENCE).await.map(drop) })
+            let other = other.clone();
+            tokio::spawn(async move { other.acquire("hot", PATIENCE).await.map(drop) })
         };
         let near_first_renewal = Duration::from_millis(rand::random_range(600..760));
         tokio::time::sleep(near_first_renewal).await;
         waiter.abort();
         drop(guard);
+        services.extend([holder, other]);
     }
     let patient_lock = Arc::new(EtcdLock::new(&etcd.endpoint, &ns, ttl));
     let waited = patient(&*patient_lock, "hot").await;
     println!("etcd: the patient contender waited {waited:?}");
-    etcd_left_nothing(&etcd, patient_lock, vec![lock]).await;
+    etcd_left_nothing(&etcd, patient_lock, services).await;
 }

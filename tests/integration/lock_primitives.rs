@@ -1003,6 +1003,32 @@ async fn etcd_hold_outlives_its_lease_ttl() {
     holds_off_until_released(guard, &rival, "after three TTLs").await;
 }
 
+/// Pausing one hold (the paused-holder fault) stops the renewals of its replica's
+/// session, as pausing the process would. The replica's other holds go on running:
+/// they must learn at once that their lease is no longer renewed, or one could pass
+/// its last check just before the lease ran out and commit after another replica was
+/// served. The paused hold itself learns nothing until it reads etcd again, and the
+/// replica's next acquisition runs on a new session.
+#[tokio::test]
+async fn etcd_paused_hold_tells_the_other_holds_of_its_replica() {
+    let namespace = format!("paused-{:x}", rand::random::<u32>());
+    let lock = EtcdLock::new(&etcd_endpoints(), &namespace, Duration::from_secs(3));
+    let paused = lock.acquire("a", LONG).await.expect("a acquired");
+    let running = lock.acquire("b", LONG).await.expect("b acquired");
+    paused.suspend_renewal();
+    assert!(
+        matches!(running.ensure_held().await, Err(LockError::Lost(_))),
+        "a hold on a session whose renewals stopped is told"
+    );
+    paused
+        .ensure_held()
+        .await
+        .expect("the paused hold's key is still there");
+    let next = lock.acquire("c", LONG).await.expect("c acquired");
+    next.ensure_held().await.expect("held on a new session");
+    next.release().await.expect("released");
+}
+
 /// A keep-alive stream that stops answering (etcd unreachable, the connection still
 /// open) is noticed while the lease would still be alive: the holder learns it lost
 /// the lock instead of waiting on a silent stream.
@@ -1034,7 +1060,7 @@ async fn etcd_stalled_keep_alive_is_noticed() {
     while lock.background_tasks() > 0 {
         assert!(
             started.elapsed() < Duration::from_secs(10),
-            "keep-alive and revoke end"
+            "the cleanup of the dropped hold ends"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -1189,7 +1215,7 @@ async fn etcd_release_racing_the_waiters_watch_does_not_strand_it() {
     while waiter.background_tasks() > 0 {
         assert!(
             started.elapsed() < Duration::from_secs(10),
-            "keep-alive and revoke end"
+            "the cleanup of the dropped hold ends"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
