@@ -3,7 +3,8 @@
 //! `concurrency.Session` and `concurrency.Mutex`, run here by the client).
 //!
 //! - **Session**: one lease per replica, granted on first use and kept alive by one
-//!   stream for as long as the replica uses it; a lock's key is `<name>/<lease id>`.
+//!   stream; a lock's key is `<name>/<lease id>`. A session that was lost, given up or
+//!   paused is replaced by a new one at the next acquisition.
 //!   The replica's requests for one lock take turns (`local_queue`), so a session has
 //!   at most one key per lock, which is what `concurrency.Mutex` asks of a session's
 //!   users. A lease per acquisition made every order pay a grant, one of the three raft
@@ -72,7 +73,7 @@
 //!   acquisitions open a new session.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -108,6 +109,8 @@ pub struct EtcdLock {
     session: tokio::sync::Mutex<Option<Arc<Session>>>,
     /// The replica's requests for one lock take turns: one key per lock and session.
     local_queues: LocalQueues,
+    /// Sessions given up because a key's fate was unknown or its delete failed.
+    given_up: Arc<AtomicUsize>,
     tasks: Tasks,
 }
 
@@ -120,6 +123,7 @@ impl EtcdLock {
             client: OnceCell::new(),
             session: tokio::sync::Mutex::new(None),
             local_queues: LocalQueues::default(),
+            given_up: Arc::new(AtomicUsize::new(0)),
             tasks: Tasks::default(),
         }
     }
@@ -155,9 +159,22 @@ impl EtcdLock {
         if let Some(session) = current.as_ref().filter(|session| session.serves()) {
             return Ok(session.clone());
         }
-        let session = Session::grant(client.clone(), self.lease_ttl, &self.tasks).await?;
+        let session = Session::grant(
+            client.clone(),
+            self.lease_ttl,
+            &self.tasks,
+            self.given_up.clone(),
+        )
+        .await?;
         *current = Some(session.clone());
         Ok(session)
+    }
+
+    /// Sessions this service gave up so far because it could not clean up a key (a
+    /// queue put that failed or went unanswered, a delete never confirmed): their keys
+    /// were left to expire with the lease instead of being deleted.
+    pub fn sessions_given_up(&self) -> usize {
+        self.given_up.load(Ordering::SeqCst)
     }
 
     /// The lock's keys in queue order (create revision), each with its lease; the
@@ -544,6 +561,8 @@ struct Session {
     /// on a lease left to expire, and the holds that were not paused are told.
     suspended: AtomicBool,
     keep_alive: AbortOnDrop,
+    /// The service's count of sessions given up.
+    given_up: Arc<AtomicUsize>,
     /// Revokes the lease once nobody holds, waits or queues on the session any more.
     _revoke: Revoker,
 }
@@ -551,7 +570,12 @@ struct Session {
 impl Session {
     /// Grants a lease and starts keeping it alive. The lease id is chosen here, so a
     /// grant dropped at any point, even in flight, revokes it.
-    async fn grant(client: Client, ttl: i64, tasks: &Tasks) -> Result<Arc<Session>, LockError> {
+    async fn grant(
+        client: Client,
+        ttl: i64,
+        tasks: &Tasks,
+        given_up: Arc<AtomicUsize>,
+    ) -> Result<Arc<Session>, LockError> {
         // Positive and not 0 (0 asks etcd to choose).
         let lease = rand::random_range(1..i64::MAX);
         let revoke = Revoker {
@@ -569,6 +593,7 @@ impl Session {
             suspended: AtomicBool::new(false),
             // Not counted among the lock's tasks: it lives as long as the session.
             keep_alive: AbortOnDrop::spawn(keep_alive(client, lease, ttl, granted_at, lost)),
+            given_up,
             _revoke: revoke,
         }))
     }
@@ -577,15 +602,18 @@ impl Session {
         self.lost.load(Ordering::SeqCst)
     }
 
-    /// Whether new acquisitions may queue on it.
+    /// Whether its lease is being renewed, so that new acquisitions may queue on it and
+    /// its holds (but a paused one) may go on. Also false if the keep-alive task ended
+    /// without a word (its runtime shut down).
     fn serves(&self) -> bool {
-        !self.lost() && !self.suspended.load(Ordering::SeqCst)
+        !self.lost() && !self.suspended.load(Ordering::SeqCst) && !self.keep_alive.is_finished()
     }
 
     /// Stops renewing and tells its holds: its keys go with the lease within a TTL.
     fn give_up(&self) {
-        self.keep_alive.abort();
         self.lost.store(true, Ordering::SeqCst);
+        self.keep_alive.abort();
+        self.given_up.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -628,8 +656,8 @@ enum Put {
 
 /// An acquisition's key, queued or perhaps queued, with the replica's turn on the
 /// lock. Dropped unsettled, it deletes the key in the background once its put was
-/// answered, and gives the turn up only once etcd confirmed the delete (see the module
-/// comment).
+/// answered, and gives the turn up once etcd confirmed the delete, or once the session
+/// was given up (see the module comment).
 struct QueuedKey {
     client: Client,
     key: String,
@@ -688,8 +716,8 @@ impl Drop for QueuedKey {
         self.tasks.spawn_detached(async move {
             let revision = match put {
                 Put::Queued(revision) => Some(revision),
-                // The put task ends within `CALL_TIMEOUT`.
-                Put::InFlight(answer) => match timeout(CALL_TIMEOUT * 2, answer).await {
+                // The put task makes at most two calls, each bounded by `CALL_TIMEOUT`.
+                Put::InFlight(answer) => match timeout(CALL_TIMEOUT * 3, answer).await {
                     Ok(Ok(Ok((revision, _, _)))) => Some(revision),
                     _ => None,
                 },
@@ -738,7 +766,7 @@ impl HeldLock for EtcdGuard {
         // holds of its replica, which go on running, learn at once that their lease is
         // no longer renewed.
         let paused = self.paused.load(Ordering::SeqCst);
-        if session.lost() || (!paused && !session.serves()) {
+        if !paused && !session.serves() {
             return Err(LockError::Lost(format!(
                 "lease {:x} stopped being kept alive",
                 session.lease
@@ -771,9 +799,11 @@ impl HeldLock for EtcdGuard {
 
     fn suspend_renewal(&self) {
         let session = &self.queued.session;
+        // The flags first: a hold on another thread checking meanwhile must not find
+        // the renewals stopped and the session still serving.
         self.paused.store(true, Ordering::SeqCst);
-        session.keep_alive.abort();
         session.suspended.store(true, Ordering::SeqCst);
+        session.keep_alive.abort();
     }
 
     /// Deletes the key; the next contender's watch hears it. If the delete fails, the

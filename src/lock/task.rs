@@ -81,6 +81,11 @@ impl AbortOnDrop {
     pub fn abort(&self) {
         self.0.abort();
     }
+
+    /// Whether the task ended: finished, aborted or panicked.
+    pub fn is_finished(&self) -> bool {
+        self.0.is_finished()
+    }
 }
 
 impl Drop for AbortOnDrop {

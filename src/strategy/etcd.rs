@@ -8,8 +8,8 @@ pub fn explanation() -> Explanation {
     Explanation {
         name: "etcd",
         title: "etcd lease and lock (revision order)",
-        summary: "Each replica holds one lease, its session, kept alive for as long as it \
-                  runs (etcd's concurrency.Session), and its requests for one SKU take \
+        summary: "Each replica holds one lease, its session, kept alive by one stream \
+                  (etcd's concurrency.Session; a new one if it is lost), and its requests for one SKU take \
                   turns. The one whose turn it is queues a key named after the session's \
                   lease under the SKU's lock prefix. Contenders are served in the order \
                   their keys were created: each watches only the key queued just before \
@@ -23,7 +23,7 @@ pub fn explanation() -> Explanation {
             "Txn: if <prefix>/<lease> is absent, PUT it on the lease; GET <prefix> newest 2 by create revision → held if no key before it",
             "else: Watch the key just before (from now), GET it again, wait for its DELETE, look again",
             "before commit: GET <prefix>/<lease> (still there: same create revision, same lease)",
-            "release: DELETE <prefix>/<lease> (a dropped request's key is deleted before the replica's next request for the SKU queues)",
+            "release: Txn: if <prefix>/<lease> still has its create revision, DELETE it (a dropped request's key likewise, before the replica's next request for the SKU queues; if that cannot be confirmed, the session is given up and the key expires with its lease)",
             "fencing token: the revision of the read that found no key before it (grows in hold order)",
         ],
         failure_mode: "Lease expiry: a holder cut off from etcd, or paused, longer than the \

@@ -493,9 +493,10 @@ async fn etcd_lock_survives_cancelled_acquisitions() {
     etcd_left_nothing(&etcd, patient_lock, locks).await;
 }
 
-/// After the patient release: no key under the lock, no cleanup task of `locks`, and
-/// no lease with a key on it. Each lock service keeps its session's lease, without
-/// keys, until it is dropped; then no lease is left either.
+/// After the patient release: no key under the lock, no cleanup task of `locks`, no
+/// lease with a key on it, and no session given up (so every key was deleted, none
+/// left to expire with its lease). Each lock service keeps its session's lease,
+/// without keys, until it is dropped; then no lease is left either.
 async fn etcd_left_nothing(
     etcd: &PrivateEtcd,
     patient_lock: Arc<EtcdLock>,
@@ -513,6 +514,8 @@ async fn etcd_left_nothing(
         }
     })
     .await;
+    let given_up: usize = locks.iter().map(|lock| lock.sessions_given_up()).sum();
+    assert_eq!(given_up, 0, "sessions given up instead of keys deleted");
     settles("etcd leases with keys", || async {
         let mut leases = etcd.leases().await;
         leases.retain(|lease| !lease.ends_with("keys []"));
@@ -531,8 +534,8 @@ async fn etcd_left_nothing(
 
 /// Acquisitions dropped around the moment the session's first renewal is due (a third
 /// of the TTL after the grant), when the keep-alive task sleeps, opens its stream or
-/// renews: a holder and a waiter queued behind it, each dropped at a random instant
-/// near it. Nothing of them may be left: no key, no cleanup task, and once the lock
+/// renews: a holder and a waiter queued behind it, both dropped at one random
+/// instant near it. Nothing of them may be left: no key, no cleanup task, and once the lock
 /// service is dropped, no lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_drops_around_the_first_renewal_leave_nothing() {

@@ -1007,8 +1007,8 @@ async fn etcd_hold_outlives_its_lease_ttl() {
 /// session, as pausing the process would. The replica's other holds go on running:
 /// they must learn at once that their lease is no longer renewed, or one could pass
 /// its last check just before the lease ran out and commit after another replica was
-/// served. The paused hold itself learns nothing until it reads etcd again, and the
-/// replica's next acquisition runs on a new session.
+/// served. The paused hold itself learns nothing while its key is there, and the
+/// replica's next acquisition queues on a new lease.
 #[tokio::test]
 async fn etcd_paused_hold_tells_the_other_holds_of_its_replica() {
     let namespace = format!("paused-{:x}", rand::random::<u32>());
@@ -1026,7 +1026,22 @@ async fn etcd_paused_hold_tells_the_other_holds_of_its_replica() {
         .expect("the paused hold's key is still there");
     let next = lock.acquire("c", LONG).await.expect("c acquired");
     next.ensure_held().await.expect("held on a new session");
+    let lease_of = |name: &'static str| {
+        let lock = &lock;
+        async move {
+            let (keys, _) = lock.inspect(name).await.expect("keys");
+            keys.first().map(|(_, _, lease)| *lease)
+        }
+    };
+    let (old, new) = (lease_of("a").await, lease_of("c").await);
+    assert!(
+        old.is_some() && new.is_some() && old != new,
+        "a new lease after the pause: {old:?} then {new:?}"
+    );
     next.release().await.expect("released");
+    drop(running);
+    // Its lease may have run out by now: either way the key goes.
+    let _ = paused.release().await;
 }
 
 /// A keep-alive stream that stops answering (etcd unreachable, the connection still
