@@ -367,8 +367,9 @@ async fn redlock_survives_cancelled_acquisitions() {
 /// An etcd server of the test's own, so that every lease on it is this test's.
 pub struct PrivateEtcd {
     pub endpoint: String,
+    peer_url: String,
     child: tokio::process::Child,
-    _dir: TempDir,
+    dir: TempDir,
 }
 
 impl PrivateEtcd {
@@ -377,36 +378,30 @@ impl PrivateEtcd {
         let (client, peer) = (free_port(), free_port());
         let endpoint = format!("http://127.0.0.1:{client}");
         let peer_url = format!("http://127.0.0.1:{peer}");
-        let child = tokio::process::Command::new("etcd")
-            .args(["--name", "private", "--data-dir", &dir.path])
-            .args([
-                "--listen-client-urls",
-                &endpoint,
-                "--advertise-client-urls",
-                &endpoint,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &peer_url,
-                "--initial-advertise-peer-urls",
-                &peer_url,
-            ])
-            .args(["--initial-cluster", &format!("private={peer_url}")])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("etcd from scripts/stack.sh");
+        let child = spawn_etcd(&dir.path, &endpoint, &peer_url);
         let etcd = PrivateEtcd {
             endpoint,
+            peer_url,
             child,
-            _dir: dir,
+            dir,
         };
+        etcd.ready().await;
+        etcd
+    }
+
+    /// Kills the server (SIGKILL) and starts it again on the same data and ports.
+    pub async fn restart(&mut self) {
+        let _ = self.child.kill().await;
+        self.child = spawn_etcd(&self.dir.path, &self.endpoint, &self.peer_url);
+        self.ready().await;
+    }
+
+    async fn ready(&self) {
         for _ in 0..100 {
-            if let Ok(mut client) = etcd.client().await
+            if let Ok(mut client) = self.client().await
                 && client.status().await.is_ok()
             {
-                return etcd;
+                return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -443,6 +438,29 @@ impl PrivateEtcd {
         }
         alive
     }
+}
+
+fn spawn_etcd(dir: &str, endpoint: &str, peer_url: &str) -> tokio::process::Child {
+    tokio::process::Command::new("etcd")
+        .args(["--name", "private", "--data-dir", dir])
+        .args([
+            "--listen-client-urls",
+            endpoint,
+            "--advertise-client-urls",
+            endpoint,
+        ])
+        .args([
+            "--listen-peer-urls",
+            peer_url,
+            "--initial-advertise-peer-urls",
+            peer_url,
+        ])
+        .args(["--initial-cluster", &format!("private={peer_url}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("etcd from scripts/stack.sh")
 }
 
 impl Drop for PrivateEtcd {
@@ -563,4 +581,69 @@ async fn etcd_drops_around_the_first_renewal_leave_nothing() {
     let waited = patient(&*patient_lock, "hot").await;
     println!("etcd: the patient contender waited {waited:?}");
     etcd_left_nothing(&etcd, patient_lock, services).await;
+}
+
+/// etcd killed (SIGKILL) and started again while a replica holds the lock on its
+/// session: the session's keep-alive stream breaks, so the replica gives that session
+/// up and the next acquisition opens a new one. Both replicas are served again within
+/// a few TTLs (the old session's key expires with its lease), and nothing is left on
+/// the lock afterwards. With a session kept after its keep-alive
+/// broke, the replica would queue on a lease nobody renews, and never be served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_restarted_under_a_session_serves_again() {
+    let mut etcd = PrivateEtcd::start().await;
+    let ns = format!("restart{:x}", rand::random::<u32>());
+    let ttl = Duration::from_secs(2);
+    let first = EtcdLock::new(&etcd.endpoint, &ns, ttl);
+    let second = EtcdLock::new(&etcd.endpoint, &ns, ttl);
+    let held = first.acquire("hot", PATIENCE).await.expect("first holds");
+    let lease_now = || async {
+        let (keys, _) = first.inspect("hot").await.expect("keys");
+        keys.first().map(|(_, _, lease)| *lease)
+    };
+    let old_lease = lease_now().await;
+    // Past the first renewal, so that the keep-alive stream is open when etcd dies.
+    tokio::time::sleep(ttl / 2).await;
+    etcd.restart().await;
+    let restarted = Instant::now();
+    drop(held);
+    // An acquisition may still fail while a replica learns its session is gone (an
+    // order would answer 503); each must be served again within a few TTLs.
+    let served_by = restarted + ttl * 3 + Duration::from_secs(10);
+    for round in 0..3 {
+        for lock in [&first, &second] {
+            let first_served = round == 0 && std::ptr::eq(lock, &first);
+            loop {
+                assert!(
+                    Instant::now() < served_by,
+                    "round {round}: not served again after the restart"
+                );
+                let Ok(guard) = lock.acquire("hot", PATIENCE).await else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                let held = guard.ensure_held().await.is_ok();
+                if held && first_served {
+                    let new_lease = lease_now().await;
+                    assert!(
+                        new_lease.is_some() && new_lease != old_lease,
+                        "served on a new session: {old_lease:?} then {new_lease:?}"
+                    );
+                }
+                let _ = guard.release().await;
+                if held {
+                    break;
+                }
+            }
+        }
+    }
+    println!(
+        "etcd: both replicas served three times {:?} after the restart",
+        restarted.elapsed()
+    );
+    settles("etcd keys", || async {
+        let (keys, _) = second.inspect("hot").await.expect("keys");
+        keys.into_iter().map(|(key, _, _)| key).collect()
+    })
+    .await;
 }
