@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Where each strategy's cost lands: CPU time per order spent by each process (the
-# replicas, Redis, MariaDB, ZooKeeper, etcd, and the rest: wrk, the kernel's share of
-# other processes), read from /proc over one wrk run per strategy. Orders/s says how
+# Where each strategy's cost lands: CPU time per order spent by each process (this
+# benchmark's replicas, the stack's Redis nodes, MariaDB, ZooKeeper and etcd, and the
+# rest: wrk, the kernel, anything else), read from /proc over one wrk run per strategy. Orders/s says how
 # fast; this says which backend pays, which is what bounds a contended lock on a
 # machine whose cores everything shares. Prints a markdown table.
 #
@@ -19,36 +19,37 @@ die() { printf '[cpu] ERROR: %s\n' "$*" >&2; exit 1; }
 source scripts/bench/orders.sh
 trap 'stop_replicas; rm -rf "$WORK"' EXIT
 
-# One JSON object: CPU ticks by process group, and the whole machine's busy and total.
+# One JSON object: CPU ticks of each counted process, keyed by group, pid and start
+# time (a process that exits or a pid reused between two snapshots is not compared),
+# and the whole machine's busy and total ticks. Counted: the stack's services by their
+# pidfiles and this benchmark's replicas (the children of its cluster), nothing else
+# that happens to run here.
 ticks() {
-  python3 - <<'PY'
-import json, os
-groups = {}
-for pid in filter(str.isdigit, os.listdir('/proc')):
+  local replicas
+  replicas=$(pgrep -P "$CLUSTER_PID" | tr '\n' ' ' || true)
+  STACK_DIR=.stack REPLICAS="$replicas" python3 - <<'PY'
+import glob, json, os
+pids = {}
+for pidfile in glob.glob(os.path.join(os.environ['STACK_DIR'], '*', '*.pid')):
+    service = os.path.basename(os.path.dirname(pidfile)).split('-')[0]
     try:
-        comm = open(f'/proc/{pid}/comm').read().strip()
-        cmdline = open(f'/proc/{pid}/cmdline').read().split('\0')
+        pids[open(pidfile).read().strip()] = service
+    except OSError:
+        pass
+for pid in os.environ['REPLICAS'].split():
+    pids[pid] = 'replicas'
+processes = {}
+for pid, group in pids.items():
+    try:
         fields = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
     except OSError:
         continue
-    if comm == 'java' and any('ZooKeeperServerMain' in arg for arg in cmdline):
-        group = 'zookeeper'
-    elif comm.startswith('redis-server'):
-        group = 'redis'
-    elif comm in ('mariadbd', 'mysqld'):
-        group = 'mariadb'
-    elif comm == 'etcd':
-        group = 'etcd'
-    elif comm == 'flashsale' and 'serve' in cmdline:
-        group = 'replicas'
-    else:
-        continue
-    # utime and stime, the 14th and 15th fields of stat.
-    groups[group] = groups.get(group, 0) + int(fields[11]) + int(fields[12])
-cpu = list(map(int, open('/proc/stat').readline().split()[1:9]))
-groups['_busy'] = sum(cpu) - cpu[3] - cpu[4]
-groups['_total'] = sum(cpu)
-print(json.dumps(groups))
+    # utime, stime and starttime: fields 14, 15 and 22 of stat.
+    processes[f'{group}/{pid}/{fields[19]}'] = int(fields[11]) + int(fields[12])
+# user nice system idle iowait irq softirq; steal (another VM's) is left out.
+cpu = list(map(int, open('/proc/stat').readline().split()[1:8]))
+print(json.dumps({'processes': processes, 'busy': sum(cpu) - cpu[3] - cpu[4],
+                  'total': sum(cpu)}))
 PY
 }
 
@@ -82,12 +83,18 @@ rows = {}
 for line in open(sys.argv[1]):
     run = json.loads(line)
     n = max(run['orders'], 1)
-    delta = {k: run['after'].get(k, 0) - run['before'].get(k, 0) for k in run['after']}
-    per_order = {g: delta.get(g, 0) / hz * 1000 / n for g in groups}
-    per_order['rest'] = (delta['_busy'] - sum(delta.get(g, 0) for g in groups)) / hz * 1000 / n
-    per_order['total'] = delta['_busy'] / hz * 1000 / n
+    before, after = run['before'], run['after']
+    spent = dict.fromkeys(groups, 0)
+    for process, ticks in after['processes'].items():
+        if process in before['processes']:
+            group = process.split('/')[0]
+            spent[group] = spent.get(group, 0) + ticks - before['processes'][process]
+    busy = after['busy'] - before['busy']
+    per_order = {g: spent[g] / hz * 1000 / n for g in groups}
+    per_order['rest'] = (busy - sum(spent.values())) / hz * 1000 / n
+    per_order['total'] = busy / hz * 1000 / n
     per_order['orders/s'] = run['orders'] / seconds
-    per_order['busy %'] = 100 * delta['_busy'] / max(delta['_total'], 1)
+    per_order['busy %'] = 100 * busy / max(after['total'] - before['total'], 1)
     rows.setdefault(run['strategy'], []).append(per_order)
 columns = ['orders/s', 'busy %'] + groups + ['rest', 'total']
 print('| strategy | ' + ' | '.join(columns) + ' |')

@@ -8,7 +8,7 @@
 //!   The replica's requests for one lock take turns (`local_queue`), so a session has
 //!   at most one key per lock, which is what `concurrency.Mutex` asks of a session's
 //!   users. A lease per acquisition made every order pay a grant, one of the three raft
-//!   writes each order cost etcd (grant, queue put, revoke); one per replica sold 1.26×
+//!   writes each order cost etcd (grant, queue put, revoke); one per replica sold 1.27×
 //!   as many orders (BENCHMARKS.md, "Round trips per order", item 5).
 //!
 //! - Joining the queue is one transaction: put `<name>/<lease id>` on the lease unless it
@@ -561,6 +561,8 @@ struct Session {
     /// on a lease left to expire, and the holds that were not paused are told.
     suspended: AtomicBool,
     keep_alive: AbortOnDrop,
+    /// Set by the first `give_up`, so that a session is counted once.
+    abandoned: AtomicBool,
     /// The service's count of sessions given up.
     given_up: Arc<AtomicUsize>,
     /// Revokes the lease once nobody holds, waits or queues on the session any more.
@@ -593,6 +595,7 @@ impl Session {
             suspended: AtomicBool::new(false),
             // Not counted among the lock's tasks: it lives as long as the session.
             keep_alive: AbortOnDrop::spawn(keep_alive(client, lease, ttl, granted_at, lost)),
+            abandoned: AtomicBool::new(false),
             given_up,
             _revoke: revoke,
         }))
@@ -613,7 +616,9 @@ impl Session {
     fn give_up(&self) {
         self.lost.store(true, Ordering::SeqCst);
         self.keep_alive.abort();
-        self.given_up.fetch_add(1, Ordering::SeqCst);
+        if !self.abandoned.swap(true, Ordering::SeqCst) {
+            self.given_up.fetch_add(1, Ordering::SeqCst);
+        }
     }
 }
 

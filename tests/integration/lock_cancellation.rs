@@ -584,11 +584,12 @@ async fn etcd_drops_around_the_first_renewal_leave_nothing() {
 }
 
 /// etcd killed (SIGKILL) and started again while a replica holds the lock on its
-/// session: the session's keep-alive stream breaks, so the replica gives that session
-/// up and the next acquisition opens a new one. Both replicas are served again within
-/// a few TTLs (the old session's key expires with its lease), and nothing is left on
-/// the lock afterwards. With a session kept after its keep-alive
-/// broke, the replica would queue on a lease nobody renews, and never be served.
+/// session. etcd restores the lease and its key from disk, but the session's
+/// keep-alive stream broke: the holder must learn that it lost the lock (nothing
+/// renews that lease any more), and the replica's next acquisition must run on a new
+/// session, not queue a key on the old lease, which would expire under it. Both
+/// replicas are served again afterwards, nothing is left on the lock, and the old
+/// lease goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_restarted_under_a_session_serves_again() {
     let mut etcd = PrivateEtcd::start().await;
@@ -606,6 +607,13 @@ async fn etcd_restarted_under_a_session_serves_again() {
     tokio::time::sleep(ttl / 2).await;
     etcd.restart().await;
     let restarted = Instant::now();
+    while held.ensure_held().await.is_ok() {
+        assert!(
+            restarted.elapsed() < ttl * 3,
+            "the holder never learned that its session's keep-alive broke"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     drop(held);
     // An acquisition may still fail while a replica learns its session is gone (an
     // order would answer 503); each must be served again within a few TTLs.
@@ -644,6 +652,13 @@ async fn etcd_restarted_under_a_session_serves_again() {
     settles("etcd keys", || async {
         let (keys, _) = second.inspect("hot").await.expect("keys");
         keys.into_iter().map(|(key, _, _)| key).collect()
+    })
+    .await;
+    let old = format!("lease {:x} ", old_lease.unwrap_or_default());
+    settles("the old session's lease", || async {
+        let mut leases = etcd.leases().await;
+        leases.retain(|lease| lease.starts_with(&old));
+        leases
     })
     .await;
 }
