@@ -119,14 +119,17 @@ pub struct ServeConfig {
     #[arg(long, env = "FLASHSALE_ZK_SESSION_MS", default_value_t = 4000)]
     pub zk_session_ms: u64,
 
-    /// How long an order waits for its lock before answering 503 lock_timeout.
-    #[arg(long, env = "FLASHSALE_LOCK_WAIT_MS", default_value_t = 5000)]
+    /// How long an order waits for its lock before answering 503 lock_timeout. At
+    /// most an hour: deadlines are computed from it, and an absurd one would overflow.
+    #[arg(long, env = "FLASHSALE_LOCK_WAIT_MS", default_value_t = 5000,
+          value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
     pub lock_wait_ms: u64,
 
     /// Lease of the Redis and lock-table locks; the watchdog renews it every third.
-    /// A replica that dies holding a lock blocks the SKU for at most this long.
+    /// A replica that dies holding a lock blocks the SKU for at most this long, so at
+    /// most a day.
     #[arg(long, env = "FLASHSALE_LOCK_LEASE_MS", default_value_t = 10000,
-          value_parser = clap::value_parser!(u64).range(30..))]
+          value_parser = clap::value_parser!(u64).range(30..=86_400_000))]
     pub lock_lease_ms: u64,
 
     /// Attempts of the optimistic strategy before it answers 503. With the backoff
@@ -364,6 +367,36 @@ mod tests {
         ] {
             assert!(parse_origin(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn lock_times_are_bounded() {
+        let parses = |args: &[&str]| Cli::try_parse_from(args).is_ok();
+        assert!(parses(&["flashsale", "serve", "--lock-wait-ms", "3600000"]));
+        assert!(!parses(&[
+            "flashsale",
+            "serve",
+            "--lock-wait-ms",
+            "3600001"
+        ]));
+        assert!(!parses(&[
+            "flashsale",
+            "serve",
+            "--lock-wait-ms",
+            "18446744073709551615"
+        ]));
+        assert!(parses(&[
+            "flashsale",
+            "serve",
+            "--lock-lease-ms",
+            "86400000"
+        ]));
+        assert!(!parses(&[
+            "flashsale",
+            "serve",
+            "--lock-lease-ms",
+            "86400001"
+        ]));
     }
 
     #[test]

@@ -102,9 +102,10 @@ pub struct Backends {
     #[arg(long, env = "FLASHSALE_ZK_SESSION_MS", default_value_t = 4000)]
     pub zk_session_ms: u64,
 
-    /// Lease of the lease locks (redis-lock, db-unique, etcd, redlock).
+    /// Lease of the lease locks (redis-lock, db-unique, etcd, redlock), at most a day
+    /// as for `flashsale serve`.
     #[arg(long, env = "FLASHSALE_LOCK_LEASE_MS", default_value_t = 10000,
-          value_parser = clap::value_parser!(u64).range(30..))]
+          value_parser = clap::value_parser!(u64).range(30..=86_400_000))]
     pub lock_lease_ms: u64,
 }
 
