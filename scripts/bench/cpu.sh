@@ -65,12 +65,9 @@ for round in $(seq 1 "$rounds"); do
     admin POST /api/admin/reset "{\"sku\":\"$SKU\",\"stock\":$STOCK}"
     measure "$CONNECTIONS" 1 warm "$round" "${ports[@]}" >/dev/null
     before=$(ticks)
-    orders_before=$(orders_of_sku)
-    measure "$CONNECTIONS" "$ORDER_SECONDS" "$strategy" "$round" "${ports[@]}" >/dev/null
+    measured=$(measure "$CONNECTIONS" "$ORDER_SECONDS" "$strategy" "$round" "${ports[@]}")
     after=$(ticks)
-    orders_after=$(orders_of_sku)
-    printf '{"strategy":"%s","orders":%d,"before":%s,"after":%s}\n' "$strategy" \
-      $((orders_after - orders_before)) "$before" "$after" >>"$results"
+    printf '{"measured":%s,"before":%s,"after":%s}\n' "$measured" "$before" "$after" >>"$results"
   done
 done
 
@@ -82,7 +79,9 @@ groups = ['replicas', 'redis', 'mariadb', 'zookeeper', 'etcd']
 rows = {}
 for line in open(sys.argv[1]):
     run = json.loads(line)
-    n = max(run['orders'], 1)
+    # Orders counted in MySQL by `measure`, over the run the snapshots bracket.
+    orders = run['measured']['orders_per_s'] * seconds
+    n = max(orders, 1)
     before, after = run['before'], run['after']
     spent = dict.fromkeys(groups, 0)
     for process, ticks in after['processes'].items():
@@ -93,9 +92,9 @@ for line in open(sys.argv[1]):
     per_order = {g: spent[g] / hz * 1000 / n for g in groups}
     per_order['rest'] = (busy - sum(spent.values())) / hz * 1000 / n
     per_order['total'] = busy / hz * 1000 / n
-    per_order['orders/s'] = run['orders'] / seconds
+    per_order['orders/s'] = orders / seconds
     per_order['busy %'] = 100 * busy / max(after['total'] - before['total'], 1)
-    rows.setdefault(run['strategy'], []).append(per_order)
+    rows.setdefault(run['measured']['strategy'], []).append(per_order)
 columns = ['orders/s', 'busy %'] + groups + ['rest', 'total']
 print('| strategy | ' + ' | '.join(columns) + ' |')
 print('|---' * (len(columns) + 1) + '|')

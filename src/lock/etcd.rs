@@ -382,7 +382,8 @@ impl Place {
     /// Puts the key on the lease unless it is there, and reads the two newest keys by
     /// create revision: this one (the transaction's own put) and the one before it.
     /// Returns the key's create revision, the key queued just before it and the
-    /// store's revision at the read.
+    /// store's revision at the read. A key already there is an error: the replica's
+    /// turn and its cleanups leave none on a session that still serves.
     async fn join(&mut self) -> Result<Joined, LockError> {
         let newest_two = GetOptions::new()
             .with_prefix()
@@ -398,10 +399,9 @@ impl Place {
             .and_then([
                 TxnOp::put(self.key.as_str(), "", Some(put)),
                 TxnOp::get(self.prefix.as_str(), Some(newest_two)),
-            ])
-            .or_else([TxnOp::get(self.key.as_str(), None)]);
+            ]);
         let response = bounded(self.client.txn(txn)).await?;
-        let read = read_of(&response, if response.succeeded() { 1 } else { 0 });
+        let read = read_of(&response, 1);
         let read_at = response.header().map_or(0, |header| header.revision());
         match read.as_slice() {
             [own, before @ ..] if response.succeeded() && own.key() == self.key.as_bytes() => Ok((
@@ -409,12 +409,6 @@ impl Place {
                 before.first().map(Queued::of),
                 read_at,
             )),
-            // Queued already (a join sent twice): look for its place.
-            [own] if !response.succeeded() && own.lease() == self.lease => {
-                let revision = own.create_revision();
-                let (ahead, read_at) = self.just_before(revision).await?;
-                Ok((revision, ahead, read_at))
-            }
             _ => Err(LockError::backend(
                 "etcd",
                 format!("{} is not queued on lease {:x}", self.key, self.lease),
@@ -632,18 +626,34 @@ struct Revoker {
 
 impl Drop for Revoker {
     fn drop(&mut self) {
-        let (mut client, lease) = (self.client.clone(), self.lease);
+        let (client, lease) = (self.client.clone(), self.lease);
         self.tasks.spawn_detached(async move {
-            for attempt in 0..REVOKE_TRIES {
-                match bounded(client.lease_revoke(lease)).await {
-                    Ok(_) => return,
-                    Err(error) if attempt + 1 == REVOKE_TRIES => {
-                        tracing::debug!(%error, lease, "lease revoke failed; it will expire");
-                    }
-                    Err(_) => tokio::time::sleep(Duration::from_millis(300)).await,
-                }
+            let revoke = || {
+                let mut client = client.clone();
+                async move { bounded(client.lease_revoke(lease)).await }
+            };
+            if let Err(error) = tried(revoke).await {
+                tracing::debug!(%error, lease, "lease revoke failed; it will expire");
             }
         });
+    }
+}
+
+/// A background cleanup's call, tried `REVOKE_TRIES` times 300 ms apart.
+async fn tried<T, F, Fut>(call: F) -> Result<T, LockError>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<T, LockError>>,
+{
+    let mut attempt = 1;
+    loop {
+        match call().await {
+            Err(_) if attempt < REVOKE_TRIES => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            outcome => return outcome,
+        }
     }
 }
 
@@ -721,32 +731,29 @@ impl Drop for QueuedKey {
         self.tasks.spawn_detached(async move {
             let revision = match put {
                 Put::Queued(revision) => Some(revision),
-                // The put task makes at most two calls, each bounded by `CALL_TIMEOUT`.
-                Put::InFlight(answer) => match timeout(CALL_TIMEOUT * 3, answer).await {
+                // The put task makes one call, bounded by `CALL_TIMEOUT`.
+                Put::InFlight(answer) => match timeout(CALL_TIMEOUT * 2, answer).await {
                     Ok(Ok(Ok((revision, _, _)))) => Some(revision),
                     _ => None,
                 },
                 Put::Unknown => None,
+                // Nothing to clean up (not spawned for it, see above).
                 Put::Settled => return,
             };
-            let Some(revision) = revision else {
-                // The put failed or went unanswered: it may land later still, on a lease
-                // kept alive for the replica's other locks. Give the session up so that
-                // whatever it left expires with the lease.
-                tracing::warn!(%key, lease = session.lease, "a queue put went unanswered; giving its session up");
-                session.give_up();
-                drop(turn);
-                return;
+            // A put that failed or went unanswered may land later still, on a lease kept
+            // alive for the replica's other locks; a delete never confirmed leaves the
+            // key there. Either way the session is given up, so that whatever is left
+            // expires with the lease.
+            let deleted = match revision {
+                Some(revision) => tried(|| delete_key(client.clone(), &key, revision))
+                    .await
+                    .is_ok(),
+                None => false,
             };
-            for _ in 0..REVOKE_TRIES {
-                if delete_key(client.clone(), &key, revision).await.is_ok() {
-                    drop(turn);
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(300)).await;
+            if !deleted {
+                tracing::warn!(%key, lease = session.lease, "could not clean up a lock key; giving its session up");
+                session.give_up();
             }
-            tracing::warn!(%key, lease = session.lease, "could not delete a lock key; giving its session up");
-            session.give_up();
             drop(turn);
         });
     }
