@@ -26,7 +26,10 @@
 //!   tick (a p99 handoff of 93 ms). A watch without a start revision is synced: it hears
 //!   the delete as etcd applies it. It starts "now", though, and a delete between the
 //!   read and the watch would never be heard; so once etcd confirms the watch, the
-//!   contender reads again and only waits if the key before it is still there.
+//!   contender compares the revision the watch starts after with its read's: the same
+//!   means nothing was written between them, and it waits; otherwise it reads again
+//!   and only waits if the key before it is still there. (Reading again every time
+//!   cost a Txn per waiting order: 4.2 Txns per order against 3.2.)
 //! - Every read that decides a turn checks, in the same transaction, that the
 //!   contender's own key is still queued: a key whose lease ran out while it waited is
 //!   a lost acquisition, not a hold.
@@ -339,30 +342,41 @@ impl Place {
     async fn wait_turn(&mut self, joined: Joined) -> Result<(i64, i64), LockError> {
         let (revision, mut ahead, mut read_at) = joined;
         while let Some(predecessor) = ahead {
-            (ahead, read_at) = self.outwait(revision, predecessor).await?;
+            (ahead, read_at) = self.outwait(revision, predecessor, read_at).await?;
         }
         Ok((revision, read_at))
     }
 
-    /// Waits until `predecessor` is no longer the key just before `revision`; returns
-    /// the key that is now, if any.
+    /// Waits until `predecessor`, found by a read at `found_at`, is no longer the key
+    /// just before `revision`; returns the key that is now, if any.
     async fn outwait(
         &mut self,
         revision: i64,
         predecessor: Queued,
+        found_at: i64,
     ) -> Result<(Option<Queued>, i64), LockError> {
         let (mut watch, watched_from) = self.watch_deletion(&predecessor.key).await?;
-        // The watch hears only what happens after it starts: the key may be gone.
-        let (ahead, read_at) = self.just_before(revision).await?;
-        if ahead.as_ref() != Some(&predecessor) {
-            return Ok((ahead, read_at));
-        }
+        // The watch hears what is written after `watched_from`. If nothing was written
+        // since the read that found the predecessor, it is still there and the watch
+        // will hear it go: no need to read again (a waiter's Txn saved, most of the
+        // time). Otherwise it may be gone already, so read again.
+        //
         // etcd starts a watch after the revision it read just before registering it,
         // and files it as synced only if nothing was written in between. After a write
         // it may be unsynced, hearing the deletion only at etcd's next 100 ms sync: then
         // the queue is read again after 10 ms, 20 ms, 40 ms... of silence, so a late
-        // watch costs at most about as long as the wait so far.
-        let mut silence = (read_at != watched_from).then_some(FIRST_LOOK);
+        // watch costs at most about as long as the wait so far. A watch that started at
+        // the revision of the first read can still be unsynced (a write between etcd's
+        // two steps), which this read cannot tell, so it gets the same looks.
+        let mut silence = if watched_from == found_at {
+            Some(FIRST_LOOK)
+        } else {
+            let (ahead, read_at) = self.just_before(revision).await?;
+            if ahead.as_ref() != Some(&predecessor) {
+                return Ok((ahead, read_at));
+            }
+            (read_at != watched_from).then_some(FIRST_LOOK)
+        };
         loop {
             let heard = match silence {
                 None => Some(deleted(&mut watch).await?),
