@@ -27,9 +27,9 @@
 //!   the delete as etcd applies it. It starts "now", though, and a delete between the
 //!   read and the watch would never be heard; so once etcd confirms the watch, the
 //!   contender compares the revision the watch starts after with its read's: the same
-//!   means nothing was written between them, and it waits; otherwise it reads again
-//!   and only waits if the key before it is still there. (Reading again every time
-//!   cost a Txn per waiting order: 4.2 Txns per order against 3.2.)
+//!   means nothing was written in etcd between them, and it waits; otherwise it reads
+//!   again and only waits if the key before it is still there. (Reading again every
+//!   time cost a Txn per waiting order: 4.2 Txns per order against 3.2.)
 //! - Every read that decides a turn checks, in the same transaction, that the
 //!   contender's own key is still queued: a key whose lease ran out while it waited is
 //!   a lost acquisition, not a hold.
@@ -356,20 +356,23 @@ impl Place {
         found_at: i64,
     ) -> Result<(Option<Queued>, i64), LockError> {
         let (mut watch, watched_from) = self.watch_deletion(&predecessor.key).await?;
-        // The watch hears what is written after `watched_from`. If nothing was written
-        // since the read that found the predecessor, it is still there and the watch
-        // will hear it go: no need to read again (a waiter's Txn saved, most of the
-        // time). Otherwise it may be gone already, so read again.
+        // The watch hears what is written after `watched_from`. The same revision as
+        // the read that found the predecessor means nothing was written between the
+        // two (anywhere in etcd): the predecessor is still there and the watch will hear
+        // it go, so there is nothing to read again. Otherwise it may be gone already:
+        // read again. (0 is no revision: etcd sent no header, so read again.)
         //
         // etcd starts a watch after the revision it read just before registering it,
         // and files it as synced only if nothing was written in between. After a write
         // it may be unsynced, hearing the deletion only at etcd's next 100 ms sync: then
         // the queue is read again after 10 ms, 20 ms, 40 ms... of silence, so a late
-        // watch costs at most about as long as the wait so far. A watch that started at
-        // the revision of the first read can still be unsynced (a write between etcd's
-        // two steps), which this read cannot tell, so it gets the same looks.
-        let mut silence = if watched_from == found_at {
-            Some(FIRST_LOOK)
+        // watch costs at most about as long as the wait so far. The same revisions on
+        // both sides of the watch leave only a write between etcd's two steps, a window
+        // of microseconds, to make it unsynced; that costs at most one sync period, so
+        // such a watch is not looked after (looks would cost a Txn per 10, 20, 40 ms of
+        // every long wait).
+        let mut silence = if found_at > 0 && watched_from == found_at {
+            None
         } else {
             let (ahead, read_at) = self.just_before(revision).await?;
             if ahead.as_ref() != Some(&predecessor) {
