@@ -21,7 +21,7 @@ pub fn explanation() -> Explanation {
         commands: vec![
             "once per replica: LeaseGrant(ttl, id chosen by the replica) → session lease; LeaseKeepAlive(lease) every ttl/3",
             "Txn: if <prefix>/<lease> is absent, PUT it on the lease; GET <prefix> newest 2 by create revision → held if no key before it",
-            "else: Watch the key just before (from now); if anything was written since the read, GET it again; wait for its DELETE, look again",
+            "else: Watch the key just before (from now); if anything was written in etcd since the read, GET it again; wait for its DELETE, look again",
             "before commit: GET <prefix>/<lease> (still there: same create revision, same lease)",
             "release: Txn: if <prefix>/<lease> still has its create revision, DELETE it (a dropped request's key likewise, before the replica's next request for the SKU queues; if that cannot be confirmed, the session is given up and the key expires with its lease)",
             "fencing token: the revision of the read that found no key before it (grows in hold order)",
