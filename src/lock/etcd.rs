@@ -366,13 +366,12 @@ impl Place {
         // and files it as synced only if nothing was written in between. After a write
         // it may be unsynced, hearing the deletion only at etcd's next 100 ms sync: then
         // the queue is read again after 10 ms, 20 ms, 40 ms... of silence, so a late
-        // watch costs at most about as long as the wait so far. The same revisions on
-        // both sides of the watch leave only a write between etcd's two steps, a window
-        // of microseconds, to make it unsynced; that costs at most one sync period, so
-        // such a watch is not looked after (looks would cost a Txn per 10, 20, 40 ms of
-        // every long wait).
+        // watch costs at most about as long as the wait so far. A watch that starts at
+        // the revision of the first read gets the same looks: nothing here can tell
+        // whether a write landed between etcd's two steps, and without the looks
+        // lockbench's handoff p99 went from 5.5 ms to 62 ms (BENCHMARKS.md, item 12).
         let mut silence = if found_at > 0 && watched_from == found_at {
-            None
+            Some(FIRST_LOOK)
         } else {
             let (ahead, read_at) = self.just_before(revision).await?;
             if ahead.as_ref() != Some(&predecessor) {
