@@ -129,7 +129,7 @@ pub struct ServeConfig {
     /// A replica that dies holding a lock blocks the SKU for at most this long, so at
     /// most a day.
     #[arg(long, env = "FLASHSALE_LOCK_LEASE_MS", default_value_t = 10000,
-          value_parser = clap::value_parser!(u64).range(30..=86_400_000))]
+          value_parser = clap::value_parser!(u64).range(crate::lock::LEASE_MS_BOUNDS))]
     pub lock_lease_ms: u64,
 
     /// Attempts of the optimistic strategy before it answers 503. With the backoff

@@ -105,7 +105,7 @@ pub struct Backends {
     /// Lease of the lease locks (redis-lock, db-unique, etcd, redlock), at most a day
     /// as for `flashsale serve`.
     #[arg(long, env = "FLASHSALE_LOCK_LEASE_MS", default_value_t = 10000,
-          value_parser = clap::value_parser!(u64).range(30..=86_400_000))]
+          value_parser = clap::value_parser!(u64).range(crate::lock::LEASE_MS_BOUNDS))]
     pub lock_lease_ms: u64,
 }
 

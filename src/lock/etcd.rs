@@ -97,9 +97,10 @@ use super::{DistributedLock, HeldLock, LockError, LockView};
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// The first look at the queue while a watch may be unsynced; doubled at each look.
 const FIRST_LOOK: Duration = Duration::from_millis(10);
-/// Tries of a background revoke, spread over about a second: a revoke that overtook
-/// its own grant finds no lease, and the grant may still land.
-const REVOKE_TRIES: u32 = 4;
+/// Tries of a background cleanup (a lease revoke, a key delete), spread over about a
+/// second: a revoke that overtook its own grant finds no lease, and the grant may still
+/// land.
+const CLEANUP_TRIES: u32 = 4;
 
 pub struct EtcdLock {
     endpoints: Vec<String>,
@@ -656,7 +657,7 @@ impl Drop for Revoker {
     }
 }
 
-/// A background cleanup's call, tried `REVOKE_TRIES` times 300 ms apart.
+/// A background cleanup's call, tried `CLEANUP_TRIES` times 300 ms apart.
 async fn tried<T, F, Fut>(call: F) -> Result<T, LockError>
 where
     F: Fn() -> Fut,
@@ -665,7 +666,7 @@ where
     let mut attempt = 1;
     loop {
         match call().await {
-            Err(_) if attempt < REVOKE_TRIES => {
+            Err(_) if attempt < CLEANUP_TRIES => {
                 attempt += 1;
                 tokio::time::sleep(Duration::from_millis(300)).await;
             }

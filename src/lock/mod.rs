@@ -117,6 +117,12 @@ pub trait HeldLock: Send + Sync {
         Self: Sized;
 }
 
+/// The lease, in milliseconds, a lease lock accepts (`FLASHSALE_LOCK_LEASE_MS`, for the
+/// service and for `lockbench`): at least 30 ms, and at most a day, since a holder that
+/// dies blocks its lock for a lease and the deadlines computed from it must not
+/// overflow.
+pub const LEASE_MS_BOUNDS: std::ops::RangeInclusive<u64> = 30..=86_400_000;
+
 /// The backoff between attempts of a polling lock: doubling from `base` up to `cap`,
 /// with full jitter so that waiters released together do not retry in lockstep.
 pub fn jittered_backoff(attempt: u32, base: Duration, cap: Duration) -> Duration {
