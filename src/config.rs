@@ -116,7 +116,8 @@ pub struct ServeConfig {
 
     /// ZooKeeper session timeout in milliseconds: how long after a replica dies its
     /// lock nodes disappear.
-    #[arg(long, env = "FLASHSALE_ZK_SESSION_MS", default_value_t = 4000)]
+    #[arg(long, env = "FLASHSALE_ZK_SESSION_MS", default_value_t = 4000,
+          value_parser = clap::value_parser!(u64).range(crate::lock::zookeeper::SESSION_MS_BOUNDS))]
     pub zk_session_ms: u64,
 
     /// How long an order waits for its lock before answering 503 lock_timeout. At
@@ -397,6 +398,15 @@ mod tests {
             "--lock-lease-ms",
             "86400001"
         ]));
+        assert!(parses(&[
+            "flashsale",
+            "serve",
+            "--zk-session-ms",
+            "3600000"
+        ]));
+        for refused in ["0", "3600001", "2147483648"] {
+            assert!(!parses(&["flashsale", "serve", "--zk-session-ms", refused]));
+        }
     }
 
     #[test]

@@ -98,8 +98,9 @@ pub struct Backends {
     #[arg(long, env = "FLASHSALE_ETCD", default_value = "http://127.0.0.1:2390")]
     pub etcd: String,
 
-    /// ZooKeeper session timeout in milliseconds.
-    #[arg(long, env = "FLASHSALE_ZK_SESSION_MS", default_value_t = 4000)]
+    /// ZooKeeper session timeout in milliseconds, bounded as for `flashsale serve`.
+    #[arg(long, env = "FLASHSALE_ZK_SESSION_MS", default_value_t = 4000,
+          value_parser = clap::value_parser!(u64).range(crate::lock::zookeeper::SESSION_MS_BOUNDS))]
     pub zk_session_ms: u64,
 
     /// Lease of the lease locks (redis-lock, db-unique, etcd, redlock), at most a day

@@ -37,6 +37,13 @@ use zookeeper_client as zk;
 use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, HeldLock, LockError, LockView};
 
+/// The session timeout, in milliseconds, a replica or `lockbench` may ask for
+/// (`FLASHSALE_ZK_SESSION_MS`). ZooKeeper moves the request into its own
+/// `minSessionTimeout..=maxSessionTimeout`, but the request travels as a 32-bit count
+/// of milliseconds: 2^31 ms or more arrived negative and was quietly cut to the
+/// server's minimum. An hour is far above any server's maximum.
+pub const SESSION_MS_BOUNDS: std::ops::RangeInclusive<u64> = 1..=3_600_000;
+
 /// Bound on a background cleanup (the delete of a dropped acquisition's node).
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Tries of an operation that lost its connection before giving up to the caller.
