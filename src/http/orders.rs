@@ -56,8 +56,9 @@ impl OrderBody {
 ///
 /// The order runs in a task of its own: once started it completes or rolls back even
 /// if the client hangs up or the request times out (a dropped handler only stops
-/// waiting for it). Otherwise a hang-up would stop the order wherever it was: between
-/// the COMMIT and the Redis write, or holding a lock acquisition half made.
+/// waiting for it). Otherwise a hang-up would stop the order wherever it was, e.g.
+/// between the COMMIT and the Redis write. Only the wait for a lock ends with the
+/// shopper: the order leaves the queue (each lock undoes a dropped acquisition).
 #[utoipa::path(post, path = "/api/orders", tag = "orders",
     request_body = OrderBody,
     responses(

@@ -54,12 +54,21 @@ impl SaleFlow {
     ) -> Result<Order, OrderError> {
         let acquire = async {
             let (sku, wait) = (order.sku.as_str(), self.lock_wait);
-            let acquired = if options.fencing {
-                lock.acquire(sku, wait).await
-            } else {
-                lock.acquire_unfenced(sku, wait).await
+            let acquiring = async {
+                if options.fencing {
+                    lock.acquire(sku, wait).await
+                } else {
+                    lock.acquire_unfenced(sku, wait).await
+                }
             };
-            acquired.map_err(OrderError::from)
+            // A shopper who leaves while waiting leaves the queue, whatever the lock:
+            // each lock's acquisition may be dropped at any await point and cleans up
+            // what it made (a key, a node, a row), as `lock_cancellation` tests. Waiting
+            // on for a lock nobody will use would only delay the shoppers behind.
+            tokio::select! {
+                acquired = acquiring => acquired.map_err(OrderError::from),
+                () = options.client_gone.cancelled() => Err(OrderError::Abandoned),
+            }
         };
         let guard = self
             .wait_for_lock(strategy, &options, acquire)
@@ -95,8 +104,9 @@ impl SaleFlow {
 
     /// Waits for a lock (`acquire`, whatever the mechanism): counts the order among
     /// this replica's waiters while it waits, times the wait, and counts a wait that
-    /// timed out. The wait is never cut short (a half-made acquisition could leave a
-    /// key or node nobody owns); if the shopper left meanwhile, the lock is given back
+    /// timed out. `acquire` itself decides whether a shopper who leaves ends the wait
+    /// (a lock's acquisition can be dropped anywhere; a row-lock wait inside MySQL
+    /// cannot be called back); a lock granted after the shopper left is given back
     /// (dropping it releases it) and the order does not begin.
     pub async fn wait_for_lock<T>(
         &self,

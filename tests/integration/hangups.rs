@@ -150,6 +150,120 @@ async fn a_hang_up_at_every_point_leaves_the_sale_whole(strategy: &str) {
     }
 }
 
+/// Shoppers queued behind a stalled holder hang up: they leave the wait at once
+/// instead of each taking the lock in turn, for nothing, once the holder is done.
+/// While the wait was never cut short, the replicas counted them as waiting until the
+/// holder's stall ended.
+async fn queued_shoppers_who_hang_up_leave_the_queue(strategy: &str) {
+    const STALL: Duration = Duration::from_secs(6);
+    const GHOSTS: u64 = 6;
+    let cluster =
+        TestCluster::start(2, &["--lock-lease-ms", "30000", "--lock-wait-ms", "20000"]).await;
+    cluster.set_strategy(strategy).await;
+    let sku = "hang-up-queued";
+    cluster.reset(sku, 10).await;
+    let armed = cluster
+        .http
+        .post(cluster.url(0, "/api/admin/faults"))
+        .json(&json!({ "pause_holder_ms": STALL.as_millis() as u64, "at": "after_read" }))
+        .send()
+        .await
+        .expect("arm");
+    assert_eq!(armed.status(), StatusCode::OK);
+    let holder = {
+        let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
+        let body = json!({ "sku": sku, "user_id": "holder", "quantity": 1 });
+        tokio::spawn(async move { http.post(url).json(&body).send().await })
+    };
+    assert!(
+        cluster.wait_until_pause_claimed().await,
+        "{strategy}: never stalled"
+    );
+    let stalled = Instant::now();
+    let ghosts: Vec<_> = (0..GHOSTS as usize)
+        .map(|i| {
+            let url = cluster.url(i % cluster.replicas.len(), "/api/orders");
+            let body = json!({ "sku": sku, "user_id": format!("ghost-{i}"), "quantity": 1 });
+            // The client gives up after 2 s and drops its connection.
+            let request = cluster
+                .http
+                .post(url)
+                .json(&body)
+                .timeout(Duration::from_millis(2000));
+            tokio::spawn(request.send())
+        })
+        .collect();
+    // The replicas report their waiters in a heartbeat once a second: one lands while
+    // the shoppers still wait.
+    let mut queued = 0;
+    while queued < GHOSTS && stalled.elapsed() < Duration::from_millis(1900) {
+        queued = lock_waiters(&cluster.get_json(0, "/api/stats").await, None).unwrap_or(0);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        queued, GHOSTS,
+        "{strategy}: the shoppers were not all waiting"
+    );
+    for ghost in ghosts {
+        let answer = ghost.await.expect("shopper task");
+        assert!(answer.is_err(), "{strategy}: a queued shopper was answered");
+    }
+    let hung_up = chrono::Utc::now();
+    let mut waiting = None;
+    while waiting.is_none() && stalled.elapsed() < STALL - Duration::from_secs(1) {
+        waiting = lock_waiters(&cluster.get_json(0, "/api/stats").await, Some(hung_up));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !holder.is_finished(),
+        "{strategy}: the holder finished too early to tell"
+    );
+    assert_eq!(
+        waiting,
+        Some(0),
+        "{strategy}: shoppers who hung up still wait for the lock"
+    );
+    let held = holder.await.expect("holder task").expect("holder answered");
+    assert_eq!(held.status(), StatusCode::CREATED, "{strategy}: the holder");
+    assert!(wait_until_quiet(&cluster, sku).await, "{strategy}");
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        stats["orders"], 1,
+        "{strategy}: only the holder ordered: {stats}"
+    );
+    for buyer in 0..2 {
+        let status = buy_patiently(&cluster, sku, &format!("patient-{buyer}")).await;
+        assert_eq!(
+            status,
+            StatusCode::CREATED,
+            "{strategy}: after the hang-ups"
+        );
+    }
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        (stats["orders"].as_i64(), stats["consistent"].as_bool()),
+        (Some(3), Some(true)),
+        "{strategy}: {stats}"
+    );
+}
+
+/// Orders waiting for a lock on all replicas, as their last heartbeats in `stats`
+/// said; `None` if some replica has not beaten since `since`.
+fn lock_waiters(
+    stats: &serde_json::Value,
+    since: Option<chrono::DateTime<chrono::Utc>>,
+) -> Option<u64> {
+    let replicas = stats["replicas"].as_array().cloned().unwrap_or_default();
+    let fresh = |replica: &serde_json::Value| {
+        let seen = replica["last_seen"].as_str().and_then(|s| s.parse().ok());
+        since.is_none_or(|since| {
+            seen.is_some_and(|seen: chrono::DateTime<chrono::Utc>| seen > since)
+        })
+    };
+    let waiting = replicas.iter().filter_map(|r| r["lock_waiters"].as_u64());
+    replicas.iter().all(fresh).then(|| waiting.sum())
+}
+
 /// Waits until no order is waiting for a lock on any replica and the SKU's figures
 /// have stopped moving for a second (bounded by 30 s).
 async fn wait_until_quiet(cluster: &TestCluster, sku: &str) -> bool {
@@ -158,15 +272,7 @@ async fn wait_until_quiet(cluster: &TestCluster, sku: &str) -> bool {
     let mut stable_since = Instant::now();
     while started.elapsed() < Duration::from_secs(30) {
         let stats = cluster.get_json(0, &format!("/api/stats?sku={sku}")).await;
-        let waiting: u64 = stats["replicas"]
-            .as_array()
-            .map(|replicas| {
-                replicas
-                    .iter()
-                    .filter_map(|r| r["lock_waiters"].as_u64())
-                    .sum()
-            })
-            .unwrap_or(0);
+        let waiting = lock_waiters(&stats, None).unwrap_or(0);
         let figures = stats["skus"][0].to_string();
         if last.as_ref() != Some(&figures) {
             last = Some(figures);
@@ -196,6 +302,13 @@ async fn buy_patiently(cluster: &TestCluster, sku: &str, user: &str) -> StatusCo
 async fn lock_strategies_finish_orders_whose_clients_hung_up() {
     for strategy in ["redis-lock", "db-unique", "zookeeper", "etcd", "redlock"] {
         a_hang_up_at_every_point_leaves_the_sale_whole(strategy).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_strategies_let_queued_shoppers_who_hung_up_go() {
+    for strategy in ["redis-lock", "db-unique", "zookeeper", "etcd", "redlock"] {
+        queued_shoppers_who_hang_up_leave_the_queue(strategy).await;
     }
 }
 
