@@ -29,6 +29,7 @@ use std::time::Duration;
 use crate::redis_pool::{Connection, Pool};
 use async_trait::async_trait;
 use deadpool_redis::redis::{self, Script};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::fence_floor::{FenceFloor, bounded_floor};
@@ -116,6 +117,24 @@ pub struct RedisLock {
     notices: ReleaseNotices,
     fence_floor: Option<Arc<dyn FenceFloor>>,
     tasks: Tasks,
+}
+
+/// A release notice wakes one waiter of the replica. If that waiter leaves before its
+/// try answers (its shopper hung up and the acquisition was dropped, or the try
+/// failed), the wake-up passes to the next waiter, who would otherwise sleep until its
+/// fallback (the holder's TTL or its own deadline) while the lock is free.
+struct Woken<'a> {
+    wakeup: &'a Notify,
+    /// Woken by a notice that no try has answered yet.
+    unused: bool,
+}
+
+impl Drop for Woken<'_> {
+    fn drop(&mut self) {
+        if self.unused {
+            self.wakeup.notify_one();
+        }
+    }
 }
 
 /// What one `SET NX` attempt found.
@@ -263,13 +282,21 @@ impl DistributedLock for RedisLock {
         let token = acquisition_token(&self.owner);
         let deadline = Instant::now() + wait;
         let wakeup = self.notices.register(&channel);
+        let mut woken = Woken {
+            wakeup: &wakeup,
+            unused: false,
+        };
         loop {
             // Listen before trying, so a release between the try and the wait is seen.
             let released = wakeup.notified();
             tokio::pin!(released);
             released.as_mut().enable();
 
-            let ttl = match self.try_acquire(name, &token).await? {
+            let attempt = self.try_acquire(name, &token).await?;
+            // The try answered: a wake-up it followed is used either way (a lock taken
+            // by someone else will be released, and that release notified).
+            woken.unused = false;
+            let ttl = match attempt {
                 Attempt::Acquired(guard) => return Ok(guard),
                 Attempt::Held(ttl) => ttl,
             };
@@ -283,7 +310,7 @@ impl DistributedLock for RedisLock {
             };
             let retry_at = deadline.min(now + fallback);
             tokio::select! {
-                () = &mut released => {}
+                () = &mut released => woken.unused = true,
                 () = tokio::time::sleep_until(retry_at) => {
                     if Instant::now() >= deadline {
                         // Pass on a wake-up this waiter may have consumed without acting.

@@ -123,8 +123,10 @@ async fn an_abandoned_wait_sells_nothing_and_stops_counting() {
 /// An order runs on after its shopper hangs up, so it must keep its place among the
 /// requests in flight until it ends. On the landed code the place was given back at
 /// the hang-up, so shoppers who hang up at once could start orders without bound.
-/// Here three of them fill the cap of 3 and leave after 30 ms while their orders hold
-/// or wait for the lock (3 s of work): a fourth request must still be refused.
+/// Here three of them, one per SKU, fill the cap of 3 and leave after 500 ms (their
+/// locks taken by then) while their orders hold their locks (3 s of work): a fourth
+/// request must still be refused. (An order that was only waiting for its lock ends with its shopper and
+/// frees its place: `hangups::lock_strategies_let_queued_shoppers_who_hung_up_go`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orders_of_shoppers_who_hung_up_still_count_against_the_cap() {
     let cluster = TestCluster::start(
@@ -139,14 +141,17 @@ async fn orders_of_shoppers_who_hung_up_still_count_against_the_cap() {
         ],
     )
     .await;
-    let sku = "capped-hangups";
-    cluster.reset(sku, 100).await;
+    let skus = ["capped-hangups-0", "capped-hangups-1", "capped-hangups-2"];
+    for sku in skus {
+        cluster.reset(sku, 100).await;
+    }
+    let sku = skus[0];
     cluster.set_strategy("redis-lock").await;
-    let hang_ups = (0..3).map(|i| {
+    let hang_ups = skus.iter().enumerate().map(|(i, sku)| {
         let request = cluster
             .http
             .post(cluster.url(0, "/api/orders"))
-            .timeout(Duration::from_millis(30))
+            .timeout(Duration::from_millis(500))
             .json(
                 &serde_json::json!({ "sku": sku, "user_id": format!("gone-{i}"), "quantity": 1 }),
             );

@@ -511,6 +511,59 @@ async fn zookeeper_expired_session_is_detected() {
         .expect("held with the new session");
 }
 
+/// A release notice wakes one waiter of a replica. When that waiter is dropped (its
+/// shopper hung up) before its try answers, the wake-up must pass to the replica's
+/// next waiter: otherwise that one sleeps until its deadline (the holder's TTL is
+/// longer) while the lock is free. The woken waiter is held in its try by the
+/// replica's pool, one connection that the test keeps busy.
+#[tokio::test]
+async fn redis_lock_wake_up_of_a_dropped_waiter_passes_on() {
+    let (cluster, _factory) = redis_factory().await;
+    let holder = RedisLock::new(
+        redis_client(),
+        redis_pool(),
+        &cluster.namespace,
+        "holder",
+        LONG,
+    );
+    let pool = flashsale::redis_pool::pool(&redis_url(), 1).expect("pool");
+    let replica = Arc::new(RedisLock::new(
+        redis_client(),
+        pool.clone(),
+        &cluster.namespace,
+        "replica",
+        LONG,
+    ));
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    let wait = Duration::from_secs(10);
+    let waiter =
+        |replica: Arc<RedisLock>| tokio::spawn(async move { replica.acquire("item", wait).await });
+    // The first waiter queues first on the replica's wake-ups, so the notice wakes it.
+    let first = waiter(replica.clone());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = waiter(replica.clone());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!first.is_finished() && !second.is_finished(), "both wait");
+    let busy = pool.get().await.expect("the replica's only connection");
+    guard.release().await.expect("released");
+    // The first waiter, woken, now waits for the connection; its shopper leaves.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    first.abort();
+    assert!(
+        first.await.is_err_and(|e| e.is_cancelled()),
+        "dropped while trying"
+    );
+    drop(busy);
+    let released_at = Instant::now();
+    let second = tokio::time::timeout(Duration::from_secs(5), second)
+        .await
+        .expect("the second waiter was woken, not left to its 10 s deadline")
+        .expect("waiter task")
+        .expect("acquired");
+    println!("redis-lock: second waiter in {:?}", released_at.elapsed());
+    second.release().await.expect("released");
+}
+
 /// A release whose delete fails (Redis unreachable for a moment) is not given up: the
 /// guard retries it in the background, so the lock is free long before its lease
 /// (30 s) would run out.
