@@ -110,19 +110,7 @@ async fn a_hang_up_at_every_point_leaves_the_sale_whole(strategy: &str) {
     for point in ["before_read", "after_read", "before_commit", "after_commit"] {
         let sku = format!("hang-up-{point}");
         cluster.reset(&sku, 3).await;
-        let armed = cluster
-            .http
-            .post(cluster.url(0, "/api/admin/faults"))
-            .json(&json!({ "pause_holder_ms": 600, "at": point }))
-            .send()
-            .await
-            .expect("arm");
-        assert_eq!(armed.status(), StatusCode::OK);
-        let shopper = {
-            let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
-            let body = json!({ "sku": sku, "user_id": "gone", "quantity": 1 });
-            tokio::spawn(async move { http.post(url).json(&body).send().await })
-        };
+        let shopper = order_that_stalls(&cluster, &sku, "gone", 600, point).await;
         // The shopper hangs up (its connection dropped) while the holder is stalled.
         assert!(
             cluster.wait_until_pause_claimed().await,
@@ -150,6 +138,28 @@ async fn a_hang_up_at_every_point_leaves_the_sale_whole(strategy: &str) {
     }
 }
 
+/// Arms the paused-holder fault (`pause_ms` at `point`) and sends one order to
+/// replica 0 in the background: its holder will stall there.
+async fn order_that_stalls(
+    cluster: &TestCluster,
+    sku: &str,
+    user: &str,
+    pause_ms: u64,
+    point: &str,
+) -> tokio::task::JoinHandle<reqwest::Result<reqwest::Response>> {
+    let armed = cluster
+        .http
+        .post(cluster.url(0, "/api/admin/faults"))
+        .json(&json!({ "pause_holder_ms": pause_ms, "at": point }))
+        .send()
+        .await
+        .expect("arm");
+    assert_eq!(armed.status(), StatusCode::OK);
+    let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
+    let body = json!({ "sku": sku, "user_id": user, "quantity": 1 });
+    tokio::spawn(async move { http.post(url).json(&body).send().await })
+}
+
 /// Shoppers queued behind a stalled holder hang up: they leave the wait at once
 /// instead of each taking the lock in turn, for nothing, once the holder is done.
 /// While the wait was never cut short, the replicas counted them as waiting until the
@@ -162,19 +172,8 @@ async fn queued_shoppers_who_hang_up_leave_the_queue(strategy: &str) {
     cluster.set_strategy(strategy).await;
     let sku = "hang-up-queued";
     cluster.reset(sku, 10).await;
-    let armed = cluster
-        .http
-        .post(cluster.url(0, "/api/admin/faults"))
-        .json(&json!({ "pause_holder_ms": STALL.as_millis() as u64, "at": "after_read" }))
-        .send()
-        .await
-        .expect("arm");
-    assert_eq!(armed.status(), StatusCode::OK);
-    let holder = {
-        let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
-        let body = json!({ "sku": sku, "user_id": "holder", "quantity": 1 });
-        tokio::spawn(async move { http.post(url).json(&body).send().await })
-    };
+    let stall_ms = STALL.as_millis() as u64;
+    let holder = order_that_stalls(&cluster, sku, "holder", stall_ms, "after_read").await;
     assert!(
         cluster.wait_until_pause_claimed().await,
         "{strategy}: never stalled"
