@@ -174,6 +174,11 @@ impl RedisLock {
         self
     }
 
+    /// Whether this service hears release notices now (its subscription is up).
+    pub fn hears_releases(&self) -> bool {
+        self.notices.listening()
+    }
+
     /// Background tasks running now: watchdogs of holds and cleanups of dropped
     /// acquisitions and releases.
     pub fn background_tasks(&self) -> usize {
@@ -313,8 +318,8 @@ impl DistributedLock for RedisLock {
                 () = &mut released => woken.unused = true,
                 () = tokio::time::sleep_until(retry_at) => {
                     if Instant::now() >= deadline {
-                        // Pass on a wake-up this waiter may have consumed without acting.
-                        wakeup.notify_one();
+                        // A notice that reached `released` meanwhile is passed on by
+                        // tokio when it is dropped; nothing else was consumed.
                         return Err(LockError::Timeout { waited: wait });
                     }
                 }

@@ -535,6 +535,14 @@ async fn redis_lock_wake_up_of_a_dropped_waiter_passes_on() {
         LONG,
     ));
     let guard = holder.acquire("item", LONG).await.expect("acquired");
+    let subscribing = Instant::now();
+    while !replica.hears_releases() {
+        assert!(
+            subscribing.elapsed() < Duration::from_secs(10),
+            "no subscription"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let wait = Duration::from_secs(10);
     let waiter =
         |replica: Arc<RedisLock>| tokio::spawn(async move { replica.acquire("item", wait).await });
