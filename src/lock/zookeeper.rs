@@ -44,7 +44,9 @@ use super::{DistributedLock, HeldLock, LockError, LockView};
 /// server's minimum. An hour is far above any server's maximum.
 pub const SESSION_MS_BOUNDS: std::ops::RangeInclusive<u64> = 1..=3_600_000;
 
-/// Bound on a background cleanup (the delete of a dropped acquisition's node).
+/// Bound on a background delete (a dropped guard's node). A request the client holds
+/// back during a partition is still sent when it reconnects, so a delete cut off here
+/// still lands; a dropped acquisition's cleanup must wait longer (`PendingNode`).
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Tries of an operation that lost its connection before giving up to the caller.
 const CONNECTION_RETRIES: u32 = 5;
@@ -333,6 +335,13 @@ impl Drop for PendingNode {
             self.marker.clone(),
             self.path.take(),
         );
+        // While the connection is down the client holds the create back and sends it
+        // on reconnecting, so a cleanup must outwait the session: until the client
+        // reconnects (the listing, sent after the create, then finds the node) or
+        // declares the session expired (7/5 of its timeout; the node goes with it).
+        // Giving up sooner left the node to a session that lived on: the lock blocked
+        // until the replica stopped.
+        let bound = CLEANUP_TIMEOUT.max(client.session_timeout() * 2);
         self.tasks.spawn_detached(async move {
             let cleanup = async {
                 let path = match path {
@@ -344,7 +353,7 @@ impl Drop for PendingNode {
                 };
                 delete_node(&client, &path).await
             };
-            match timeout(CLEANUP_TIMEOUT, cleanup).await {
+            match timeout(bound, cleanup).await {
                 Ok(Ok(())) | Ok(Err(zk::Error::NoNode | zk::Error::SessionExpired)) => {}
                 Ok(Err(error)) => {
                     tracing::warn!(%error, %dir, "could not delete a dropped acquisition's node")

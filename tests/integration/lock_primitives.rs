@@ -464,6 +464,51 @@ async fn table_lock_waiter_notices_release() {
     );
 }
 
+/// An acquisition dropped while a partition holds back its create, on a session that
+/// outlives the partition: when the connection returns the create lands, so the
+/// cleanup must still be waiting to find and delete the node. With a cleanup bounded
+/// at 10 s and a 30 s session, a partition of 12 s left the node to the replica's
+/// live session and the lock blocked for good.
+#[tokio::test]
+async fn zookeeper_cleanup_outwaits_a_partition_the_session_survives() {
+    let (cluster, _factory) = zookeeper_factory().await;
+    let proxy = PartitionProxy::start(&zookeeper()).await;
+    let replica = ZooKeeperLock::new(
+        &proxy.address.to_string(),
+        Duration::from_secs(30),
+        &cluster.namespace,
+        "replica",
+    );
+    let rival = ZooKeeperLock::new(&zookeeper(), LONG, &cluster.namespace, "rival");
+    let first = replica.acquire("item", LONG).await.expect("a session");
+    first.release().await.expect("released");
+    proxy.cut();
+    let dropped = tokio::time::timeout(Duration::from_millis(300), replica.acquire("item", LONG));
+    assert!(
+        dropped.await.is_err(),
+        "cut off, the acquisition waits and is dropped"
+    );
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    proxy.heal();
+    let healed = Instant::now();
+    // The replica's next request goes after the held-back create, so once it answers
+    // the create has landed.
+    replica
+        .inspect("item")
+        .await
+        .expect("the replica reconnected");
+    let guard = rival
+        .acquire("item", Duration::from_secs(20))
+        .await
+        .expect("no node of the dropped acquisition blocks the lock");
+    println!(
+        "zookeeper: lock free {:?} after the partition",
+        healed.elapsed()
+    );
+    guard.release().await.expect("released");
+    tasks_end::<ZooKeeper>(&replica).await;
+}
+
 /// A ZooKeeper holder cut off from the ensemble longer than its session timeout loses
 /// its session: it knows it lost the lock, the ephemeral node goes with the session so
 /// the lock passes on, and after the partition heals the holder's lock service opens
