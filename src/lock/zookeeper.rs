@@ -336,25 +336,41 @@ impl Drop for PendingNode {
             self.path.take(),
         );
         // While the connection is down the client holds the create back and sends it
-        // on reconnecting, so a cleanup must outwait the session: until the client
+        // on reconnecting, and a create that failed on a stalled connection may still
+        // have been applied. So a cleanup must outwait the session: until the client
         // reconnects (the listing, sent after the create, then finds the node) or
-        // declares the session expired (7/5 of its timeout; the node goes with it).
+        // declares the session expired (after 7/5 of its timeout plus one connection
+        // attempt; the node goes with it), trying again after any other failure.
         // Giving up sooner left the node to a session that lived on: the lock blocked
         // until the replica stopped.
-        let bound = CLEANUP_TIMEOUT.max(client.session_timeout() * 2);
+        let bound = CLEANUP_TIMEOUT.max(client.session_timeout() * 3);
         self.tasks.spawn_detached(async move {
             let cleanup = async {
-                let path = match path {
-                    Some(path) => path,
-                    None => match find_own(&client, &dir, &marker).await? {
-                        Some(child) => format!("{dir}/{child}"),
-                        None => return Ok(()),
-                    },
-                };
-                delete_node(&client, &path).await
+                loop {
+                    let attempt = async {
+                        let path = match &path {
+                            Some(path) => path.clone(),
+                            None => match find_own(&client, &dir, &marker).await? {
+                                Some(child) => format!("{dir}/{child}"),
+                                None => return Ok(()),
+                            },
+                        };
+                        delete_node(&client, &path).await
+                    };
+                    match attempt.await {
+                        Ok(()) | Err(zk::Error::NoNode | zk::Error::SessionExpired) => {
+                            return Ok(());
+                        }
+                        Err(error) if client.state().is_terminated() => return Err(error),
+                        Err(error) => {
+                            tracing::debug!(%error, %dir, "cleanup of a dropped acquisition failed; trying again");
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                    }
+                }
             };
             match timeout(bound, cleanup).await {
-                Ok(Ok(())) | Ok(Err(zk::Error::NoNode | zk::Error::SessionExpired)) => {}
+                Ok(Ok(())) => {}
                 Ok(Err(error)) => {
                     tracing::warn!(%error, %dir, "could not delete a dropped acquisition's node")
                 }

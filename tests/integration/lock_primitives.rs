@@ -483,6 +483,9 @@ async fn zookeeper_cleanup_outwaits_a_partition_the_session_survives() {
     let first = replica.acquire("item", LONG).await.expect("a session");
     first.release().await.expect("released");
     proxy.cut();
+    // Once the client has seen the connection go, it holds the create back (sent
+    // before, it would fail and never reach ZooKeeper).
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let dropped = tokio::time::timeout(Duration::from_millis(300), replica.acquire("item", LONG));
     assert!(
         dropped.await.is_err(),
