@@ -17,7 +17,9 @@
 //! dropped at any point deletes its node from a cleanup task: by its path once the
 //! create answered, otherwise by finding the child with its `_c_<uuid>` prefix. The
 //! create was sent before the cleanup's listing, and ZooKeeper answers one session in
-//! order, so the listing sees the node if it was made. (The crate's own recipe,
+//! order, so the listing sees the node if it was made. During a partition the client
+//! holds the create back and sends it on reconnecting, so the cleanup outwaits the
+//! session (three session timeouts). (The crate's own recipe,
 //! 0.11.2, deletes the bare child name when cancelled during the create; that fails
 //! path validation and the node outlives the request.)
 //!
