@@ -520,7 +520,7 @@ impl Drop for PrivateMariaDb {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mariadb_restart_mid_sale() {
     // Longer than the pools' bounded waits (3 s): orders must get 503s.
-    let (answers, outage) = mariadb_outage(Duration::from_millis(4000)).await;
+    let (answers, outage) = mariadb_outage(Duration::from_millis(4000), "redis-lock").await;
     let unavailable = answers
         .iter()
         .filter(|a| a.is_503() && a.at > outage.killed && a.at <= outage.back)
@@ -534,7 +534,18 @@ async fn mariadb_restart_mid_sale() {
 /// outcome, so the SKU's Redis stock is dropped until the reconcile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mariadb_blip_mid_sale() {
-    let (answers, outage) = mariadb_outage(Duration::from_millis(1500)).await;
+    mariadb_blip_under("redis-lock").await;
+}
+
+/// The same blip under db-unique, whose lock is itself a MariaDB row: the lock's
+/// statements meet the dead pooled connections first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn db_unique_mariadb_blip_mid_sale() {
+    mariadb_blip_under("db-unique").await;
+}
+
+async fn mariadb_blip_under(strategy: &str) {
+    let (answers, outage) = mariadb_outage(Duration::from_millis(1500), strategy).await;
     let sent_while_down: Vec<&Answer> = answers
         .iter()
         .filter(|a| a.sent > outage.killed && a.sent < outage.back)
@@ -549,11 +560,11 @@ async fn mariadb_blip_mid_sale() {
         .collect();
     assert!(
         failed.is_empty(),
-        "orders sent during the blip waited and were served: {failed:?}"
+        "{strategy}: orders sent during the blip waited and were served: {failed:?}"
     );
     let served = sent_while_down.iter().filter(|a| a.is_order()).count();
     println!(
-        "mariadb blip: {served} of {} orders sent while down were served",
+        "mariadb blip, {strategy}: {served} of {} orders sent while down were served",
         sent_while_down.len()
     );
 }
@@ -561,11 +572,11 @@ async fn mariadb_blip_mid_sale() {
 /// A crowd buys while MariaDB is down for `down`; checks what both outages share
 /// (every request answered, no hangs, the sale resumes after the restart and after the
 /// reconcile, nothing oversold, consistent) and prints the figures.
-async fn mariadb_outage(down: Duration) -> (Answers, Outage) {
+async fn mariadb_outage(down: Duration, strategy: &str) -> (Answers, Outage) {
     let mut db = PrivateMariaDb::start().await;
     let url = db.url();
     let cluster = TestCluster::start_on(&url, 2, &["--lock-wait-ms", "4000"]).await;
-    cluster.set_strategy("redis-lock").await;
+    cluster.set_strategy(strategy).await;
     let sku = "db-outage";
     // Enough that the sale is still on when MariaDB goes down.
     cluster.reset(sku, 2000).await;
@@ -589,7 +600,7 @@ async fn mariadb_outage(down: Duration) -> (Answers, Outage) {
     })
     .await;
     println!(
-        "mariadb down {down:?}: {} answers, {} orders; first order {:?} after MariaDB was back, \
+        "mariadb down {down:?}, {strategy}: {} answers, {} orders; first order {:?} after MariaDB was back, \
          {:?} after the reconcile; by phase: {}",
         answers.len(),
         answers.iter().filter(|a| a.is_order()).count(),
