@@ -349,20 +349,8 @@ impl Drop for PendingNode {
         self.tasks.spawn_detached(async move {
             let cleanup = async {
                 loop {
-                    let attempt = async {
-                        let path = match &path {
-                            Some(path) => path.clone(),
-                            None => match find_own(&client, &dir, &marker).await? {
-                                Some(child) => format!("{dir}/{child}"),
-                                None => return Ok(()),
-                            },
-                        };
-                        delete_node(&client, &path).await
-                    };
-                    match attempt.await {
-                        Ok(()) | Err(zk::Error::NoNode | zk::Error::SessionExpired) => {
-                            return Ok(());
-                        }
+                    match delete_own(&client, &dir, &marker, path.as_deref()).await {
+                        Ok(()) | Err(zk::Error::NoNode | zk::Error::SessionExpired) => return Ok(()),
                         Err(error) if client.state().is_terminated() => return Err(error),
                         Err(error) => {
                             tracing::debug!(%error, %dir, "cleanup of a dropped acquisition failed; trying again");
@@ -380,6 +368,24 @@ impl Drop for PendingNode {
             }
         });
     }
+}
+
+/// Deletes the node an acquisition made: at `path` if its create answered, else the
+/// child of `dir` with its `marker`, if there is one.
+async fn delete_own(
+    client: &zk::Client,
+    dir: &str,
+    marker: &str,
+    path: Option<&str>,
+) -> Result<(), zk::Error> {
+    let path = match path {
+        Some(path) => path.to_owned(),
+        None => match find_own(client, dir, marker).await? {
+            Some(child) => format!("{dir}/{child}"),
+            None => return Ok(()),
+        },
+    };
+    delete_node(client, &path).await
 }
 
 /// Deletes `path`, retrying over connection losses; an absent node is deleted.
