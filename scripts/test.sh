@@ -63,4 +63,11 @@ awk -v status="$status" '/^test result:/ { passed += $4; failed += $6 }
        printf "tests: %d passed, %d failed\n", passed, failed
        if (status != 0 && failed == 0) print "tests: cargo failed without a failing test (a build error or a crashed test binary): see above"
      }' "$log"
+# CI keeps only the end of the output, and a failing test's panic sits far above it
+# (behind other binaries' results): repeat each panic here, without its backtrace.
+awk '/^---- .* stdout ----$/ { test = $2; panic = 0; next }
+     /^thread .* panicked at / && test != "" {
+       sub(/.* panicked at /, ""); print "panicked: " test " at " $0; shown = 0; panic = 1; next }
+     panic && (/^stack backtrace:/ || /^note: / || /^---- / || /^failures:$/) { panic = 0; next }
+     panic && shown < 15 { print "  " $0; shown++ }' "$log"
 exit "$status"
