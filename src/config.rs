@@ -149,7 +149,8 @@ pub struct ServeConfig {
           value_parser = clap::value_parser!(u64).range(100..))]
     pub request_timeout_ms: u64,
 
-    /// Requests one replica runs at once; more are refused with 503 at once.
+    /// Requests one replica runs at once, admin calls apart (they have 16 places of
+    /// their own); more are refused with 503 at once.
     #[arg(long, env = "FLASHSALE_MAX_IN_FLIGHT", default_value_t = 1024,
           value_parser = clap::value_parser!(u64).range(1..=100_000))]
     pub max_in_flight: u64,

@@ -24,6 +24,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::error::AppError;
 
+/// Admin calls one replica runs at once, apart from the shoppers' places
+/// (`--max-in-flight`): an operator needs few, and must get them during a rush.
+pub const ADMIN_IN_FLIGHT: usize = 16;
+
 #[derive(Clone)]
 pub struct Limits {
     pub timeout: Duration,

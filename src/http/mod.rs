@@ -61,7 +61,6 @@ pub fn router(
     limits: limits::Limits,
     cors_origins: &[String],
 ) -> Router {
-    let timeout = limits.timeout;
     // Calls that change the sale or start load: behind the admin token when one is set.
     let admin = Router::new()
         .route(
@@ -108,16 +107,14 @@ pub fn router(
         .route("/api/events", get(events::events))
         .route("/api/openapi.json", get(openapi::openapi_json));
 
-    let routes = admin
-        .merge(public)
-        .route_layer(
-            ServiceBuilder::new()
-                .layer(middleware::from_fn_with_state(limits, limits::take_place))
-                .layer(HandleErrorLayer::new(move |uri: Uri, error: BoxError| {
-                    limits::refused(uri, error, timeout)
-                }))
-                .timeout(timeout),
-        )
+    // The admin calls have places of their own, so an operator can still switch,
+    // reset or reconcile while shoppers fill every place of the replica.
+    let admin_limits = limits::Limits {
+        timeout: limits.timeout,
+        in_flight: std::sync::Arc::new(tokio::sync::Semaphore::new(limits::ADMIN_IN_FLIGHT)),
+    };
+    let routes = within(admin, admin_limits)
+        .merge(within(public, limits))
         .merge(unlimited)
         // A route layer, so it runs after routing and sees the route template.
         .route_layer(middleware::from_fn(metrics::observe))
@@ -154,6 +151,19 @@ pub fn router(
         Some(cors) => router.layer(cors),
         None => router,
     }
+}
+
+/// `routes` behind `limits`: a place among those in flight, and the request timeout.
+fn within(routes: Router<AppState>, limits: limits::Limits) -> Router<AppState> {
+    let timeout = limits.timeout;
+    routes.route_layer(
+        ServiceBuilder::new()
+            .layer(middleware::from_fn_with_state(limits, limits::take_place))
+            .layer(HandleErrorLayer::new(move |uri: Uri, error: BoxError| {
+                limits::refused(uri, error, timeout)
+            }))
+            .timeout(timeout),
+    )
 }
 
 /// The span every log line of a request is written in: its id, method and path.

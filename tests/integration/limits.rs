@@ -27,6 +27,40 @@ async fn requests_beyond_the_in_flight_cap_are_refused_at_once() {
     assert_eq!(health["status"], "ok", "health answers outside the cap");
 }
 
+/// Shoppers fill every place of the replica (`--max-in-flight`), yet an admin can
+/// still switch the strategy: admin calls have places of their own. Without them the
+/// switch was refused 503 `overloaded` for as long as the rush lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_gets_through_while_shoppers_fill_every_place() {
+    let cluster = TestCluster::start(1, &["--max-in-flight", "2", "--work-ms", "2000"]).await;
+    cluster.reset("capped-admin", 100).await;
+    let shoppers: Vec<_> = (0..2)
+        .map(|i| {
+            let order = cluster.http.post(cluster.url(0, "/api/orders")).json(
+                &serde_json::json!({ "sku": "capped-admin", "user_id": format!("shopper-{i}"), "quantity": 1 }),
+            );
+            tokio::spawn(async move { order.send().await.map(|answer| answer.status()) })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let refused = cluster.order(0, "capped-admin", "one-too-many", 1).await;
+    assert_eq!(
+        refused.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the shoppers hold every place"
+    );
+
+    cluster.set_strategy("redis-lock").await;
+
+    for shopper in shoppers {
+        let status = shopper.await.expect("joined").expect("answered");
+        assert!(
+            [StatusCode::CREATED, StatusCode::SERVICE_UNAVAILABLE].contains(&status),
+            "{status}"
+        );
+    }
+}
+
 /// The request timeout answers 503, but the order it cut off had started its critical
 /// section: it runs to its end in its own task (the order is recorded, the cache
 /// written, the lock released) instead of stopping wherever the timeout found it.
