@@ -7,7 +7,7 @@
 //! | `flashsale_http_requests_total` | route, method, status | `http::observe` |
 //! | `flashsale_http_request_duration_seconds` (histogram) | route | `http::observe` |
 //! | `flashsale_orders_total` | strategy, outcome (the API code, `strategy::Outcome`) | `http::orders` |
-//! | `flashsale_lock_acquire_seconds` (histogram) | strategy | `strategy::flow` |
+//! | `flashsale_lock_acquire_seconds` (histogram) | strategy, outcome (`acquired`, `timeout`, `abandoned`: the shopper left, `error`) | `strategy::flow` |
 //! | `flashsale_lock_hold_seconds` (histogram) | strategy | `strategy::flow` |
 //! | `flashsale_lock_timeouts_total`, `flashsale_locks_lost_total`, `flashsale_fencing_rejections_total`, `flashsale_optimistic_conflicts_total`, `flashsale_optimistic_gave_up_total`, `flashsale_paused_holders_total` | strategy | `store::ClusterState::count` (`store::ClusterEvent`) |
 //! | `flashsale_lease_renewals_total` | outcome (`renewed`, `lost`, `error`) | `lock::lease` |
@@ -45,7 +45,7 @@ fn describe() {
     );
     describe_histogram!(
         "flashsale_lock_acquire_seconds",
-        "Time spent waiting for a lock, by strategy"
+        "Time spent waiting for a lock, by strategy and how the wait ended"
     );
     describe_histogram!(
         "flashsale_lock_hold_seconds",

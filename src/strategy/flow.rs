@@ -127,9 +127,20 @@ impl SaleFlow {
         let acquired = acquire.await;
         drop(waiting);
         // Waits cut short (a timeout, a shopper who left) count at what they lasted:
-        // a lower bound, but leaving them out would hide the longest waits.
-        metrics::histogram!("flashsale_lock_acquire_seconds", "strategy" => strategy.to_owned())
-            .record(started.elapsed().as_secs_f64());
+        // a lower bound, but leaving them out would hide the longest waits. The
+        // outcome tells them apart from waits that ended with the lock.
+        let outcome = match &acquired {
+            Ok(_) => "acquired",
+            Err(OrderError::Busy(_)) => "timeout",
+            Err(OrderError::Abandoned) => "abandoned",
+            Err(_) => "error",
+        };
+        metrics::histogram!(
+            "flashsale_lock_acquire_seconds",
+            "strategy" => strategy.to_owned(),
+            "outcome" => outcome
+        )
+        .record(started.elapsed().as_secs_f64());
         if let Err(OrderError::Busy(_)) = &acquired {
             self.store
                 .cluster

@@ -103,6 +103,11 @@ async fn metrics_are_exposed_in_prometheus_format() {
         cluster.order(0, sku, "b", 1).await.status(),
         StatusCode::CONFLICT
     );
+    cluster.set_strategy("redis-lock").await;
+    assert_eq!(
+        cluster.order(0, sku, "c", 1).await.status(),
+        StatusCode::CONFLICT
+    );
     let response = cluster
         .http
         .get(cluster.url(0, "/metrics"))
@@ -115,6 +120,7 @@ async fn metrics_are_exposed_in_prometheus_format() {
         "flashsale_http_requests_total{route=\"/api/orders\",method=\"POST\",status=\"201\"}",
         "flashsale_http_request_duration_seconds_bucket{route=\"/api/orders\"",
         "flashsale_orders_total{strategy=\"none\",outcome=\"sold_out\"}",
+        "flashsale_lock_acquire_seconds_bucket{strategy=\"redis-lock\",outcome=\"acquired\"",
         "flashsale_oversold{sku=\"measured\"} 0",
         "flashsale_stock{sku=\"measured\",store=\"mysql\"} 0",
         "# HELP flashsale_orders_total",
