@@ -51,11 +51,31 @@ fi
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 # Every test binary runs even after one fails (--no-fail-fast), and the totals are
-# printed whatever the outcome; the script's status is cargo's.
+# printed whatever the outcome; the script fails when cargo or the bench check did.
 set +e
 cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
+# The benchmark pipeline (lockbench, the peers' libraries from PyPI, the goals table)
+# once, small, into a scratch document: it runs rarely by hand and must not rot
+# between runs. Every lock and every peer must have measured. Skipped when the
+# arguments pick tests.
+if [ $# = 0 ]; then
+  bench_doc=$(mktemp)
+  trap 'rm -f "$log" "$bench_doc"' EXIT
+  bench_status=0
+  BENCH_DOC=$bench_doc BENCH_REPEAT=1 BENCH_SECONDS=1 BENCH_CONTENDERS=2 \
+    ./scripts/bench.sh --no-stack lockbench || bench_status=$?
+  measured=$(grep -c '^| [a-z0-9-]* | 1/1 |' "$bench_doc" || true)
+  if [ "$bench_status" = 0 ] && [ "$measured" = 11 ] && grep -q 'python-redis-lock (cycles/s)' "$bench_doc"; then
+    echo "bench: lockbench section made, 11 of 11 locks and peers measured"
+  else
+    echo "bench: FAILED (status $bench_status, $measured of 11 locks and peers measured):"
+    cat "$bench_doc"
+    [ "$status" != 0 ] || status=1
+  fi
+fi
+
 # cargo prints one summary line per test binary; the totals add them up. A binary
 # that crashed, or a build that failed, prints none: the status says so.
 awk -v status="$status" '/^test result:/ { passed += $4; failed += $6 }
@@ -63,6 +83,7 @@ awk -v status="$status" '/^test result:/ { passed += $4; failed += $6 }
        printf "tests: %d passed, %d failed\n", passed, failed
        if (status != 0 && failed == 0) print "tests: cargo failed without a failing test (a build error or a crashed test binary): see above"
      }' "$log"
+
 # CI keeps only the end of the output, and a failing test's panic sits far above it
 # (behind other binaries' results): repeat each panic here, without its backtrace.
 awk '/^---- .* stdout ----$/ { test = $2; panic = 0; next }
