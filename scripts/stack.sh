@@ -9,7 +9,8 @@
 #                             kill -9 one service and start it again (fault injection)
 #
 # Ports are not the defaults so a system Redis/MySQL does not clash. Data, logs and
-# pidfiles live under .stack/ (git-ignored). `up` is idempotent.
+# pidfiles live under .stack/ (git-ignored). `up` is idempotent, and restarts a
+# service that an older checkout started with other settings.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -62,6 +63,21 @@ ensure_port_free() {
   fi
 }
 
+# already_up NAME DIR PIDFILE SETTINGS READY-COMMAND...: whether NAME runs, answers,
+# and was started with SETTINGS (its command line and configuration, saved in
+# DIR/settings by `started`). One started with other settings, by an older checkout
+# of this script, is stopped: `up` never leaves a service set up otherwise than here.
+already_up() {
+  local name=$1 dir=$2 pidfile=$3 settings=$4; shift 4
+  { pidfile_alive "$pidfile" && "$@" >/dev/null 2>&1; } || return 1
+  [ "$(cat "$dir/settings" 2>/dev/null)" = "$settings" ] && return 0
+  log "$name runs with other settings than this script's; restarting it"
+  stop_pidfile "$name" "$pidfile"
+  return 1
+}
+
+started() { printf '%s' "$2" >"$1/settings"; }
+
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 install_missing() {
@@ -88,10 +104,12 @@ redis_ready() { [ "$(redis-cli -h 127.0.0.1 -p "$1" ping 2>/dev/null)" = PONG ];
 redis_up() {
   local port=$1 dir="$STACK/redis-$1"
   mkdir -p "$dir"
-  if pidfile_alive "$dir/redis.pid" && redis_ready "$port"; then return 0; fi
+  local args=(--port "$port" --bind 127.0.0.1 --save '' --appendonly no
+    --daemonize yes --dir "$dir" --pidfile "$dir/redis.pid" --logfile "$dir/redis.log")
+  already_up "redis:$port" "$dir" "$dir/redis.pid" "${args[*]}" redis_ready "$port" && return 0
   ensure_port_free redis "$port"
-  redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
-    --daemonize yes --dir "$dir" --pidfile "$dir/redis.pid" --logfile "$dir/redis.log"
+  redis-server "${args[@]}"
+  started "$dir" "${args[*]}"
   wait_for "redis:$port" "$dir/redis.log" redis_ready "$port"
 }
 
@@ -109,7 +127,13 @@ mariadb_ready() {
 mariadb_up() {
   local dir="$STACK/mariadb"
   mkdir -p "$dir"
-  if pidfile_alive "$dir/mariadb.pid" && mariadb_ready >/dev/null 2>&1; then return 0; fi
+  # max_connections: every test starts several replicas, each with its own pool.
+  # innodb_lock_wait_timeout stays at its default; strategies bound their own waits.
+  local args=(--no-defaults --datadir="$dir/data" --user="$(id -un)"
+    --bind-address=127.0.0.1 --port="$MARIADB_PORT" --socket="$dir/mariadb.sock"
+    --pid-file="$dir/mariadb.pid" --log-error="$dir/mariadb.log"
+    --max-connections=2000 --skip-name-resolve --innodb-buffer-pool-size=256M)
+  already_up mariadb "$dir" "$dir/mariadb.pid" "${args[*]}" mariadb_ready && return 0
   ensure_port_free mariadb "$MARIADB_PORT"
   if [ ! -d "$dir/data/mysql" ]; then
     log "initialising MariaDB datadir"
@@ -117,14 +141,9 @@ mariadb_up() {
       --auth-root-authentication-method=socket >"$dir/install.log" 2>&1 \
       || { tail -n 20 "$dir/install.log" >&2; die "mariadb-install-db failed"; }
   fi
-  # max_connections: every test starts several replicas, each with its own pool.
-  # innodb_lock_wait_timeout stays at its default; strategies bound their own waits.
-  nohup /usr/sbin/mariadbd --no-defaults --datadir="$dir/data" --user="$(id -un)" \
-    --bind-address=127.0.0.1 --port="$MARIADB_PORT" --socket="$dir/mariadb.sock" \
-    --pid-file="$dir/mariadb.pid" --log-error="$dir/mariadb.log" \
-    --max-connections=2000 --skip-name-resolve --innodb-buffer-pool-size=256M \
-    >/dev/null 2>&1 &
+  nohup /usr/sbin/mariadbd "${args[@]}" >/dev/null 2>&1 &
   echo $! >"$dir/mariadb.pid"
+  started "$dir" "${args[*]}"
   wait_for "mariadb" "$dir/mariadb.log" mariadb_client -e 'select 1'
   # The service's user may create the per-test databases flashsale_* as well.
   mariadb_client <<SQL
@@ -152,9 +171,8 @@ zk_ready() {
 zookeeper_up() {
   local dir="$STACK/zookeeper"
   mkdir -p "$dir/data"
-  if pidfile_alive "$dir/zookeeper.pid" && zk_ready 2>/dev/null; then return 0; fi
-  ensure_port_free zookeeper "$ZK_PORT"
-  cat >"$dir/zoo.cfg" <<CFG
+  local config
+  config=$(cat <<CFG
 tickTime=500
 dataDir=$dir/data
 clientPort=$ZK_PORT
@@ -165,6 +183,13 @@ maxSessionTimeout=60000
 admin.enableServer=false
 4lw.commands.whitelist=srvr,ruok,stat,mntr,cons
 CFG
+)
+  local cp=/usr/share/java/zookeeper.jar:/usr/share/java/slf4j-log4j12.jar:/usr/share/java/log4j-1.2.jar
+  local args=(-Xmx256m -cp "$cp" -Dlog4j.configuration="file:$dir/log4j.properties"
+    -Dzookeeper.log.dir="$dir" org.apache.zookeeper.server.ZooKeeperServerMain "$dir/zoo.cfg")
+  already_up zookeeper "$dir" "$dir/zookeeper.pid" "${args[*]} $config" zk_ready && return 0
+  ensure_port_free zookeeper "$ZK_PORT"
+  printf '%s\n' "$config" >"$dir/zoo.cfg"
   cat >"$dir/log4j.properties" <<CFG
 log4j.rootLogger=INFO, FILE
 log4j.appender.FILE=org.apache.log4j.FileAppender
@@ -172,11 +197,9 @@ log4j.appender.FILE.File=$dir/zookeeper.log
 log4j.appender.FILE.layout=org.apache.log4j.PatternLayout
 log4j.appender.FILE.layout.ConversionPattern=%d{ISO8601} [%t] %-5p %c{1} - %m%n
 CFG
-  local cp=/usr/share/java/zookeeper.jar:/usr/share/java/slf4j-log4j12.jar:/usr/share/java/log4j-1.2.jar
-  nohup java -Xmx256m -cp "$cp" -Dlog4j.configuration="file:$dir/log4j.properties" \
-    -Dzookeeper.log.dir="$dir" org.apache.zookeeper.server.ZooKeeperServerMain "$dir/zoo.cfg" \
-    >"$dir/stdout.log" 2>&1 &
+  nohup java "${args[@]}" >"$dir/stdout.log" 2>&1 &
   echo $! >"$dir/zookeeper.pid"
+  started "$dir" "${args[*]} $config"
   wait_for "zookeeper" "$dir/zookeeper.log" zk_ready
 }
 
@@ -194,17 +217,18 @@ etcd_ready() { ETCDCTL_API=3 etcdctl --endpoints="127.0.0.1:$ETCD_PORT" endpoint
 etcd_up() {
   local dir="$STACK/etcd"
   mkdir -p "$dir"
-  if pidfile_alive "$dir/etcd.pid" && etcd_ready >/dev/null 2>&1; then return 0; fi
+  local args=(--name flashsale --data-dir "$dir/data"
+    --listen-client-urls "http://127.0.0.1:$ETCD_PORT"
+    --advertise-client-urls "http://127.0.0.1:$ETCD_PORT"
+    --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT"
+    --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT"
+    --initial-cluster "flashsale=http://127.0.0.1:$ETCD_PEER_PORT"
+    --auto-compaction-mode periodic --auto-compaction-retention 5s)
+  already_up etcd "$dir" "$dir/etcd.pid" "${args[*]}" etcd_ready && return 0
   ensure_port_free etcd "$ETCD_PORT"
-  nohup etcd --name flashsale --data-dir "$dir/data" \
-    --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
-    --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
-    --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
-    --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
-    --initial-cluster "flashsale=http://127.0.0.1:$ETCD_PEER_PORT" \
-    --auto-compaction-mode periodic --auto-compaction-retention 5s \
-    >"$dir/etcd.log" 2>&1 &
+  nohup etcd "${args[@]}" >"$dir/etcd.log" 2>&1 &
   echo $! >"$dir/etcd.pid"
+  started "$dir" "${args[*]}"
   wait_for "etcd" "$dir/etcd.log" etcd_ready
 }
 
