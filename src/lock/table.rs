@@ -83,14 +83,15 @@ use sqlx::MySql;
 use sqlx::mysql::{MySqlDatabaseError, MySqlPool};
 use sqlx::pool::PoolConnection;
 use tokio::sync::Notify;
-use tokio::time::{Instant, sleep_until};
+use tokio::time::{Instant, sleep_until, timeout_at};
 
 use super::lease::{LeaseGuard, LeaseHold};
 use super::local_queue::{LocalQueues, Turn};
 use super::notices::ReleaseNotices;
 use super::task::Tasks;
 use super::{
-    DistributedLock, LockError, LockView, acquisition_token, jittered_backoff, token_owner,
+    DistributedLock, HeldLock, LockError, LockView, acquisition_token, jittered_backoff,
+    token_owner,
 };
 
 /// MySQL error numbers that mean "someone else holds it" for a lock-row INSERT.
@@ -362,7 +363,12 @@ impl DistributedLock for TableLock {
             sleep_until(deadline.min(Instant::now() + COURTESY)).await;
             after_release = true;
         }
-        let owner = acquisition_token(&self.rows.owner);
+        let mut owner = acquisition_token(&self.rows.owner);
+        // Each step against MySQL is bounded by the caller's wait, as the sleeps are: a
+        // statement stalled inside MariaDB (behind a row lock, a slow commit) would
+        // otherwise hold the replica's turn, and every local waiter behind it, past
+        // their waits. A step cut off is dropped like any other (`PendingInsert`).
+        let timed_out = |_| LockError::Timeout { waited: wait };
         // Until then the row that blocks us has not expired: no need to look.
         let mut live_until: Option<Instant> = None;
         let mut attempt = 0;
@@ -376,24 +382,50 @@ impl DistributedLock for TableLock {
                 released.as_mut().enable();
             }
 
-            let mut conn = match self.try_insert(name, &owner, &turn).await? {
+            let sent = Instant::now();
+            let inserted = timeout_at(deadline, self.try_insert(name, &owner, &turn))
+                .await
+                .map_err(timed_out)??;
+            let mut conn = match inserted {
                 Inserted::Row(id) => {
                     let hold = TableHold {
                         rows: self.rows.clone(),
                         id,
                         name: name.to_owned(),
-                        owner,
+                        owner: std::mem::replace(&mut owner, acquisition_token(&self.rows.owner)),
                         contended: attempt > 0,
-                        _turn: turn,
+                        _turn: turn.clone(),
                     };
-                    return Ok(LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks));
+                    let guard = LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks);
+                    // The row's lease runs from the INSERT's start (`UTC_TIMESTAMP` is
+                    // the statement's time): one that waited inside MariaDB was written
+                    // partly spent, or already expired and open to a takeover. Past a
+                    // third of the lease, when the watchdog would first renew, the
+                    // hold is confirmed (renewed if low) before it is granted.
+                    if sent.elapsed() < self.rows.lease / 3 {
+                        return Ok(guard);
+                    }
+                    match timeout_at(deadline, guard.ensure_held()).await {
+                        Ok(Ok(())) => return Ok(guard),
+                        // Born expired: the guard's drop deletes the row if it is still
+                        // ours (the next attempt has an owner token of its own).
+                        Ok(Err(LockError::Lost(_))) => {
+                            tracing::warn!(lock = name, waited = ?sent.elapsed(),
+                                "a lock row's INSERT outlasted its lease; trying again");
+                            drop(guard);
+                            continue;
+                        }
+                        Ok(Err(error)) => return Err(error),
+                        Err(elapsed) => return Err(timed_out(elapsed)),
+                    }
                 }
                 Inserted::Taken(conn) => conn,
             };
             attempt += 1;
             let mut row = None;
             if !after_release && live_until.is_none_or(|until| Instant::now() >= until) {
-                row = Some(self.look(&mut conn, name).await?);
+                let looked = timeout_at(deadline, self.look(&mut conn, name)).await;
+                row = Some(looked.map_err(timed_out)??);
             }
             drop(conn);
             let free = match row {
@@ -402,7 +434,8 @@ impl DistributedLock for TableLock {
                     false
                 }
                 Some(Row::Expired { id, owner }) => {
-                    if self.take_over(name, id, &owner).await? {
+                    let taken = timeout_at(deadline, self.take_over(name, id, &owner)).await;
+                    if taken.map_err(timed_out)?? {
                         continue;
                     }
                     false
@@ -646,7 +679,31 @@ impl Drop for PendingInsert {
         let turn = self.turn.clone();
         self.rows.tasks.spawn_detached(async move {
             let _turn = turn;
-            let same_connection = rows.delete_own_on(&mut conn, &name, &owner);
+            // A database error is an answer: the connection is still in step. sqlx hands
+            // an abandoned statement's error to the next statement, which is then never
+            // sent, so the first error is usually the INSERT's own (1062 or 1213: it
+            // inserted nothing). Send the DELETE again; after a deadlock, a moment later.
+            // (Taken for a broken connection, that error cost the replica its turn on
+            // the name for half a second while the lock was free.)
+            let same_connection = async {
+                let mut tries = 0;
+                loop {
+                    match rows.delete_own_on(&mut conn, &name, &owner).await {
+                        Err(sqlx::Error::Database(error)) if tries < DEADLOCK_RETRIES => {
+                            tries += 1;
+                            if mysql_number(&*error) == Some(DEADLOCK) {
+                                tokio::time::sleep(jittered_backoff(
+                                    tries,
+                                    BACKOFF_BASE,
+                                    BACKOFF_CAP,
+                                ))
+                                .await;
+                            }
+                        }
+                        answered => break answered,
+                    }
+                }
+            };
             if let Ok(Ok(deleted)) = tokio::time::timeout(UNDO_TIMEOUT, same_connection).await {
                 if deleted {
                     rows.released(&name, &owner, false).await;

@@ -1537,7 +1537,7 @@ async fn table_lock_leases_agree_across_session_time_zones() {
 }
 
 /// Waits (at most 10 s) until every lock of `locks` hears the others' releases.
-async fn subscribed(locks: &[&TableLock]) {
+pub(crate) async fn subscribed(locks: &[&TableLock]) {
     let started = Instant::now();
     while !locks.iter().all(|lock| lock.hears_releases()) {
         assert!(

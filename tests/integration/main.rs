@@ -16,6 +16,7 @@ mod killed_after_commit;
 mod limits;
 mod lock_cancellation;
 mod lock_primitives;
+mod lock_stalls;
 mod lock_strategies;
 mod lockbench;
 mod none_strategy;
