@@ -19,10 +19,11 @@
 //!   do: the largest of the granting nodes' `INCR`s can repeat or go back when the next
 //!   majority is a different set of nodes (A and B at 5, then B and C give 6 and 1,
 //!   then A and C give 6 again). So a holder, still holding on the granting nodes,
-//!   reads their counters, takes the largest as the floor, and writes floor + 1 to each
-//!   of them (a script that writes only while the node still holds our token); the
-//!   token counts only if a majority took the write. Any two majorities share a node,
-//!   so the next holder reads at least this token and goes above it. A node that lost
+//!   reads their counters (a majority of answers will do), takes the largest as the
+//!   floor, and raises each granting node's counter to at least floor + 1 (a script
+//!   that writes only while the node still holds our token); the token, floor + 1,
+//!   counts only if a majority took the write. Any two majorities share a node, so
+//!   the next holder reads at least this token and goes above it. A node that lost
 //!   its data has no counter: then the floor also comes from the fence MySQL checks
 //!   (`fence_floor`). This rests, like the lock itself, on holders not overlapping.
 //!   Those are two more rounds on every granting node, so they are only made for a
@@ -54,7 +55,9 @@ use std::time::Duration;
 use crate::redis_pool::Pool;
 use async_trait::async_trait;
 use deadpool_redis::redis;
+use futures::StreamExt;
 use futures::future::join_all;
+use futures::stream::FuturesUnordered;
 use tokio::time::{Instant, timeout};
 
 use super::fence_floor::{FenceFloor, bounded_floor};
@@ -190,6 +193,12 @@ impl Redlock {
                             .await
                             .map_err(redis_error)?;
                         attempt.granted = set.is_some();
+                        if !attempt.granted {
+                            // Answered no: nothing to undo, and the connection goes
+                            // back to the pool instead of staying with a hold.
+                            pending.disarm();
+                            attempt.pending = None;
+                        }
                         Ok::<_, LockError>(())
                     })
                     .await;
@@ -199,8 +208,8 @@ impl Redlock {
         attempts
     }
 
-    /// The next fencing token, written to a majority of the granting nodes (see the
-    /// module comment); `None` if the nodes did not answer in time.
+    /// The next fencing token, written to a majority of the nodes (see the module
+    /// comment); `None` if too few answered in time.
     async fn next_fence(
         &self,
         name: &str,
@@ -208,50 +217,51 @@ impl Redlock {
         attempts: &mut [NodeAttempt],
     ) -> Result<Option<u64>, LockError> {
         let (key, fence_key) = (self.key(name), self.fence_key(name));
-        let read = join_all(
-            attempts
-                .iter_mut()
-                .filter(|a| a.granted)
-                .map(|attempt| async {
-                    let conn = attempt.pending.as_mut()?.conn().ok()?;
-                    let mut get = redis::cmd("GET");
-                    get.arg(&fence_key);
-                    timeout(NODE_TIMEOUT, get.query_async::<Option<u64>>(conn))
-                        .await
-                        .ok()?
-                        .ok()
-                }),
-        )
-        .await;
-        let Some(counters) = read.into_iter().collect::<Option<Vec<_>>>() else {
+        // The first majority of answers is enough, and waiting for every granting node
+        // would not be: one slow to answer (a fork, a pause) failed every round it
+        // granted, while a dead one costs nothing. Any majority overlaps the one that
+        // took the last token.
+        let reads = attempts
+            .iter_mut()
+            .filter(|a| a.granted)
+            .map(|attempt| async {
+                let conn = attempt.pending.as_mut()?.conn().ok()?;
+                let mut get = redis::cmd("GET");
+                get.arg(&fence_key);
+                timeout(NODE_TIMEOUT, get.query_async::<Option<u64>>(conn))
+                    .await
+                    .ok()?
+                    .ok()
+            });
+        let counters = first_answers(reads, self.quorum()).await;
+        if counters.len() < self.quorum() {
             return Ok(None);
-        };
+        }
         let mut floor = counters.iter().flatten().copied().max().unwrap_or(0);
         if counters.iter().any(Option::is_none)
             && let Some(source) = &self.fence_floor
         {
             floor = floor.max(bounded_floor(&**source, name).await?);
         }
-        let written = join_all(
-            attempts
-                .iter_mut()
-                .filter(|a| a.granted)
-                .map(|attempt| async {
-                    let conn = attempt.pending.as_mut()?.conn().ok()?;
-                    let mut seed = SEED_FENCE.prepare_invoke();
-                    seed.key(&key).key(&fence_key).arg(token).arg(floor);
-                    let fence = timeout(NODE_TIMEOUT, seed.invoke_async::<i64>(conn))
-                        .await
-                        .ok()?
-                        .ok()?;
-                    u64::try_from(fence).ok()
-                }),
-        )
-        .await;
-        let fences: Vec<u64> = written.into_iter().flatten().collect();
-        Ok((fences.len() >= self.quorum())
-            .then(|| fences.into_iter().max())
-            .flatten())
+        let writes = attempts
+            .iter_mut()
+            .filter(|a| a.granted)
+            .map(|attempt| async {
+                let conn = attempt.pending.as_mut()?.conn().ok()?;
+                let mut seed = SEED_FENCE.prepare_invoke();
+                seed.key(&key).key(&fence_key).arg(token).arg(floor);
+                let fence = timeout(NODE_TIMEOUT, seed.invoke_async::<i64>(conn))
+                    .await
+                    .ok()?
+                    .ok()?;
+                u64::try_from(fence).ok()
+            });
+        let written = first_answers(writes, self.quorum()).await;
+        // The token is floor + 1 whatever a node answered: a node not read may hold a
+        // higher counter (raised by a round that missed its majority) and answer more,
+        // but the next holder may not read that node; every node that took the write
+        // holds at least floor + 1, and the next holder reads one of them.
+        Ok((written.len() >= self.quorum()).then_some(floor + 1))
     }
 
     /// The algorithm (module comment); with `fenced`, the hold also takes a fencing
@@ -388,6 +398,23 @@ impl DistributedLock for Redlock {
     }
 }
 
+/// The answers (`Some`) of the first `quorum` of `calls` to give one, run at once; fewer
+/// if the others failed or timed out. The calls still running are dropped: on a node
+/// that ran one anyway, a counter read changes nothing and a counter write only
+/// raises it, which every later holder's floor allows for.
+async fn first_answers<T>(
+    calls: impl Iterator<Item = impl Future<Output = Option<T>>>,
+    quorum: usize,
+) -> Vec<T> {
+    let mut running: FuturesUnordered<_> = calls.collect();
+    let mut answers = Vec::new();
+    while answers.len() < quorum
+        && let Some(answer) = running.next().await
+    {
+        answers.extend(answer);
+    }
+    answers
+}
 fn released_channel(key: &str) -> String {
     format!("{key}:released")
 }
