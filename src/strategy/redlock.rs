@@ -20,7 +20,7 @@ pub fn explanation() -> Explanation {
             "held if granted on ≥ N/2+1 nodes and lease − elapsed − (1% lease + 2 ms) > 0",
             "else on every node: if GET key == token then DEL key (Lua); random delay; retry",
             "watchdog and check before commit: compare-and-PEXPIRE on every node, majority",
-            "fencing token: read <ns>:redlock-fence:<sku> on the granting nodes, write the largest + 1 to a majority (while still holding there)",
+            "fencing token: read <ns>:redlock-fence:<sku> on a majority of the granting nodes, write the largest + 1 to a majority (while still holding there)",
         ],
         failure_mode: "Timing: a holder paused past the validity, a node that restarts without \
                        persistence, or a clock that jumps can give two holders the lock at \
