@@ -90,8 +90,7 @@ use super::local_queue::{LocalQueues, Turn};
 use super::notices::ReleaseNotices;
 use super::task::Tasks;
 use super::{
-    DistributedLock, HeldLock, LockError, LockView, acquisition_token, jittered_backoff,
-    token_owner,
+    DistributedLock, LockError, LockView, acquisition_token, jittered_backoff, token_owner,
 };
 
 /// MySQL error numbers that mean "someone else holds it" for a lock-row INSERT.
@@ -396,28 +395,33 @@ impl DistributedLock for TableLock {
                         contended: attempt > 0,
                         _turn: turn.clone(),
                     };
-                    let guard = LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks);
                     // The row's lease runs from the INSERT's start (`UTC_TIMESTAMP` is
                     // the statement's time): one that waited inside MariaDB was written
                     // partly spent, or already expired and open to a takeover. Past a
-                    // third of the lease, when the watchdog would first renew, the
-                    // hold is confirmed (renewed if low) before it is granted.
-                    if sent.elapsed() < self.rows.lease / 3 {
-                        return Ok(guard);
-                    }
-                    match timeout_at(deadline, guard.ensure_held()).await {
-                        Ok(Ok(())) => return Ok(guard),
-                        // Born expired: the guard's drop deletes the row if it is still
-                        // ours (the next attempt has an owner token of its own).
-                        Ok(Err(LockError::Lost(_))) => {
-                            tracing::warn!(lock = name, waited = ?sent.elapsed(),
-                                "a lock row's INSERT outlasted its lease; trying again");
-                            drop(guard);
-                            continue;
+                    // third of the lease, when the watchdog would first renew, it is
+                    // renewed to a whole lease before it is granted.
+                    if sent.elapsed() >= self.rows.lease / 3 {
+                        match timeout_at(deadline, hold.renew(self.rows.lease)).await {
+                            Ok(Ok(true)) => {}
+                            // Born expired: left to a takeover, ours too (the next
+                            // attempt has an owner token of its own).
+                            Ok(Ok(false)) => {
+                                tracing::warn!(lock = name, waited = ?sent.elapsed(),
+                                    "a lock row's INSERT outlasted its lease; trying again");
+                                continue;
+                            }
+                            // Perhaps ours and live: a guard's drop deletes it.
+                            Ok(Err(error)) => {
+                                drop(LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks));
+                                return Err(error);
+                            }
+                            Err(elapsed) => {
+                                drop(LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks));
+                                return Err(timed_out(elapsed));
+                            }
                         }
-                        Ok(Err(error)) => return Err(error),
-                        Err(elapsed) => return Err(timed_out(elapsed)),
                     }
+                    return Ok(LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks));
                 }
                 Inserted::Taken(conn) => conn,
             };
