@@ -70,6 +70,19 @@ impl<H: LeaseHold> LeaseGuard<H> {
             tasks: tasks.clone(),
         }
     }
+
+    /// Renews the lease to a whole one now, for a hold that may have been granted with
+    /// part of it spent. `Lost` if it is no longer ours.
+    pub async fn renew_now(&self) -> Result<(), LockError> {
+        if self.hold.renew(self.lease).await? {
+            return Ok(());
+        }
+        self.lost.store(true, Ordering::SeqCst);
+        Err(LockError::Lost(format!(
+            "{} expired before it was granted",
+            self.hold.describe()
+        )))
+    }
 }
 
 #[async_trait]

@@ -27,8 +27,12 @@
 //!   its data has no counter, and its answer does not count towards the majority read.
 //!   When too few nodes have one, the floor also comes from the fence MySQL checks
 //!   (`fence_floor`), which lags behind a holder that has not registered its token
-//!   yet: only there can a token go back, and only Redis persistence on the nodes
-//!   closes that. This rests, like the lock itself, on holders not overlapping.
+//!   yet: there a token can go back, and the low counters that round writes count as
+//!   real ones afterwards. A node restored from a snapshot, or from an AOF not synced
+//!   on every write, comes back with an old counter, which does the same unseen: only
+//!   `appendfsync always` on the nodes closes it (the stack runs them without
+//!   persistence). The stock compare-and-set in MySQL still refuses a double sale.
+//!   This rests, like the lock itself, on holders not overlapping.
 //!   Those are two more rounds on every granting node, so they are only made for a
 //!   caller that asked for a token (`acquire`; with fencing off the flow calls
 //!   `acquire_unfenced`, whose hold has none). Counters left alone meanwhile stay
@@ -315,8 +319,12 @@ impl Redlock {
                 } else {
                     Some(None)
                 };
+                // Granted with at least half the lease left: the watchdog first
+                // renews a third of a lease after the hold starts, and the fencing
+                // rounds (a MySQL floor among them) can take a good part of a short
+                // lease; the keys must outlive that first renewal.
                 if let Some(fence) = fence
-                    && started.elapsed() + drift < self.lease
+                    && started.elapsed() + drift < self.lease / 2
                 {
                     // Granted attempts are settled; late ones stay armed with the hold.
                     let late = attempts

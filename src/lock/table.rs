@@ -364,14 +364,19 @@ impl DistributedLock for TableLock {
         }
         let mut owner = acquisition_token(&self.rows.owner);
         // Each step against MySQL is bounded by the caller's wait, as the sleeps are: a
-        // statement stalled inside MariaDB (behind a row lock, a slow commit) would
-        // otherwise hold the replica's turn, and every local waiter behind it, past
-        // their waits. A step cut off is dropped like any other (`PendingInsert`).
+        // statement stalled inside MariaDB (behind a row lock, a slow commit) kept the
+        // caller waiting past it, by up to InnoDB's lock wait timeout. A step cut off is
+        // dropped like any other; an INSERT's undo (`PendingInsert`) keeps the turn
+        // until MariaDB answers the INSERT, since only then can it delete the row.
         let timed_out = |_| LockError::Timeout { waited: wait };
         // Until then the row that blocks us has not expired: no need to look.
         let mut live_until: Option<Instant> = None;
         let mut attempt = 0;
         loop {
+            // A deadline passed while the last step went on: no INSERT is sent after it.
+            if Instant::now() >= deadline {
+                return Err(LockError::Timeout { waited: wait });
+            }
             // Listen before trying, so a release between the try and the wait is
             // seen; a notice stored before this attempt is answered by the attempt.
             let released = wakeup.notified();
@@ -395,33 +400,37 @@ impl DistributedLock for TableLock {
                         contended: attempt > 0,
                         _turn: turn.clone(),
                     };
+                    let guard = LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks);
                     // The row's lease runs from the INSERT's start (`UTC_TIMESTAMP` is
                     // the statement's time): one that waited inside MariaDB was written
                     // partly spent, or already expired and open to a takeover. Past a
                     // third of the lease, when the watchdog would first renew, it is
-                    // renewed to a whole lease before it is granted.
-                    if sent.elapsed() >= self.rows.lease / 3 {
-                        match timeout_at(deadline, hold.renew(self.rows.lease)).await {
-                            Ok(Ok(true)) => {}
-                            // Born expired: left to a takeover, ours too (the next
-                            // attempt has an owner token of its own).
-                            Ok(Ok(false)) => {
+                    // renewed to a whole lease before it is granted, again if the
+                    // renewal itself took that long. The guard comes first, so that a
+                    // drop during the renewal deletes the row like any release.
+                    let mut spent = sent.elapsed();
+                    while spent >= self.rows.lease / 3 {
+                        let renewing = Instant::now();
+                        match timeout_at(deadline, guard.renew_now()).await {
+                            Ok(Ok(())) => spent = renewing.elapsed(),
+                            // Born expired: the guard's drop deletes the row if it is
+                            // still ours, and the next attempt, under an owner token of
+                            // its own, looks at whatever is there.
+                            Ok(Err(LockError::Lost(_))) => {
                                 tracing::warn!(lock = name, waited = ?sent.elapsed(),
                                     "a lock row's INSERT outlasted its lease; trying again");
-                                continue;
+                                after_release = false;
+                                live_until = None;
+                                break;
                             }
-                            // Perhaps ours and live: a guard's drop deletes it.
-                            Ok(Err(error)) => {
-                                drop(LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks));
-                                return Err(error);
-                            }
-                            Err(elapsed) => {
-                                drop(LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks));
-                                return Err(timed_out(elapsed));
-                            }
+                            Ok(Err(error)) => return Err(error),
+                            Err(elapsed) => return Err(timed_out(elapsed)),
                         }
                     }
-                    return Ok(LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks));
+                    if spent < self.rows.lease / 3 {
+                        return Ok(guard);
+                    }
+                    continue;
                 }
                 Inserted::Taken(conn) => conn,
             };
