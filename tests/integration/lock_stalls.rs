@@ -24,10 +24,10 @@ async fn table_lock(cluster: &TestCluster, owner: &str, lease: Duration) -> Tabl
         .with_release_notices(redis_pool(), &cluster.namespace)
 }
 
-/// A session of the test's own that holds the lock row of `item` (`SELECT ... FOR
-/// UPDATE` in an open transaction): another INSERT of that name waits inside MariaDB
-/// for its duplicate check until the session ends.
-async fn row_locked(cluster: &TestCluster) -> sqlx::MySqlConnection {
+/// A session of the test's own, in a transaction that has run `statement`: until the
+/// session ends, another INSERT of a lock row it touched waits inside MariaDB for its
+/// duplicate check.
+async fn session_that_ran(cluster: &TestCluster, statement: &'static str) -> sqlx::MySqlConnection {
     let mut session = sqlx::MySqlConnection::connect(&cluster.database_url)
         .await
         .expect("a session");
@@ -35,11 +35,20 @@ async fn row_locked(cluster: &TestCluster) -> sqlx::MySqlConnection {
         .execute(&mut session)
         .await
         .expect("begin");
-    sqlx::query("SELECT id FROM distributed_locks WHERE lock_name = 'item' FOR UPDATE")
-        .fetch_all(&mut session)
+    sqlx::query(statement)
+        .execute(&mut session)
         .await
-        .expect("row locked");
+        .expect("the session's statement");
     session
+}
+
+/// A session holding the lock row of `item`.
+async fn row_locked(cluster: &TestCluster) -> sqlx::MySqlConnection {
+    session_that_ran(
+        cluster,
+        "SELECT id FROM distributed_locks WHERE lock_name = 'item' FOR UPDATE",
+    )
+    .await
 }
 
 /// A replica's waiting head is dropped (its shopper left) while its INSERT waits
@@ -126,20 +135,12 @@ async fn table_lock_is_not_granted_with_a_lease_already_spent() {
     let lease = Duration::from_millis(1500);
     let first = table_lock(&cluster, "first", lease).await;
     let second = table_lock(&cluster, "second", lease).await;
-    let mut session = sqlx::MySqlConnection::connect(&cluster.database_url)
-        .await
-        .expect("a session");
-    sqlx::query("BEGIN")
-        .execute(&mut session)
-        .await
-        .expect("begin");
-    sqlx::query(
+    let mut session = session_that_ran(
+        &cluster,
         "INSERT INTO distributed_locks (lock_name, owner, expires_at)
          VALUES ('item', 'ghost:1', UTC_TIMESTAMP(6) + INTERVAL 1 HOUR)",
     )
-    .execute(&mut session)
-    .await
-    .expect("an uncommitted row");
+    .await;
     let rollback = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_secs(2)).await;
         sqlx::query("ROLLBACK")
