@@ -65,7 +65,7 @@ use deadpool_redis::redis;
 use futures::StreamExt;
 use futures::future::join_all;
 use futures::stream::FuturesUnordered;
-use tokio::time::{Instant, timeout};
+use tokio::time::{Instant, timeout, timeout_at};
 
 use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
@@ -313,8 +313,12 @@ impl Redlock {
                 // The token if asked for one; `None` when its rounds missed the
                 // majority, which fails the whole round.
                 let fence = if fenced {
-                    self.next_fence(name, &token, &mut attempts)
-                        .await?
+                    // Within the caller's wait, like the rest of the round (a MySQL
+                    // floor is bounded at 2 s of its own); a cut-off round is undone
+                    // as the attempts are dropped.
+                    timeout_at(deadline, self.next_fence(name, &token, &mut attempts))
+                        .await
+                        .map_err(|_| LockError::Timeout { waited: wait })??
                         .map(Some)
                 } else {
                     Some(None)

@@ -357,3 +357,57 @@ async fn redlock_token_does_not_go_back_when_a_node_lost_its_counter() {
     );
     assert!(backwards.is_empty(), "tokens went back: {backwards:?}");
 }
+
+/// A fence floor slow to answer (MySQL stalled), asked because no node has a counter
+/// for a new lock yet.
+struct SlowFence;
+
+#[async_trait::async_trait]
+impl FenceFloor for SlowFence {
+    async fn floor(&self, _name: &str) -> Result<u64, LockError> {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        Ok(0)
+    }
+}
+
+/// Fenced Redlock waits no longer than asked, also while its fence floor is slow
+/// (without the fix: the floor's own 2 s bound, 1.5 s here, for a 200 ms wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fenced_redlock_waits_no_longer_than_asked_for_a_slow_fence_floor() {
+    let namespace = format!("slow-floor-{:x}", rand::random::<u32>());
+    let lock = Redlock::new(
+        redlock_urls().iter().map(|url| pool_for(url)).collect(),
+        &namespace,
+        "replica",
+        LONG,
+    )
+    .with_fence_floor(Arc::new(SlowFence));
+    let started = Instant::now();
+    let attempt = lock.acquire("item", Duration::from_millis(200)).await;
+    let took = started.elapsed();
+    println!(
+        "redlock, slow fence floor: a 200 ms wait ended after {took:?}: {:?}",
+        attempt.as_ref().map(|_| ())
+    );
+    assert!(attempt.is_err(), "no token without the floor");
+    assert!(
+        took < Duration::from_millis(1000),
+        "waited {took:?} for a 200 ms wait"
+    );
+    let started = Instant::now();
+    while lock.background_tasks() > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the cut-off round was undone"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for node in redlock_urls() {
+        let mut conn = pool_for(&node).get().await.expect("node");
+        let exists: bool = conn
+            .exists(format!("{namespace}:redlock:item"))
+            .await
+            .expect("EXISTS");
+        assert!(!exists, "no key left on {node}");
+    }
+}
