@@ -297,7 +297,11 @@ impl DistributedLock for RedisLock {
             tokio::pin!(released);
             released.as_mut().enable();
 
-            let attempt = self.try_acquire(name, &token).await?;
+            // Within the caller's wait (a fence floor, asked when the counter is
+            // missing, may stall in MySQL); a try cut off undoes what it took.
+            let attempt = tokio::time::timeout_at(deadline, self.try_acquire(name, &token))
+                .await
+                .map_err(|_| LockError::Timeout { waited: wait })??;
             // The try answered: a wake-up it followed is used either way (a lock taken
             // by someone else will be released, and that release notified).
             woken.unused = false;

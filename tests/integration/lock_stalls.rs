@@ -9,13 +9,14 @@ use std::time::{Duration, Instant};
 
 use deadpool_redis::redis::AsyncCommands;
 use flashsale::lock::fence_floor::FenceFloor;
+use flashsale::lock::redis::RedisLock;
 use flashsale::lock::redlock::Redlock;
 use flashsale::lock::table::TableLock;
 use flashsale::lock::{DistributedLock, HeldLock, LockError};
 use sqlx::Connection;
 
 use crate::lock_primitives::subscribed;
-use crate::support::{TestCluster, free_port, pool_for, redis_pool, redlock_urls};
+use crate::support::{TestCluster, free_port, pool_for, redis_client, redis_pool, redlock_urls};
 
 const LONG: Duration = Duration::from_secs(30);
 
@@ -409,5 +410,34 @@ async fn fenced_redlock_waits_no_longer_than_asked_for_a_slow_fence_floor() {
             .await
             .expect("EXISTS");
         assert!(!exists, "no key left on {node}");
+    }
+}
+
+/// The same for the single-node Redis lock, whose fence floor is asked when the
+/// lock's counter is missing (a new lock, or Redis restarted empty).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fenced_redis_lock_waits_no_longer_than_asked_for_a_slow_fence_floor() {
+    let namespace = format!("slow-floor-{:x}", rand::random::<u32>());
+    let lock = RedisLock::new(redis_client(), redis_pool(), &namespace, "replica", LONG)
+        .with_fence_floor(Arc::new(SlowFence));
+    let started = Instant::now();
+    let attempt = lock.acquire("item", Duration::from_millis(200)).await;
+    let took = started.elapsed();
+    println!(
+        "redis-lock, slow fence floor: a 200 ms wait ended after {took:?}: {:?}",
+        attempt.as_ref().map(|_| ())
+    );
+    assert!(attempt.is_err(), "no token without the floor");
+    assert!(
+        took < Duration::from_millis(1000),
+        "waited {took:?} for a 200 ms wait"
+    );
+    let started = Instant::now();
+    while lock.background_tasks() > 0 || lock.inspect("item").await.expect("inspect").is_some() {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the cut-off try was undone"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
