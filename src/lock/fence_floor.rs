@@ -14,15 +14,23 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::MySqlPool;
+use tokio::time::Instant;
 
 use super::LockError;
 
 /// Bound on asking for a floor: the lock is held meanwhile.
 pub const FLOOR_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// `floor`'s answer for `name`, bounded by `FLOOR_TIMEOUT`.
-pub async fn bounded_floor(floor: &dyn FenceFloor, name: &str) -> Result<u64, LockError> {
-    tokio::time::timeout(FLOOR_TIMEOUT, floor.floor(name))
+/// `floor`'s answer for `name`, bounded by `FLOOR_TIMEOUT` and by `deadline`, the end of
+/// the caller's wait for the lock (a floor stalled in MySQL stretched a 200 ms wait to
+/// 1.5 s, and the lock was then granted).
+pub async fn bounded_floor(
+    floor: &dyn FenceFloor,
+    name: &str,
+    deadline: Instant,
+) -> Result<u64, LockError> {
+    let bound = deadline.min(Instant::now() + FLOOR_TIMEOUT);
+    tokio::time::timeout_at(bound, floor.floor(name))
         .await
         .map_err(|_| LockError::backend("fence floor", "no answer in time"))?
 }

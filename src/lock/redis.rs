@@ -209,8 +209,14 @@ impl RedisLock {
         format!("{}:fence:{name}", self.namespace)
     }
 
-    /// One `SET NX PX` attempt. Until it returns, a drop undoes whatever it took.
-    async fn try_acquire(&self, name: &str, token: &str) -> Result<Attempt, LockError> {
+    /// One `SET NX PX` attempt; `deadline` bounds its fence floor. Until it returns, a
+    /// drop undoes whatever it took.
+    async fn try_acquire(
+        &self,
+        name: &str,
+        token: &str,
+        deadline: Instant,
+    ) -> Result<Attempt, LockError> {
         let conn = self.pool.get().await.map_err(redis_error)?;
         let hold = RedisHold {
             pool: self.pool.clone(),
@@ -244,7 +250,7 @@ impl RedisLock {
             _ => {
                 // Redis has no counter for this lock (new, or lost in a restart).
                 let floor = match &self.fence_floor {
-                    Some(source) => bounded_floor(&**source, name).await?,
+                    Some(source) => bounded_floor(&**source, name, deadline).await?,
                     None => 0,
                 };
                 let seeded: i64 = SEED_FENCE
@@ -295,13 +301,13 @@ impl DistributedLock for RedisLock {
             // Listen before trying, so a release between the try and the wait is seen.
             let released = wakeup.notified();
             tokio::pin!(released);
-            released.as_mut().enable();
+            if released.as_mut().enable() {
+                // A wake-up stored while nobody listened, taken here: the try answers
+                // it, and a try that never answers passes it on.
+                woken.unused = true;
+            }
 
-            // Within the caller's wait (a fence floor, asked when the counter is
-            // missing, may stall in MySQL); a try cut off undoes what it took.
-            let attempt = tokio::time::timeout_at(deadline, self.try_acquire(name, &token))
-                .await
-                .map_err(|_| LockError::Timeout { waited: wait })??;
+            let attempt = self.try_acquire(name, &token, deadline).await?;
             // The try answered: a wake-up it followed is used either way (a lock taken
             // by someone else will be released, and that release notified).
             woken.unused = false;

@@ -65,7 +65,7 @@ use deadpool_redis::redis;
 use futures::StreamExt;
 use futures::future::join_all;
 use futures::stream::FuturesUnordered;
-use tokio::time::{Instant, timeout, timeout_at};
+use tokio::time::{Instant, timeout};
 
 use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
@@ -216,12 +216,13 @@ impl Redlock {
     }
 
     /// The next fencing token, written to a majority of the nodes (see the module
-    /// comment); `None` if too few answered in time.
+    /// comment); `None` if too few answered in time. `deadline` bounds its MySQL floor.
     async fn next_fence(
         &self,
         name: &str,
         token: &str,
         attempts: &mut [NodeAttempt],
+        deadline: Instant,
     ) -> Result<Option<u64>, LockError> {
         let (key, fence_key) = (self.key(name), self.fence_key(name));
         // The first majority of counters is enough, and waiting for every granting node
@@ -253,7 +254,7 @@ impl Redlock {
         if counters.iter().flatten().count() < self.quorum()
             && let Some(source) = &self.fence_floor
         {
-            floor = floor.max(bounded_floor(&**source, name).await?);
+            floor = floor.max(bounded_floor(&**source, name, deadline).await?);
         }
         let writes = attempts
             .iter_mut()
@@ -308,18 +309,21 @@ impl Redlock {
             let token = acquisition_token(&self.owner);
             let started = Instant::now();
             let mut attempts = self.set_everywhere(&key, &token).await;
+            let mut failed = None;
             let granted = attempts.iter().filter(|a| a.granted).count();
             if granted >= self.quorum() && started.elapsed() + drift < self.lease {
                 // The token if asked for one; `None` when its rounds missed the
                 // majority, which fails the whole round.
                 let fence = if fenced {
-                    // Within the caller's wait, like the rest of the round (a MySQL
-                    // floor is bounded at 2 s of its own); a cut-off round is undone
-                    // as the attempts are dropped.
-                    timeout_at(deadline, self.next_fence(name, &token, &mut attempts))
-                        .await
-                        .map_err(|_| LockError::Timeout { waited: wait })??
-                        .map(Some)
+                    match self.next_fence(name, &token, &mut attempts, deadline).await {
+                        Ok(fence) => fence.map(Some),
+                        // Undone below first: the replica's turn passes on only once
+                        // the round's keys are gone.
+                        Err(error) => {
+                            failed = Some(error);
+                            None
+                        }
+                    }
                 } else {
                     Some(None)
                 };
@@ -363,6 +367,9 @@ impl Redlock {
             )
             .await;
             drop(attempts);
+            if let Some(error) = failed {
+                return Err(error);
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Err(LockError::Timeout { waited: wait });
