@@ -98,12 +98,10 @@ impl Server {
             state.requests.clone(),
             flow,
         );
-        let limits = crate::http::limits::Limits {
-            timeout: std::time::Duration::from_millis(config.request_timeout_ms),
-            in_flight: Arc::new(tokio::sync::Semaphore::new(
-                usize::try_from(config.max_in_flight).unwrap_or(usize::MAX),
-            )),
-        };
+        let limits = crate::http::limits::Limits::new(
+            std::time::Duration::from_millis(config.request_timeout_ms),
+            usize::try_from(config.max_in_flight).unwrap_or(usize::MAX),
+        );
         Ok(Server {
             listener,
             heartbeat,

@@ -34,6 +34,16 @@ pub struct Limits {
     pub in_flight: Arc<Semaphore>,
 }
 
+impl Limits {
+    /// `places` requests at once, each answered within `timeout`.
+    pub fn new(timeout: Duration, places: usize) -> Limits {
+        Limits {
+            timeout,
+            in_flight: Arc::new(Semaphore::new(places)),
+        }
+    }
+}
+
 /// A request's place among those in flight, shared with work it hands to a task of
 /// its own: the place is given back when the last holder drops it.
 #[derive(Clone)]

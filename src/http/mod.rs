@@ -109,10 +109,7 @@ pub fn router(
 
     // The admin calls have places of their own, so an operator can still switch,
     // reset or reconcile while shoppers fill every place of the replica.
-    let admin_limits = limits::Limits {
-        timeout: limits.timeout,
-        in_flight: std::sync::Arc::new(tokio::sync::Semaphore::new(limits::ADMIN_IN_FLIGHT)),
-    };
+    let admin_limits = limits::Limits::new(limits.timeout, limits::ADMIN_IN_FLIGHT);
     let routes = within(admin, admin_limits)
         .merge(within(public, limits))
         .merge(unlimited)

@@ -325,6 +325,30 @@ impl TableLock {
         Ok(deleted == 1)
     }
 
+    /// `guard`, whose INSERT was sent at `sent`, with its lease ahead of it; `None` if
+    /// its row was born expired. The row's lease runs from the INSERT's start
+    /// (`UTC_TIMESTAMP` is the statement's time), so one that waited inside MariaDB was
+    /// written partly spent, or already expired and open to a takeover. Past a third
+    /// of the lease, when the watchdog would first renew, it is renewed to a whole
+    /// lease, again if the renewal itself took that long. The guard exists throughout,
+    /// so a drop here deletes the row like any release.
+    async fn with_lease_ahead(
+        &self,
+        guard: LeaseGuard<TableHold>,
+        sent: Instant,
+    ) -> Result<Option<LeaseGuard<TableHold>>, LockError> {
+        let mut spent = sent.elapsed();
+        while spent >= self.rows.lease / 3 {
+            let renewing = Instant::now();
+            match guard.renew_now().await {
+                Ok(()) => spent = renewing.elapsed(),
+                Err(LockError::Lost(_)) => return Ok(None),
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(Some(guard))
+    }
+
     /// How long the head waits for a notice before it tries again anyway.
     fn poll_pause(&self, attempt: u32) -> Duration {
         // While notices are heard the poll only covers a lost one: at the cap at once.
@@ -401,35 +425,19 @@ impl DistributedLock for TableLock {
                         _turn: turn.clone(),
                     };
                     let guard = LeaseGuard::start(hold, self.rows.lease, &self.rows.tasks);
-                    // The row's lease runs from the INSERT's start (`UTC_TIMESTAMP` is
-                    // the statement's time): one that waited inside MariaDB was written
-                    // partly spent, or already expired and open to a takeover. Past a
-                    // third of the lease, when the watchdog would first renew, it is
-                    // renewed to a whole lease before it is granted, again if the
-                    // renewal itself took that long. The guard comes first, so that a
-                    // drop during the renewal deletes the row like any release.
-                    let mut spent = sent.elapsed();
-                    while spent >= self.rows.lease / 3 {
-                        let renewing = Instant::now();
-                        match timeout_at(deadline, guard.renew_now()).await {
-                            Ok(Ok(())) => spent = renewing.elapsed(),
-                            // Born expired: the guard's drop deletes the row if it is
-                            // still ours, and the next attempt, under an owner token of
-                            // its own, looks at whatever is there.
-                            Ok(Err(LockError::Lost(_))) => {
-                                tracing::warn!(lock = name, waited = ?sent.elapsed(),
-                                    "a lock row's INSERT outlasted its lease; trying again");
-                                after_release = false;
-                                live_until = None;
-                                break;
-                            }
-                            Ok(Err(error)) => return Err(error),
-                            Err(elapsed) => return Err(timed_out(elapsed)),
-                        }
-                    }
-                    if spent < self.rows.lease / 3 {
+                    let renewed = timeout_at(deadline, self.with_lease_ahead(guard, sent))
+                        .await
+                        .map_err(timed_out)??;
+                    if let Some(guard) = renewed {
                         return Ok(guard);
                     }
+                    // Born expired: the guard's drop deleted the row if it was still
+                    // ours; the next attempt, under an owner token of its own, looks at
+                    // whatever row is there.
+                    tracing::warn!(lock = name, waited = ?sent.elapsed(),
+                        "a lock row's INSERT outlasted its lease; trying again");
+                    after_release = false;
+                    live_until = None;
                     continue;
                 }
                 Inserted::Taken(conn) => conn,
