@@ -3,14 +3,15 @@
 //! - **Acquire**: `SET <key> <token> NX PX <lease>`; the token is unique per
 //!   acquisition, so nobody can release or renew a hold that is not theirs.
 //! - **Release**: a Lua compare-and-delete (`GET == token` then `DEL`), which also
-//!   `PUBLISH`es on the lock's channel.
+//!   leaves one release signal in the lock's signal list.
 //! - **Watchdog**: while held, a task renews the lease every `lease / 3` with a Lua
 //!   compare-and-`PEXPIRE`; if the key is no longer ours the hold is marked lost. A
 //!   holder that dies stops renewing and the lock frees itself after at most `lease`.
-//! - **Waiting**: no spinning. One pub/sub connection per replica listens for release
-//!   messages and wakes one local waiter of that lock (FIFO), like Redisson's
-//!   semaphore per lock entry. A crashed holder publishes nothing, so each waiter
-//!   also retries when the lock's remaining TTL runs out.
+//! - **Waiting**: no spinning. The release's signal is taken by one waiting replica
+//!   (`BLPOP`, see `signals`), which wakes one local waiter of that lock (FIFO): one
+//!   release, one try, as python-redis-lock's waiters do, where Redisson's pub/sub
+//!   wakes one waiter in every process. A crashed holder signals nothing, so each
+//!   waiter also retries when the lock's remaining TTL runs out.
 //! - **Cancellation**: an acquisition dropped while its `SET` is in flight (a
 //!   shopper hung up) may still have taken the key. The attempt holds the connection
 //!   it sent the `SET` on and, if dropped, sends the compare-and-delete on that same
@@ -34,22 +35,38 @@ use tokio::time::Instant;
 
 use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
-use super::notices::ReleaseNotices;
+use super::signals::ReleaseSignals;
 use super::task::Tasks;
 use super::{DistributedLock, LockError, LockView, acquisition_token, token_owner};
 
 /// `SET NX PX`; on success the next fencing token (`INCR`), otherwise the remaining
 /// TTL (to know when to retry). With a fence floor to consult (`ARGV[3]` = 1) and no
 /// counter, answers 2: the caller seeds the counter while holding the key.
+///
+/// Handing over: while a release's turn is reserved for the waiter it woke
+/// (`KEYS[4]`, set by `RELEASE`), only a try that follows a wake-up (`ARGV[4]` = 1)
+/// may take the lock; any other is answered like a held lock, with the reservation's
+/// TTL. A failed try marks the lock as waited for (`KEYS[5]`, for `ARGV[5]` ms), which
+/// is what makes a release reserve. Taking the lock ends the reservation, and deletes a
+/// signal still in `KEYS[3]`: it is moot, the next release leaves another.
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
+if ARGV[4] ~= '1' then
+  local reserved = redis.call('PTTL', KEYS[4])
+  if reserved > 0 then
+    redis.call('SET', KEYS[5], '1', 'PX', ARGV[5])
+    return {0, reserved}
+  end
+end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  redis.call('DEL', KEYS[3], KEYS[4])
   if ARGV[3] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then
     return {2, 0}
   end
   return {1, redis.call('INCR', KEYS[2])}
 end
+redis.call('SET', KEYS[5], '1', 'PX', ARGV[5])
 return {0, redis.call('PTTL', KEYS[1])}
 ",
     )
@@ -87,42 +104,86 @@ return 0
     )
 });
 
-/// Compare-and-delete, then wake the waiters (unless the channel is empty: the undo
-/// of a Redlock round that did not reach a majority frees no lock anyone waits for).
+/// Compare-and-delete, then tell the waiters as `ARGV[2]` says ([`Wake`]): publish on
+/// channel `ARGV[3]`; or leave one signal in list `KEYS[2]` (replacing any) that
+/// expires after `ARGV[3]` ms and, if the lock was waited for lately (`KEYS[4]`),
+/// reserve the turn for the waiter the signal wakes (`KEYS[3]`, for `ARGV[4]` ms).
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  if ARGV[2] ~= '' then redis.call('PUBLISH', ARGV[2], ARGV[1]) end
-  return 1
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
 end
-return 0
+redis.call('DEL', KEYS[1])
+if ARGV[2] == 'publish' then
+  redis.call('PUBLISH', ARGV[3], ARGV[1])
+elseif ARGV[2] == 'signal' then
+  redis.call('DEL', KEYS[2])
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  if redis.call('EXISTS', KEYS[4]) == 1 then
+    redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
+  end
+end
+return 1
 ",
     )
 });
+
+/// Whom a release tells that the lock is free.
+#[derive(Clone)]
+pub(super) enum Wake {
+    /// Nobody: the undo of a Redlock round that did not reach a majority frees no
+    /// lock anyone waits for.
+    Nobody,
+    /// Every process listening on this pub/sub channel (Redlock).
+    Publish(String),
+    /// One waiting process, through a signal list (redis-lock), with the turn
+    /// reserved for it if the lock was waited for lately.
+    Signal(SignalKeys),
+}
+
+/// The keys through which a redis-lock release hands the lock over.
+#[derive(Clone)]
+pub(super) struct SignalKeys {
+    /// Where a release leaves its signal (one at most; expires after `ttl_ms`).
+    list: String,
+    /// Present while a release's turn is kept for the waiter it woke.
+    reserved: String,
+    /// Present while some try failed in the last [`WAITED_FOR`].
+    waiting: String,
+    ttl_ms: u64,
+}
 
 /// How long a waiter sleeps when the lock exists but has no TTL (set by hand?) or
 /// vanished between the SET and the PTTL.
 const NO_TTL_RETRY: Duration = Duration::from_millis(50);
 /// Bound on one undo of a dropped attempt.
 const UNDO_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a release keeps the lock for the waiter its signal wakes. That waiter's
+/// try comes within a millisecond or so; the bound is for one that never comes (its
+/// process died), after which anyone may take the lock again.
+const RESERVED_FOR: Duration = Duration::from_millis(50);
+/// A release reserves its turn only if some try failed this recently: without
+/// waiters, a replica's next order takes the lock at once.
+const WAITED_FOR: Duration = Duration::from_secs(1);
 
-/// Redis lock service of one replica: its pool, its pub/sub listener, its waiters.
+/// Redis lock service of one replica: its pool, its signal readers, its waiters.
 pub struct RedisLock {
     pool: Pool,
     namespace: String,
     owner: String,
     lease: Duration,
-    notices: ReleaseNotices,
+    signals: ReleaseSignals,
     fence_floor: Option<Arc<dyn FenceFloor>>,
     tasks: Tasks,
 }
 
-/// A release notice wakes one waiter of the replica. If that waiter leaves before its
+/// A release signal wakes one waiter of the replica. If that waiter leaves before its
 /// try answers (its shopper hung up and the acquisition was dropped, or the try
-/// failed), the wake-up passes to the next waiter, who would otherwise sleep until its
-/// fallback (the holder's TTL or its own deadline) while the lock is free.
+/// failed), the wake-up passes to the next waiter, or back to Redis if it was the last
+/// (`signals`); otherwise the others would sleep until their fallback (the holder's
+/// TTL or their own deadline) while the lock is free.
 struct Woken<'a> {
     wakeup: &'a Notify,
     /// Woken by a notice that no try has answered yet.
@@ -145,7 +206,8 @@ enum Attempt {
 }
 
 impl RedisLock {
-    /// Starts the release listener on its own connection (pub/sub needs one).
+    /// Signal readers connect through `client` (a blocked connection serves nothing
+    /// else); everything else goes through `pool`.
     pub fn new(
         client: redis::Client,
         pool: Pool,
@@ -153,18 +215,18 @@ impl RedisLock {
         owner: &str,
         lease: Duration,
     ) -> RedisLock {
-        let pattern = format!("{namespace}:lock-released:*");
-        // Every waiter of this replica waits on the channel (no local queue), so its
-        // own releases must wake them too.
-        let notices = ReleaseNotices::listen([client], &pattern, None);
+        let tasks = Tasks::default();
+        // Every waiter of this replica waits on the signals (no local queue), so its
+        // own releases wake them too.
+        let signals = ReleaseSignals::new(client, pool.clone(), lease, tasks.clone());
         RedisLock {
             pool,
             namespace: namespace.to_owned(),
             owner: owner.to_owned(),
             lease,
-            notices,
+            signals,
             fence_floor: None,
-            tasks: Tasks::default(),
+            tasks,
         }
     }
 
@@ -174,9 +236,10 @@ impl RedisLock {
         self
     }
 
-    /// Whether this service hears release notices now (its subscription is up).
-    pub fn hears_releases(&self) -> bool {
-        self.notices.listening()
+    /// Locks this service reads release signals for now (its waiters' and, for a
+    /// moment after they left, theirs).
+    pub fn signal_readers(&self) -> usize {
+        self.signals.readers()
     }
 
     /// Background tasks running now: watchdogs of holds and cleanups of dropped
@@ -189,8 +252,14 @@ impl RedisLock {
         format!("{}:lock:{name}", self.namespace)
     }
 
-    fn channel(&self, name: &str) -> String {
-        format!("{}:lock-released:{name}", self.namespace)
+    fn signal_keys(&self, name: &str) -> SignalKeys {
+        let ns = &self.namespace;
+        SignalKeys {
+            list: format!("{ns}:lock-signal:{name}"),
+            reserved: format!("{ns}:lock-reserved:{name}"),
+            waiting: format!("{ns}:lock-waiting:{name}"),
+            ttl_ms: millis(self.lease),
+        }
     }
 
     /// The token stored under the lock and its remaining TTL in ms, if it is held.
@@ -209,35 +278,43 @@ impl RedisLock {
         format!("{}:fence:{name}", self.namespace)
     }
 
-    /// One `SET NX PX` attempt; `deadline` bounds its fence floor. Until it returns, a
-    /// drop undoes whatever it took.
+    /// One `SET NX PX` attempt; `deadline` bounds its fence floor. `woken`: it follows
+    /// a release signal, so it may take a turn reserved for the waiter woken. Until it
+    /// returns, a drop undoes whatever it took.
     async fn try_acquire(
         &self,
         name: &str,
         token: &str,
         deadline: Instant,
+        woken: bool,
     ) -> Result<Attempt, LockError> {
         let conn = self.pool.get().await.map_err(redis_error)?;
+        let signals = self.signal_keys(name);
         let hold = RedisHold {
             pool: self.pool.clone(),
             key: self.key(name),
-            channel: self.channel(name),
+            wake: Wake::Signal(signals.clone()),
             token: token.to_owned(),
             fence: 0,
         };
         let target = Target {
             pool: hold.pool.clone(),
             key: hold.key.clone(),
-            channel: hold.channel.clone(),
+            wake: hold.wake.clone(),
             token: hold.token.clone(),
         };
         let mut pending = PendingSet::new(conn, target, &self.tasks);
         let (acquired, value): (i64, i64) = ACQUIRE
             .key(&hold.key)
             .key(self.fence_key(name))
+            .key(&signals.list)
+            .key(&signals.reserved)
+            .key(&signals.waiting)
             .arg(token)
             .arg(millis(self.lease))
             .arg(if self.fence_floor.is_some() { "1" } else { "0" })
+            .arg(if woken { "1" } else { "0" })
+            .arg(millis(WAITED_FOR))
             .invoke_async(pending.conn()?)
             .await
             .map_err(redis_error)?;
@@ -289,32 +366,22 @@ impl DistributedLock for RedisLock {
     type Guard = LeaseGuard<RedisHold>;
 
     async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
-        let channel = self.channel(name);
         let token = acquisition_token(&self.owner);
         let deadline = Instant::now() + wait;
-        let wakeup = self.notices.register(&channel);
+        // Most acquisitions find the lock free and need no signal reader.
+        let mut ttl = match self.try_acquire(name, &token, deadline, false).await? {
+            Attempt::Acquired(guard) => return Ok(guard),
+            Attempt::Held(ttl) => ttl,
+        };
+        // A release since that try left its signal in Redis: the reader finds it.
+        let waiting = self
+            .signals
+            .wait_on(&self.key(name), &self.signal_keys(name).list);
         let mut woken = Woken {
-            wakeup: &wakeup,
+            wakeup: waiting.wakeup(),
             unused: false,
         };
         loop {
-            // Listen before trying, so a release between the try and the wait is seen.
-            let released = wakeup.notified();
-            tokio::pin!(released);
-            if released.as_mut().enable() {
-                // A wake-up stored while nobody listened, taken here: the try answers
-                // it, and a try that never answers passes it on.
-                woken.unused = true;
-            }
-
-            let attempt = self.try_acquire(name, &token, deadline).await?;
-            // The try answered: a wake-up it followed is used either way (a lock taken
-            // by someone else will be released, and that release notified).
-            woken.unused = false;
-            let ttl = match attempt {
-                Attempt::Acquired(guard) => return Ok(guard),
-                Attempt::Held(ttl) => ttl,
-            };
             let now = Instant::now();
             if now >= deadline {
                 return Err(LockError::Timeout { waited: wait });
@@ -325,15 +392,25 @@ impl DistributedLock for RedisLock {
             };
             let retry_at = deadline.min(now + fallback);
             tokio::select! {
-                () = &mut released => woken.unused = true,
+                () = woken.wakeup.notified() => woken.unused = true,
                 () = tokio::time::sleep_until(retry_at) => {
                     if Instant::now() >= deadline {
-                        // A notice that reached `released` meanwhile is passed on by
-                        // tokio when it is dropped; nothing else was consumed.
+                        // A wake-up that reached the dropped `notified()` meanwhile is
+                        // passed on by tokio; nothing else was consumed.
                         return Err(LockError::Timeout { waited: wait });
                     }
                 }
             }
+            let attempt = self
+                .try_acquire(name, &token, deadline, woken.unused)
+                .await?;
+            // The try answered: a wake-up it followed is used either way (a lock taken
+            // by someone else will be released, and that release signals).
+            woken.unused = false;
+            ttl = match attempt {
+                Attempt::Acquired(guard) => return Ok(guard),
+                Attempt::Held(ttl) => ttl,
+            };
         }
     }
 
@@ -367,12 +444,12 @@ pub(super) struct PendingSet {
     tasks: Tasks,
 }
 
-/// The key a `SET` went to, the channel its release publishes on, and its token.
+/// The key a `SET` went to, whom its release tells, and its token.
 #[derive(Clone)]
 pub(super) struct Target {
     pub pool: Pool,
     pub key: String,
-    pub channel: String,
+    pub wake: Wake,
     pub token: String,
 }
 
@@ -405,12 +482,9 @@ impl PendingSet {
             return;
         };
         let Target {
-            key,
-            channel,
-            token,
-            ..
+            key, wake, token, ..
         } = &self.target;
-        let undone = tokio::time::timeout(bound, release_with(conn, key, channel, token)).await;
+        let undone = tokio::time::timeout(bound, release_with(conn, key, wake, token)).await;
         if !matches!(undone, Ok(Err(_))) {
             self.conn = None;
         }
@@ -425,11 +499,11 @@ impl Drop for PendingSet {
         let Target {
             pool,
             key,
-            channel,
+            wake,
             token,
         } = self.target.clone();
         self.tasks.spawn_detached(async move {
-            let same_connection = release_with(&mut conn, &key, &channel, &token);
+            let same_connection = release_with(&mut conn, &key, &wake, &token);
             match tokio::time::timeout(UNDO_TIMEOUT, same_connection).await {
                 Ok(Ok(_)) => return,
                 // Sent behind the SET on a live but slow connection: it runs after it.
@@ -438,7 +512,7 @@ impl Drop for PendingSet {
             }
             drop(conn);
             for _ in 0..3 {
-                let fresh = delete_on(&pool, &key, &channel, &token);
+                let fresh = delete_on(&pool, &key, &wake, &token);
                 if let Ok(Ok(_)) = tokio::time::timeout(UNDO_TIMEOUT, fresh).await {
                     return;
                 }
@@ -454,7 +528,7 @@ impl Drop for PendingSet {
 pub struct RedisHold {
     pool: Pool,
     key: String,
-    channel: String,
+    wake: Wake,
     token: String,
     fence: u64,
 }
@@ -477,31 +551,39 @@ pub(super) async fn renew_on(
     Ok(renewed == 1)
 }
 
-/// Compare-and-delete on one node, publishing on `channel`: `true` if it was ours.
+/// Compare-and-delete on one node, telling the waiters as `wake` says: `true` if it
+/// was ours.
 pub(super) async fn delete_on(
     pool: &Pool,
     key: &str,
-    channel: &str,
+    wake: &Wake,
     token: &str,
 ) -> Result<bool, LockError> {
     let mut conn = pool.get().await.map_err(redis_error)?;
-    release_with(&mut conn, key, channel, token).await
+    release_with(&mut conn, key, wake, token).await
 }
 
 /// The same on a given connection.
 pub(super) async fn release_with(
     conn: &mut Connection,
     key: &str,
-    channel: &str,
+    wake: &Wake,
     token: &str,
 ) -> Result<bool, LockError> {
-    let deleted: i64 = RELEASE
-        .key(key)
-        .arg(token)
-        .arg(channel)
-        .invoke_async(conn)
-        .await
-        .map_err(redis_error)?;
+    let mut release = RELEASE.key(key);
+    release.arg(token);
+    match wake {
+        Wake::Nobody => release.arg("nobody"),
+        Wake::Publish(channel) => release.arg("publish").arg(channel),
+        Wake::Signal(keys) => release
+            .key(&keys.list)
+            .key(&keys.reserved)
+            .key(&keys.waiting)
+            .arg("signal")
+            .arg(keys.ttl_ms)
+            .arg(millis(RESERVED_FOR)),
+    };
+    let deleted: i64 = release.invoke_async(conn).await.map_err(redis_error)?;
     Ok(deleted == 1)
 }
 
@@ -512,7 +594,7 @@ impl LeaseHold for RedisHold {
     }
 
     async fn delete(&self) -> Result<bool, LockError> {
-        delete_on(&self.pool, &self.key, &self.channel, &self.token).await
+        delete_on(&self.pool, &self.key, &self.wake, &self.token).await
     }
 
     fn describe(&self) -> String {

@@ -71,7 +71,9 @@ use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
 use super::local_queue::{LocalQueues, Turn};
 use super::notices::ReleaseNotices;
-use super::redis::{PendingSet, SEED_FENCE, Target, delete_on, millis, redis_error, renew_on};
+use super::redis::{
+    PendingSet, SEED_FENCE, Target, Wake, delete_on, millis, redis_error, renew_on,
+};
 use super::task::Tasks;
 use super::{DistributedLock, LockError, LockView, acquisition_token, token_owner};
 
@@ -183,7 +185,7 @@ impl Redlock {
                             // Undoing a round that missed the majority publishes
                             // nothing: the lock's holder still holds it, and a notice
                             // would wake every head (this one too) into a retry storm.
-                            channel: String::new(),
+                            wake: Wake::Nobody,
                             token: token.to_owned(),
                         };
                         let pending =
@@ -509,9 +511,9 @@ impl LeaseHold for RedlockHold {
     /// Releases on every node; `true` if a majority still held it. Unknown while nodes
     /// are silent: the guard then retries the release in the background.
     async fn delete(&self) -> Result<bool, LockError> {
-        let channel = released_channel(&self.key);
+        let wake = Wake::Publish(released_channel(&self.key));
         let answers = join_all(self.nodes.iter().map(|node| async {
-            let release = delete_on(node, &self.key, &channel, &self.token);
+            let release = delete_on(node, &self.key, &wake, &self.token);
             timeout(NODE_TIMEOUT, release).await.ok()?.ok()
         }))
         .await;

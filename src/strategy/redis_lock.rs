@@ -11,15 +11,20 @@ pub fn explanation() -> Explanation {
         summary: "A replica takes the SKU's lock with SET NX PX and a token unique to this \
                   acquisition, runs the order flow, and releases with a Lua \
                   compare-and-delete so it can never delete someone else's lock. A \
-                  watchdog renews the lease every ttl/3 while the holder works. Waiters \
-                  sleep until the release is published (one waiter per replica wakes), \
-                  or until the lock's TTL runs out if the holder crashed.",
+                  watchdog renews the lease every ttl/3 while the holder works. A release \
+                  leaves one signal in a Redis list; one waiting replica takes it with \
+                  BLPOP and wakes one of its waiters, whose try the lock is kept for a \
+                  moment (a fair handover: the releaser cannot take it straight back). A \
+                  waiter also retries when the lock's TTL runs out, in case the holder \
+                  crashed.",
         commands: vec![
-            "SET <ns>:lock:<sku> <token> NX PX <lease>   (else PTTL to know when to retry)",
+            "SET <ns>:lock:<sku> <token> NX PX <lease>   (else PTTL to know when to retry; \
+             refused while the turn is kept for a woken waiter)",
             "watchdog: if GET key == token then PEXPIRE key <lease>   (Lua, every lease/3)",
             "before commit: the same compare-and-PEXPIRE; 0 means the lock was lost",
-            "release: if GET key == token then DEL key; PUBLISH <ns>:lock-released:<sku>   (Lua)",
-            "waiters: PSUBSCRIBE <ns>:lock-released:*",
+            "release: if GET key == token then DEL key; RPUSH <ns>:lock-signal:<sku>; \
+             if waited for lately, SET <ns>:lock-reserved:<sku> PX 50   (Lua)",
+            "waiters: one reader per replica and SKU, BLPOP <ns>:lock-signal:<sku>",
         ],
         failure_mode: "A holder that stalls longer than the lease (GC or VM pause, a stopped \
                        watchdog) loses the lock while still believing it holds it; another \

@@ -1,0 +1,278 @@
+//! Release signals through a Redis list, for redis-lock's waiters: a release leaves one
+//! signal in the lock's list and one waiting process takes it with `BLPOP`, so a
+//! release wakes one waiter in the whole cluster (python-redis-lock's way) instead of
+//! one in every process (Redisson's pub/sub). With eight processes waiting, pub/sub
+//! set off seven acquire scripts after every release, and six of them lost
+//! (BENCHMARKS.md, "The lock alone").
+//!
+//! - A signal waits in Redis until it is taken: a process that starts waiting, or
+//!   reconnects, after the release still finds it (pub/sub delivers at most once, to
+//!   whoever listens at that moment). There is at most one: a release replaces any
+//!   left, and an acquisition that succeeds deletes it.
+//! - Per process and lock, one reader task blocks on the list while the process has
+//!   waiters for that lock, on a connection of its own (a blocked connection answers
+//!   nothing else). It stops taking signals when the last waiter leaves (a signal it
+//!   took then would only go back, again and again), and ends if none comes back
+//!   within a moment; a process that waits again soon keeps its reader and connection.
+//! - This process never drops a signal it took: one the reader takes when no waiter is
+//!   left, or one a waiter was woken by and left without trying, goes back to the list
+//!   if the lock is still free.
+//! - Still lost: a signal taken by a process killed before its waiter tried. Waiters
+//!   keep their fallback, a retry when the holder's TTL runs out, for that as for a
+//!   crashed holder.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::Duration;
+
+use deadpool_redis::redis::{self, AsyncConnectionConfig, Script};
+use tokio::sync::Notify;
+
+use super::task::Tasks;
+use crate::redis_pool::Pool;
+
+/// How long one `BLPOP` blocks. A reader re-blocks behind the other processes' when
+/// it times out, so a longer block keeps the order in which processes get signals
+/// closer to the order they began waiting in.
+const BLOCK: Duration = Duration::from_secs(2);
+/// A reader whose process has had no waiter for this long ends.
+const LINGER: Duration = Duration::from_secs(2);
+/// How long a reader waits before reconnecting after Redis went away.
+const RECONNECT_AFTER: Duration = Duration::from_millis(500);
+/// Bound on giving one signal back.
+const GIVE_BACK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// If the lock `KEYS[1]` is free, leave one signal in `KEYS[2]` (replacing any) that
+/// expires after `ARGV[1]` ms.
+static GIVE_BACK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+redis.call('DEL', KEYS[2])
+redis.call('RPUSH', KEYS[2], '1')
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+return 1
+",
+    )
+});
+
+/// The signal readers of one lock service and the local waiters they wake.
+pub struct ReleaseSignals {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    client: redis::Client,
+    pool: Pool,
+    /// How long a signal nobody takes stays in its list.
+    signal_ttl: Duration,
+    /// Locks some waiter of this process waits for, or waited for a moment ago, by
+    /// signal list.
+    signals: Mutex<HashMap<String, Arc<Signal>>>,
+    tasks: Tasks,
+}
+
+/// One lock's signals in this process.
+struct Signal {
+    lock_key: String,
+    list: String,
+    wakeup: Notify,
+    /// Registered waiters; changed from zero only under `Shared::signals`' mutex,
+    /// where a reader decides to end.
+    waiters: AtomicUsize,
+    /// Tells an idle reader that a waiter came.
+    registered: Notify,
+}
+
+/// A waiter's registration: its wake-up, and on drop, the last waiter's unused
+/// wake-up given back.
+pub struct Waiting {
+    signal: Arc<Signal>,
+    shared: Arc<Shared>,
+}
+
+impl Waiting {
+    /// Notified once per signal this process takes for the lock (one waiter wakes).
+    pub fn wakeup(&self) -> &Notify {
+        &self.signal.wakeup
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if self.signal.waiters.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.shared.reclaim(&self.signal);
+        }
+    }
+}
+
+impl ReleaseSignals {
+    /// Readers connect through `client`; give-backs go through `pool` and are counted
+    /// among `tasks`.
+    pub fn new(
+        client: redis::Client,
+        pool: Pool,
+        signal_ttl: Duration,
+        tasks: Tasks,
+    ) -> ReleaseSignals {
+        ReleaseSignals {
+            shared: Arc::new(Shared {
+                client,
+                pool,
+                signal_ttl,
+                signals: Mutex::new(HashMap::new()),
+                tasks,
+            }),
+        }
+    }
+
+    /// Registers a waiter for the lock at `lock_key`, whose releases signal on `list`;
+    /// starts the process's reader for it if none runs.
+    pub fn wait_on(&self, lock_key: &str, list: &str) -> Waiting {
+        let mut signals = self.shared.lock();
+        let signal = match signals.get(list) {
+            Some(signal) => signal.clone(),
+            None => {
+                let signal = Arc::new(Signal {
+                    lock_key: lock_key.to_owned(),
+                    list: list.to_owned(),
+                    wakeup: Notify::new(),
+                    waiters: AtomicUsize::new(0),
+                    registered: Notify::new(),
+                });
+                signals.insert(list.to_owned(), signal.clone());
+                tokio::spawn(read_signals(signal.clone(), self.shared.clone()));
+                signal
+            }
+        };
+        if signal.waiters.fetch_add(1, Ordering::SeqCst) == 0 {
+            signal.registered.notify_one();
+        }
+        drop(signals);
+        Waiting {
+            signal,
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Locks with a reader in this process now.
+    pub fn readers(&self) -> usize {
+        self.shared.lock().len()
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Signal>>> {
+        self.signals.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A signal taken from Redis: wakes one waiter, or goes back if none is left.
+    fn hand_over(&self, signal: &Signal) {
+        signal.wakeup.notify_one();
+        if signal.waiters.load(Ordering::SeqCst) == 0 {
+            self.reclaim(signal);
+        }
+    }
+
+    /// With no waiter left, a wake-up stored in `signal` (taken, never tried) would
+    /// be lost with it: it goes back to Redis. The reader and the last waiter both
+    /// call this after their own step, so a wake-up stored between them is reclaimed
+    /// by whichever comes second, and by only one (the permit is taken once).
+    fn reclaim(&self, signal: &Signal) {
+        let unused = signal.wakeup.notified();
+        tokio::pin!(unused);
+        if !unused.as_mut().enable() {
+            return;
+        }
+        let pool = self.pool.clone();
+        let (lock_key, list) = (signal.lock_key.clone(), signal.list.clone());
+        let ttl = u64::try_from(self.signal_ttl.as_millis()).unwrap_or(u64::MAX);
+        self.tasks.spawn_detached(async move {
+            let give_back = async {
+                let mut conn = pool.get().await.ok()?;
+                GIVE_BACK
+                    .key(&lock_key)
+                    .key(&list)
+                    .arg(ttl)
+                    .invoke_async::<i64>(&mut conn)
+                    .await
+                    .ok()
+            };
+            if tokio::time::timeout(GIVE_BACK_TIMEOUT, give_back)
+                .await
+                .ok()
+                .flatten()
+                .is_none()
+            {
+                tracing::warn!(lock = %lock_key, "could not give a release signal back; waiters fall back to the lease");
+            }
+        });
+    }
+
+    /// Ends `signal`'s reader if it still has no waiter; a registration then starts a
+    /// new one.
+    fn retire(&self, signal: &Arc<Signal>) -> bool {
+        let mut signals = self.lock();
+        if signal.waiters.load(Ordering::SeqCst) > 0 {
+            return false;
+        }
+        if signals
+            .get(&signal.list)
+            .is_some_and(|current| Arc::ptr_eq(current, signal))
+        {
+            signals.remove(&signal.list);
+        }
+        true
+    }
+}
+
+/// Takes `signal`'s signals from Redis while this process has waiters for it.
+async fn read_signals(signal: Arc<Signal>, shared: Arc<Shared>) {
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(2)))
+        // A BLPOP answers within its own timeout; a reply dropped by a shorter one
+        // could carry a signal.
+        .set_response_timeout(Some(BLOCK + Duration::from_secs(5)));
+    let mut connection = None;
+    loop {
+        if signal.waiters.load(Ordering::SeqCst) == 0 {
+            let came = tokio::time::timeout(LINGER, signal.registered.notified()).await;
+            if came.is_err() && shared.retire(&signal) {
+                return;
+            }
+            continue;
+        }
+        let conn = match connection.as_mut() {
+            Some(conn) => conn,
+            None => match shared
+                .client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+            {
+                Ok(conn) => connection.insert(conn),
+                Err(error) => {
+                    tracing::warn!(%error, "cannot connect for release signals");
+                    tokio::time::sleep(RECONNECT_AFTER).await;
+                    continue;
+                }
+            },
+        };
+        let popped: Result<Option<(String, String)>, _> = redis::cmd("BLPOP")
+            .arg(&signal.list)
+            .arg(BLOCK.as_secs_f64())
+            .query_async(conn)
+            .await;
+        match popped {
+            Ok(Some(_)) => shared.hand_over(&signal),
+            Ok(None) => {}
+            Err(error) => {
+                tracing::warn!(%error, "release signal reader lost Redis; reconnecting");
+                connection = None;
+                tokio::time::sleep(RECONNECT_AFTER).await;
+            }
+        }
+    }
+}
