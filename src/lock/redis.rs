@@ -30,7 +30,6 @@ use std::time::Duration;
 use crate::redis_pool::{Connection, Pool};
 use async_trait::async_trait;
 use deadpool_redis::redis::{self, Script};
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::fence_floor::{FenceFloor, bounded_floor};
@@ -43,21 +42,20 @@ use super::{DistributedLock, LockError, LockView, acquisition_token, token_owner
 /// TTL (to know when to retry). With a fence floor to consult (`ARGV[3]` = 1) and no
 /// counter, answers 2: the caller seeds the counter while holding the key.
 ///
-/// Handing over: while a release's turn is reserved for the waiter it woke
-/// (`KEYS[4]`, set by `RELEASE`), only a try that follows a wake-up (`ARGV[4]` = 1)
-/// may take the lock; any other is answered like a held lock, with the reservation's
-/// TTL. A failed try marks the lock as waited for (`KEYS[5]`, for `ARGV[5]` ms), which
-/// is what makes a release reserve. Taking the lock ends the reservation, and deletes a
-/// signal still in `KEYS[3]`: it is moot, the next release leaves another.
+/// Handing over: while a release's turn is kept (`KEYS[4]` holds the release's token,
+/// set by `RELEASE`), only the try woken by that release's signal (`ARGV[4]`, the
+/// token the signal carried) may take the lock; any other is answered like a held
+/// lock, with the reservation's TTL. A try that finds the lock held marks it as waited
+/// for (`KEYS[5]`, for `ARGV[5]` ms), which is what makes a release keep the turn; a
+/// try refused only by the reservation does not, or the mark would keep itself alive
+/// and keep refusing an uncontended lock. Taking the lock ends the reservation, and
+/// deletes a signal still in `KEYS[3]`: it is moot, the next release leaves another.
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if ARGV[4] ~= '1' then
-  local reserved = redis.call('PTTL', KEYS[4])
-  if reserved > 0 then
-    redis.call('SET', KEYS[5], '1', 'PX', ARGV[5])
-    return {0, reserved}
-  end
+local kept_for = redis.call('GET', KEYS[4])
+if kept_for and kept_for ~= ARGV[4] then
+  return {0, redis.call('PTTL', KEYS[4])}
 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   redis.call('DEL', KEYS[3], KEYS[4])
@@ -105,9 +103,10 @@ return 0
 });
 
 /// Compare-and-delete, then tell the waiters as `ARGV[2]` says ([`Wake`]): publish on
-/// channel `ARGV[3]`; or leave one signal in list `KEYS[2]` (replacing any) that
-/// expires after `ARGV[3]` ms and, if the lock was waited for lately (`KEYS[4]`),
-/// reserve the turn for the waiter the signal wakes (`KEYS[3]`, for `ARGV[4]` ms).
+/// channel `ARGV[3]`; or leave one signal, the token, in list `KEYS[2]` (replacing
+/// any) that expires after `ARGV[3]` ms and, if the lock was waited for lately
+/// (`KEYS[4]`), keep the turn for the try that signal wakes (`KEYS[3]` = the token,
+/// for `ARGV[4]` ms).
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
@@ -122,7 +121,7 @@ elseif ARGV[2] == 'signal' then
   redis.call('RPUSH', KEYS[2], ARGV[1])
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   if redis.call('EXISTS', KEYS[4]) == 1 then
-    redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
+    redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[4])
   end
 end
 return 1
@@ -177,25 +176,6 @@ pub struct RedisLock {
     signals: ReleaseSignals,
     fence_floor: Option<Arc<dyn FenceFloor>>,
     tasks: Tasks,
-}
-
-/// A release signal wakes one waiter of the replica. If that waiter leaves before its
-/// try answers (its shopper hung up and the acquisition was dropped, or the try
-/// failed), the wake-up passes to the next waiter, or back to Redis if it was the last
-/// (`signals`); otherwise the others would sleep until their fallback (the holder's
-/// TTL or their own deadline) while the lock is free.
-struct Woken<'a> {
-    wakeup: &'a Notify,
-    /// Woken by a notice that no try has answered yet.
-    unused: bool,
-}
-
-impl Drop for Woken<'_> {
-    fn drop(&mut self) {
-        if self.unused {
-            self.wakeup.notify_one();
-        }
-    }
 }
 
 /// What one `SET NX` attempt found.
@@ -278,15 +258,15 @@ impl RedisLock {
         format!("{}:fence:{name}", self.namespace)
     }
 
-    /// One `SET NX PX` attempt; `deadline` bounds its fence floor. `woken`: it follows
-    /// a release signal, so it may take a turn reserved for the waiter woken. Until it
-    /// returns, a drop undoes whatever it took.
+    /// One `SET NX PX` attempt; `deadline` bounds its fence floor. `woken_by`: the
+    /// token of the release whose signal woke this try, which may take the turn that
+    /// release kept. Until it returns, a drop undoes whatever it took.
     async fn try_acquire(
         &self,
         name: &str,
         token: &str,
         deadline: Instant,
-        woken: bool,
+        woken_by: Option<&str>,
     ) -> Result<Attempt, LockError> {
         let conn = self.pool.get().await.map_err(redis_error)?;
         let signals = self.signal_keys(name);
@@ -313,7 +293,7 @@ impl RedisLock {
             .arg(token)
             .arg(millis(self.lease))
             .arg(if self.fence_floor.is_some() { "1" } else { "0" })
-            .arg(if woken { "1" } else { "0" })
+            .arg(woken_by.unwrap_or(""))
             .arg(millis(WAITED_FOR))
             .invoke_async(pending.conn()?)
             .await
@@ -369,18 +349,18 @@ impl DistributedLock for RedisLock {
         let token = acquisition_token(&self.owner);
         let deadline = Instant::now() + wait;
         // Most acquisitions find the lock free and need no signal reader.
-        let mut ttl = match self.try_acquire(name, &token, deadline, false).await? {
+        let mut ttl = match self.try_acquire(name, &token, deadline, None).await? {
             Attempt::Acquired(guard) => return Ok(guard),
             Attempt::Held(ttl) => ttl,
         };
+        if Instant::now() >= deadline {
+            return Err(LockError::Timeout { waited: wait });
+        }
         // A release since that try left its signal in Redis: the reader finds it.
-        let waiting = self
+        // Dropped with a signal it took and never tried, `waiting` passes it on.
+        let mut waiting = self
             .signals
             .wait_on(&self.key(name), &self.signal_keys(name).list);
-        let mut woken = Woken {
-            wakeup: waiting.wakeup(),
-            unused: false,
-        };
         loop {
             let now = Instant::now();
             if now >= deadline {
@@ -390,23 +370,14 @@ impl DistributedLock for RedisLock {
                 Ok(ttl) if ttl > 0 => Duration::from_millis(ttl),
                 _ => NO_TTL_RETRY,
             };
-            let retry_at = deadline.min(now + fallback);
-            tokio::select! {
-                () = woken.wakeup.notified() => woken.unused = true,
-                () = tokio::time::sleep_until(retry_at) => {
-                    if Instant::now() >= deadline {
-                        // A wake-up that reached the dropped `notified()` meanwhile is
-                        // passed on by tokio; nothing else was consumed.
-                        return Err(LockError::Timeout { waited: wait });
-                    }
-                }
+            let woken_by = waiting.signal_until(deadline.min(now + fallback)).await;
+            if woken_by.is_none() && Instant::now() >= deadline {
+                return Err(LockError::Timeout { waited: wait });
             }
             let attempt = self
-                .try_acquire(name, &token, deadline, woken.unused)
+                .try_acquire(name, &token, deadline, woken_by.as_deref())
                 .await?;
-            // The try answered: a wake-up it followed is used either way (a lock taken
-            // by someone else will be released, and that release signals).
-            woken.unused = false;
+            waiting.tried();
             ttl = match attempt {
                 Attempt::Acquired(guard) => return Ok(guard),
                 Attempt::Held(ttl) => ttl,

@@ -14,20 +14,25 @@
 //!   nothing else). It stops taking signals when the last waiter leaves (a signal it
 //!   took then would only go back, again and again), and ends if none comes back
 //!   within a moment; a process that waits again soon keeps its reader and connection.
+//! - A signal carries the token of the release that left it, and the try it wakes
+//!   sends that token back: the lock keeps the released turn for that try alone
+//!   (`redis.rs`).
 //! - This process never drops a signal it took: one the reader takes when no waiter is
 //!   left, or one a waiter was woken by and left without trying, goes back to the list
-//!   if the lock is still free.
+//!   if the lock is still free. Which signal is unused is counted under a mutex, not
+//!   read from the `Notify`, which only says "look": a wake-up racing the last
+//!   waiter's exit cannot fall between the two.
 //! - Still lost: a signal taken by a process killed before its waiter tried. Waiters
 //!   keep their fallback, a retry when the holder's TTL runs out, for that as for a
 //!   crashed holder.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::Duration;
 
 use deadpool_redis::redis::{self, AsyncConnectionConfig, Script};
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use super::task::Tasks;
 use crate::redis_pool::Pool;
@@ -43,8 +48,8 @@ const RECONNECT_AFTER: Duration = Duration::from_millis(500);
 /// Bound on giving one signal back.
 const GIVE_BACK_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// If the lock `KEYS[1]` is free, leave one signal in `KEYS[2]` (replacing any) that
-/// expires after `ARGV[1]` ms.
+/// If the lock `KEYS[1]` is free, leave signal `ARGV[1]` in `KEYS[2]` (replacing any)
+/// that expires after `ARGV[2]` ms.
 static GIVE_BACK: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
@@ -52,8 +57,8 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
 redis.call('DEL', KEYS[2])
-redis.call('RPUSH', KEYS[2], '1')
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return 1
 ",
     )
@@ -79,32 +84,81 @@ struct Shared {
 struct Signal {
     lock_key: String,
     list: String,
+    /// "Look at `state.unused`": one waiter per signal taken. A stale wake-up (its
+    /// signal used or given back meanwhile) finds nothing and waits on.
     wakeup: Notify,
-    /// Registered waiters; changed from zero only under `Shared::signals`' mutex,
-    /// where a reader decides to end.
-    waiters: AtomicUsize,
+    state: Mutex<SignalState>,
     /// Tells an idle reader that a waiter came.
     registered: Notify,
 }
 
-/// A waiter's registration: its wake-up, and on drop, the last waiter's unused
-/// wake-up given back.
+#[derive(Default)]
+struct SignalState {
+    /// Registered waiters; changed from zero only under `Shared::signals`' mutex too,
+    /// where a reader decides to end.
+    waiters: usize,
+    /// The newest signal taken that no waiter has picked up: its release's token.
+    unused: Option<String>,
+}
+
+impl Signal {
+    fn state(&self) -> MutexGuard<'_, SignalState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A waiter's registration. Dropped with a signal it took and never tried, it hands
+/// that signal to the next local waiter, or back to Redis if it was the last.
 pub struct Waiting {
     signal: Arc<Signal>,
     shared: Arc<Shared>,
+    /// The signal this waiter took whose try has not answered yet.
+    taken: Option<String>,
 }
 
 impl Waiting {
-    /// Notified once per signal this process takes for the lock (one waiter wakes).
-    pub fn wakeup(&self) -> &Notify {
-        &self.signal.wakeup
+    /// Waits until this process takes a release signal for the waiter (the token of
+    /// the release that left it), or until `until` (`None`).
+    pub async fn signal_until(&mut self, until: Instant) -> Option<String> {
+        let signal = self.signal.clone();
+        loop {
+            tokio::select! {
+                () = signal.wakeup.notified() => {
+                    if let Some(token) = signal.state().unused.take() {
+                        self.taken = Some(token.clone());
+                        return Some(token);
+                    }
+                }
+                () = tokio::time::sleep_until(until) => return None,
+            }
+        }
+    }
+
+    /// The try that followed the signal answered: the signal is used, whatever it
+    /// found (a lock taken by someone else will be released, and signal again).
+    pub fn tried(&mut self) {
+        self.taken = None;
     }
 }
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        if self.signal.waiters.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.shared.reclaim(&self.signal);
+        let mut state = self.signal.state();
+        state.waiters -= 1;
+        let untried = self.taken.take();
+        let passed_on = untried.is_some();
+        if let Some(token) = untried {
+            // A newer signal taken meanwhile stands for this one too.
+            state.unused.get_or_insert(token);
+        }
+        if state.waiters == 0 {
+            if let Some(token) = state.unused.take() {
+                drop(state);
+                self.shared.give_back(&self.signal, token);
+            }
+        } else if passed_on {
+            drop(state);
+            self.signal.wakeup.notify_one();
         }
     }
 }
@@ -132,7 +186,7 @@ impl ReleaseSignals {
     /// Registers a waiter for the lock at `lock_key`, whose releases signal on `list`;
     /// starts the process's reader for it if none runs.
     pub fn wait_on(&self, lock_key: &str, list: &str) -> Waiting {
-        let mut signals = self.shared.lock();
+        let mut signals = self.shared.signals();
         let signal = match signals.get(list) {
             Some(signal) => signal.clone(),
             None => {
@@ -140,7 +194,7 @@ impl ReleaseSignals {
                     lock_key: lock_key.to_owned(),
                     list: list.to_owned(),
                     wakeup: Notify::new(),
-                    waiters: AtomicUsize::new(0),
+                    state: Mutex::new(SignalState::default()),
                     registered: Notify::new(),
                 });
                 signals.insert(list.to_owned(), signal.clone());
@@ -148,45 +202,47 @@ impl ReleaseSignals {
                 signal
             }
         };
-        if signal.waiters.fetch_add(1, Ordering::SeqCst) == 0 {
+        let mut state = signal.state();
+        state.waiters += 1;
+        if state.waiters == 1 {
             signal.registered.notify_one();
         }
+        drop(state);
         drop(signals);
         Waiting {
             signal,
             shared: self.shared.clone(),
+            taken: None,
         }
     }
 
     /// Locks with a reader in this process now.
     pub fn readers(&self) -> usize {
-        self.shared.lock().len()
+        self.shared.signals().len()
     }
 }
 
 impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Signal>>> {
+    fn signals(&self) -> MutexGuard<'_, HashMap<String, Arc<Signal>>> {
         self.signals.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A signal taken from Redis: wakes one waiter, or goes back if none is left.
-    fn hand_over(&self, signal: &Signal) {
-        signal.wakeup.notify_one();
-        if signal.waiters.load(Ordering::SeqCst) == 0 {
-            self.reclaim(signal);
-        }
-    }
-
-    /// With no waiter left, a wake-up stored in `signal` (taken, never tried) would
-    /// be lost with it: it goes back to Redis. The reader and the last waiter both
-    /// call this after their own step, so a wake-up stored between them is reclaimed
-    /// by whichever comes second, and by only one (the permit is taken once).
-    fn reclaim(&self, signal: &Signal) {
-        let unused = signal.wakeup.notified();
-        tokio::pin!(unused);
-        if !unused.as_mut().enable() {
+    /// A signal taken from Redis: for one local waiter, or back if none is left.
+    fn hand_over(&self, signal: &Signal, token: String) {
+        let mut state = signal.state();
+        if state.waiters == 0 {
+            drop(state);
+            self.give_back(signal, token);
             return;
         }
+        state.unused = Some(token);
+        drop(state);
+        signal.wakeup.notify_one();
+    }
+
+    /// Leaves the signal in Redis again if the lock is still free (if it is held, its
+    /// holder's release will signal).
+    fn give_back(&self, signal: &Signal, token: String) {
         let pool = self.pool.clone();
         let (lock_key, list) = (signal.lock_key.clone(), signal.list.clone());
         let ttl = u64::try_from(self.signal_ttl.as_millis()).unwrap_or(u64::MAX);
@@ -196,6 +252,7 @@ impl Shared {
                 GIVE_BACK
                     .key(&lock_key)
                     .key(&list)
+                    .arg(token)
                     .arg(ttl)
                     .invoke_async::<i64>(&mut conn)
                     .await
@@ -215,8 +272,8 @@ impl Shared {
     /// Ends `signal`'s reader if it still has no waiter; a registration then starts a
     /// new one.
     fn retire(&self, signal: &Arc<Signal>) -> bool {
-        let mut signals = self.lock();
-        if signal.waiters.load(Ordering::SeqCst) > 0 {
+        let mut signals = self.signals();
+        if signal.state().waiters > 0 {
             return false;
         }
         if signals
@@ -238,7 +295,7 @@ async fn read_signals(signal: Arc<Signal>, shared: Arc<Shared>) {
         .set_response_timeout(Some(BLOCK + Duration::from_secs(5)));
     let mut connection = None;
     loop {
-        if signal.waiters.load(Ordering::SeqCst) == 0 {
+        if signal.state().waiters == 0 {
             let came = tokio::time::timeout(LINGER, signal.registered.notified()).await;
             if came.is_err() && shared.retire(&signal) {
                 return;
@@ -266,7 +323,7 @@ async fn read_signals(signal: Arc<Signal>, shared: Arc<Shared>) {
             .query_async(conn)
             .await;
         match popped {
-            Ok(Some(_)) => shared.hand_over(&signal),
+            Ok(Some((_, token))) => shared.hand_over(&signal, token),
             Ok(None) => {}
             Err(error) => {
                 tracing::warn!(%error, "release signal reader lost Redis; reconnecting");

@@ -819,6 +819,36 @@ async fn redis_lock_turn_kept_for_a_waiter_that_never_tries_is_free_soon() {
     taken.release().await.expect("released");
 }
 
+/// A release keeps its turn only while the lock was found held lately (a second). A
+/// try refused only by a kept turn does not count: otherwise a lock contended once
+/// would keep refusing every uncontended acquisition's first try, for ever, and a
+/// try-lock (no wait) on a free lock would fail.
+#[tokio::test]
+async fn redis_lock_contended_once_is_uncontended_again_a_second_later() {
+    let (cluster, _factory) = redis_factory().await;
+    let ns = &cluster.namespace;
+    let holder = RedisLock::new(redis_client(), redis_pool(), ns, "holder", LONG);
+    let rival = RedisLock::new(redis_client(), redis_pool(), ns, "rival", LONG);
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    let refused = rival.acquire("item", Duration::from_millis(100)).await;
+    assert!(refused.is_err(), "held");
+    guard.release().await.expect("released");
+    let uncontended = Instant::now() + Duration::from_millis(1500);
+    // Each try comes right after a release, while a kept turn would still refuse it.
+    while Instant::now() < uncontended {
+        let guard = holder.acquire("item", LONG).await.expect("acquired");
+        guard.release().await.expect("released");
+    }
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    guard.release().await.expect("released");
+    let tried = holder.acquire("item", Duration::ZERO).await;
+    assert!(
+        tried.is_ok(),
+        "a try-lock right after a release of an uncontended lock: {:?}",
+        tried.err()
+    );
+}
+
 /// A release whose delete fails (Redis unreachable for a moment) is not given up: the
 /// guard retries it in the background, so the lock is free long before its lease
 /// (30 s) would run out.
