@@ -45,10 +45,13 @@ use super::{DistributedLock, LockError, LockView, acquisition_token, token_owner
 /// Handing over: while a release's turn is kept (`KEYS[4]` holds the release's token,
 /// set by `RELEASE`), only the try woken by that release's signal (`ARGV[4]`, the
 /// token the signal carried) may take the lock; any other is answered like a held
-/// lock, with the reservation's TTL. A try that finds the lock held marks it as waited
-/// for (`KEYS[5]`, for `ARGV[5]` ms), which is what makes a release keep the turn; a
-/// try refused only by the reservation does not, or the mark would keep itself alive
-/// and keep refusing an uncontended lock. Taking the lock ends the reservation, and
+/// lock, with the reservation's TTL. A try that finds the lock held and will wait
+/// (for `ARGV[6]` ms more; 0: a try-lock) marks it as waited for (`KEYS[5]`), which is
+/// what makes a release keep the turn: until `ARGV[5]` ms after the waiter's next try
+/// at the latest (the holder's lease running out or its own wait), since it may sleep
+/// until then without trying again. A try refused only by the
+/// reservation does not mark, or the mark would keep itself alive and keep refusing
+/// an uncontended lock. Taking the lock ends the reservation, and
 /// deletes a signal still in `KEYS[3]`: it is moot, the next release leaves another.
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
@@ -64,8 +67,12 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   end
   return {1, redis.call('INCR', KEYS[2])}
 end
-redis.call('SET', KEYS[5], '1', 'PX', ARGV[5])
-return {0, redis.call('PTTL', KEYS[1])}
+local left = redis.call('PTTL', KEYS[1])
+local waits = tonumber(ARGV[6])
+if waits > 0 then
+  redis.call('SET', KEYS[5], '1', 'PX', math.min(math.max(left, 0), waits) + tonumber(ARGV[5]))
+end
+return {0, left}
 ",
     )
 });
@@ -163,8 +170,9 @@ const UNDO_TIMEOUT: Duration = Duration::from_secs(2);
 /// try comes within a millisecond or so; the bound is for one that never comes (its
 /// process died), after which anyone may take the lock again.
 const RESERVED_FOR: Duration = Duration::from_millis(50);
-/// A release reserves its turn only if some try failed this recently: without
-/// waiters, a replica's next order takes the lock at once.
+/// A release keeps its turn only if some try that will wait found the lock held this
+/// recently (past the lease it found): without waiters, a replica's next order takes
+/// the lock at once.
 const WAITED_FOR: Duration = Duration::from_secs(1);
 
 /// Redis lock service of one replica: its pool, its signal readers, its waiters.
@@ -258,9 +266,10 @@ impl RedisLock {
         format!("{}:fence:{name}", self.namespace)
     }
 
-    /// One `SET NX PX` attempt; `deadline` bounds its fence floor. `woken_by`: the
-    /// token of the release whose signal woke this try, which may take the turn that
-    /// release kept. Until it returns, a drop undoes whatever it took.
+    /// One `SET NX PX` attempt; `deadline` bounds its fence floor (and says whether a
+    /// refused try will wait). `woken_by`: the token of the release whose signal woke
+    /// this try, which may take the turn that release kept. Until it returns, a drop
+    /// undoes whatever it took.
     async fn try_acquire(
         &self,
         name: &str,
@@ -268,6 +277,7 @@ impl RedisLock {
         deadline: Instant,
         woken_by: Option<&str>,
     ) -> Result<Attempt, LockError> {
+        let waits = deadline.saturating_duration_since(Instant::now());
         let conn = self.pool.get().await.map_err(redis_error)?;
         let signals = self.signal_keys(name);
         let hold = RedisHold {
@@ -295,6 +305,7 @@ impl RedisLock {
             .arg(if self.fence_floor.is_some() { "1" } else { "0" })
             .arg(woken_by.unwrap_or(""))
             .arg(millis(WAITED_FOR))
+            .arg(millis(waits))
             .invoke_async(pending.conn()?)
             .await
             .map_err(redis_error)?;
@@ -358,9 +369,10 @@ impl DistributedLock for RedisLock {
         }
         // A release since that try left its signal in Redis: the reader finds it.
         // Dropped with a signal it took and never tried, `waiting` passes it on.
+        let keys = self.signal_keys(name);
         let mut waiting = self
             .signals
-            .wait_on(&self.key(name), &self.signal_keys(name).list);
+            .wait_on(&self.key(name), &keys.list, &keys.reserved);
         loop {
             let now = Instant::now();
             if now >= deadline {

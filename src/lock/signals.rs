@@ -48,15 +48,19 @@ const RECONNECT_AFTER: Duration = Duration::from_millis(500);
 /// Bound on giving one signal back.
 const GIVE_BACK_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// If the lock `KEYS[1]` is free, leave signal `ARGV[1]` in `KEYS[2]` (replacing any)
-/// that expires after `ARGV[2]` ms.
+/// Leaves signal `ARGV[1]` in `KEYS[2]`, expiring after `ARGV[2]` ms, unless it is
+/// moot: the lock `KEYS[1]` is held (its release will signal), a signal already waits,
+/// or the turn is kept for another release's signal (`KEYS[3]`), which someone took.
 static GIVE_BACK: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('EXISTS', KEYS[1]) == 1 then
+if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('LLEN', KEYS[2]) > 0 then
   return 0
 end
-redis.call('DEL', KEYS[2])
+local kept_for = redis.call('GET', KEYS[3])
+if kept_for and kept_for ~= ARGV[1] then
+  return 0
+end
 redis.call('RPUSH', KEYS[2], ARGV[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return 1
@@ -84,6 +88,8 @@ struct Shared {
 struct Signal {
     lock_key: String,
     list: String,
+    /// Holds the token of the release whose turn is kept.
+    reserved: String,
     /// "Look at `state.unused`": one waiter per signal taken. A stale wake-up (its
     /// signal used or given back meanwhile) finds nothing and waits on.
     wakeup: Notify,
@@ -183,9 +189,10 @@ impl ReleaseSignals {
         }
     }
 
-    /// Registers a waiter for the lock at `lock_key`, whose releases signal on `list`;
-    /// starts the process's reader for it if none runs.
-    pub fn wait_on(&self, lock_key: &str, list: &str) -> Waiting {
+    /// Registers a waiter for the lock at `lock_key`, whose releases signal on `list`
+    /// and keep their turn in `reserved`; starts the process's reader for it if none
+    /// runs.
+    pub fn wait_on(&self, lock_key: &str, list: &str, reserved: &str) -> Waiting {
         let mut signals = self.shared.signals();
         let signal = match signals.get(list) {
             Some(signal) => signal.clone(),
@@ -193,6 +200,7 @@ impl ReleaseSignals {
                 let signal = Arc::new(Signal {
                     lock_key: lock_key.to_owned(),
                     list: list.to_owned(),
+                    reserved: reserved.to_owned(),
                     wakeup: Notify::new(),
                     state: Mutex::new(SignalState::default()),
                     registered: Notify::new(),
@@ -244,14 +252,13 @@ impl Shared {
     /// holder's release will signal).
     fn give_back(&self, signal: &Signal, token: String) {
         let pool = self.pool.clone();
-        let (lock_key, list) = (signal.lock_key.clone(), signal.list.clone());
+        let keys = [&signal.lock_key, &signal.list, &signal.reserved].map(String::clone);
         let ttl = u64::try_from(self.signal_ttl.as_millis()).unwrap_or(u64::MAX);
         self.tasks.spawn_detached(async move {
             let give_back = async {
                 let mut conn = pool.get().await.ok()?;
                 GIVE_BACK
-                    .key(&lock_key)
-                    .key(&list)
+                    .key(&keys)
                     .arg(token)
                     .arg(ttl)
                     .invoke_async::<i64>(&mut conn)
@@ -264,7 +271,7 @@ impl Shared {
                 .flatten()
                 .is_none()
             {
-                tracing::warn!(lock = %lock_key, "could not give a release signal back; waiters fall back to the lease");
+                tracing::warn!(lock = %keys[0], "could not give a release signal back; waiters fall back to the lease");
             }
         });
     }

@@ -727,12 +727,30 @@ async fn redis_lock_signal_taken_after_the_last_waiter_left_goes_to_another_repl
 /// A release hands the lock to the waiter its signal woke: the releaser's own next
 /// try, sent sooner than the woken waiter's, does not take it back. Without that, a
 /// releaser that asks again at once keeps the lock round after round (eight lockbench
-/// contenders' shares differed by 3.4 to 1). The woken waiter's try is held back 20 ms
-/// by its replica's pool, one connection that the test keeps busy, so that the
-/// releaser's try comes first.
+/// contenders' shares differed by 3.4 to 1).
 #[tokio::test]
 async fn redis_lock_release_hands_over_to_the_woken_waiter() {
-    const ROUNDS: usize = 10;
+    let handed_over = handovers(10, Duration::from_millis(100)).await;
+    assert!(
+        handed_over >= 8,
+        "the releaser took the lock back in {} of 10 rounds",
+        10 - handed_over
+    );
+}
+
+/// The same after holds longer than the "waited for lately" mark (1 s): the waiter
+/// sleeps through the hold without trying again, and the mark must last as long.
+#[tokio::test]
+async fn redis_lock_release_hands_over_after_a_long_hold() {
+    let handed_over = handovers(2, Duration::from_millis(1500)).await;
+    assert_eq!(handed_over, 2, "the releaser took the lock back");
+}
+
+/// Rounds of: the releaser holds for `hold` while a waiter of another replica waits,
+/// releases and asks again at once; the woken waiter's try is held back 20 ms by its
+/// replica's pool, one connection the test keeps busy, so that the releaser's try comes
+/// first. Returns in how many rounds the waiter got the lock first.
+async fn handovers(rounds: usize, hold: Duration) -> usize {
     let (cluster, _factory) = redis_factory().await;
     let releaser = RedisLock::new(
         redis_client(),
@@ -750,7 +768,7 @@ async fn redis_lock_release_hands_over_to_the_woken_waiter() {
         LONG,
     ));
     let mut handed_over = 0;
-    for _ in 0..ROUNDS {
+    for _ in 0..rounds {
         let guard = releaser.acquire("item", LONG).await.expect("acquired");
         let waiting = {
             let waiter = waiter.clone();
@@ -761,7 +779,7 @@ async fn redis_lock_release_hands_over_to_the_woken_waiter() {
                 acquired_at
             })
         };
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(hold).await;
         let busy = pool.get().await.expect("the waiter's only connection");
         guard.release().await.expect("released");
         tokio::spawn(async move {
@@ -774,12 +792,10 @@ async fn redis_lock_release_hands_over_to_the_woken_waiter() {
         let waiter_at = waiting.await.expect("waiter task");
         handed_over += usize::from(waiter_at < again_at);
     }
-    println!("redis-lock: {handed_over} of {ROUNDS} releases went to the waiter");
-    assert!(
-        handed_over >= ROUNDS - 2,
-        "the releaser took the lock back in {} of {ROUNDS} rounds",
-        ROUNDS - handed_over
+    println!(
+        "redis-lock: {handed_over} of {rounds} releases after {hold:?} holds went to the waiter"
     );
+    handed_over
 }
 
 /// A release keeps its turn for the waiter it woke only briefly: if the process that
@@ -819,10 +835,11 @@ async fn redis_lock_turn_kept_for_a_waiter_that_never_tries_is_free_soon() {
     taken.release().await.expect("released");
 }
 
-/// A release keeps its turn only while the lock was found held lately (a second). A
-/// try refused only by a kept turn does not count: otherwise a lock contended once
-/// would keep refusing every uncontended acquisition's first try, for ever, and a
-/// try-lock (no wait) on a free lock would fail.
+/// A release keeps its turn only while the lock was found held lately: until a second
+/// after the waiter's wait. A try refused only by a kept turn does not count:
+/// otherwise a lock contended once would keep refusing every uncontended
+/// acquisition's first try, for ever, and a try-lock (no wait) on a free lock would
+/// fail.
 #[tokio::test]
 async fn redis_lock_contended_once_is_uncontended_again_a_second_later() {
     let (cluster, _factory) = redis_factory().await;
