@@ -559,124 +559,80 @@ async fn zookeeper_expired_session_is_detected() {
         .expect("held with the new session");
 }
 
-/// A release notice wakes one waiter of a replica. When that waiter is dropped (its
+/// A release signal wakes one waiter of a replica. When that waiter is dropped (its
 /// shopper hung up) before its try answers, the wake-up must pass to the replica's
 /// next waiter: otherwise that one sleeps until its deadline (the holder's TTL is
-/// longer) while the lock is free. The woken waiter is held in its try by the
-/// replica's pool, one connection that the test keeps busy.
+/// longer) while the lock is free.
 #[tokio::test]
 async fn redis_lock_wake_up_of_a_dropped_waiter_passes_on() {
+    dropped_woken_waiter_passes_on(NextWaiter::SameReplica).await;
+}
+
+/// The same when the woken waiter was its replica's only one: the signal must go back
+/// to Redis for another replica's waiter.
+#[tokio::test]
+async fn redis_lock_signal_a_dropped_waiter_was_woken_by_goes_to_another_replica() {
+    dropped_woken_waiter_passes_on(NextWaiter::OtherReplica).await;
+}
+
+enum NextWaiter {
+    SameReplica,
+    OtherReplica,
+}
+
+/// A holder releases while two waiters wait; the first, woken, is held in its try by
+/// its replica's pool (one connection that the test keeps busy) and dropped there.
+/// The first waiter began waiting first, so its replica's reader is first in line for
+/// the signal and it is first in line for the wake-up.
+async fn dropped_woken_waiter_passes_on(next: NextWaiter) {
     let (cluster, _factory) = redis_factory().await;
-    let holder = RedisLock::new(
-        redis_client(),
-        redis_pool(),
-        &cluster.namespace,
-        "holder",
-        LONG,
-    );
+    let make = |owner: &str, pool: flashsale::redis_pool::Pool| {
+        Arc::new(RedisLock::new(
+            redis_client(),
+            pool,
+            &cluster.namespace,
+            owner,
+            LONG,
+        ))
+    };
+    let holder = make("holder", redis_pool());
     let pool = flashsale::redis_pool::pool(&redis_url(), 1).expect("pool");
-    let replica = Arc::new(RedisLock::new(
-        redis_client(),
-        pool.clone(),
-        &cluster.namespace,
-        "replica",
-        LONG,
-    ));
+    let first_replica = make("first", pool.clone());
+    let next_replica = match next {
+        NextWaiter::SameReplica => first_replica.clone(),
+        NextWaiter::OtherReplica => make("other", redis_pool()),
+    };
     let guard = holder.acquire("item", LONG).await.expect("acquired");
     let wait = Duration::from_secs(10);
     let waiter =
         |replica: Arc<RedisLock>| tokio::spawn(async move { replica.acquire("item", wait).await });
-    // The first waiter queues first on the replica's wake-ups, so the notice wakes it.
-    let first = waiter(replica.clone());
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let second = waiter(replica.clone());
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let first = waiter(first_replica);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = waiter(next_replica);
+    tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!first.is_finished() && !second.is_finished(), "both wait");
-    let busy = pool.get().await.expect("the replica's only connection");
+    let busy = pool
+        .get()
+        .await
+        .expect("the first replica's only connection");
     guard.release().await.expect("released");
     // The first waiter, woken, now waits for the connection; its shopper leaves.
     tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!second.is_finished(), "the signal woke the first waiter");
     first.abort();
     assert!(
         first.await.is_err_and(|e| e.is_cancelled()),
         "dropped while trying"
     );
     drop(busy);
-    let released_at = Instant::now();
+    let left_at = Instant::now();
     let second = tokio::time::timeout(Duration::from_secs(5), second)
         .await
         .expect("the second waiter was woken, not left to its 10 s deadline")
         .expect("waiter task")
         .expect("acquired");
-    println!("redis-lock: second waiter in {:?}", released_at.elapsed());
+    println!("redis-lock: second waiter in {:?}", left_at.elapsed());
     second.release().await.expect("released");
-}
-
-/// A release signal is taken by one replica. When that replica's only waiter was
-/// woken by it and dropped before its try answered, the signal must go back to Redis
-/// for another replica's waiter: otherwise that one sleeps until its deadline (the
-/// holder's TTL is longer) while the lock is free. The woken waiter is held in its try
-/// by its replica's pool, one connection that the test keeps busy; its replica began
-/// waiting first, so its reader is first in line for the signal.
-#[tokio::test]
-async fn redis_lock_signal_a_dropped_waiter_was_woken_by_goes_to_another_replica() {
-    let (cluster, _factory) = redis_factory().await;
-    let holder = RedisLock::new(
-        redis_client(),
-        redis_pool(),
-        &cluster.namespace,
-        "holder",
-        LONG,
-    );
-    let pool = flashsale::redis_pool::pool(&redis_url(), 1).expect("pool");
-    let first = Arc::new(RedisLock::new(
-        redis_client(),
-        pool.clone(),
-        &cluster.namespace,
-        "first",
-        LONG,
-    ));
-    let other = Arc::new(RedisLock::new(
-        redis_client(),
-        redis_pool(),
-        &cluster.namespace,
-        "other",
-        LONG,
-    ));
-    let guard = holder.acquire("item", LONG).await.expect("acquired");
-    let wait = Duration::from_secs(10);
-    let waiter =
-        |lock: Arc<RedisLock>| tokio::spawn(async move { lock.acquire("item", wait).await });
-    let woken = waiter(first.clone());
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let next = waiter(other.clone());
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!woken.is_finished() && !next.is_finished(), "both wait");
-    let busy = pool
-        .get()
-        .await
-        .expect("the first replica's only connection");
-    guard.release().await.expect("released");
-    // The first replica's waiter, woken, now waits for the connection; it leaves.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!next.is_finished(), "the signal went to the first replica");
-    woken.abort();
-    assert!(
-        woken.await.is_err_and(|e| e.is_cancelled()),
-        "dropped while trying"
-    );
-    drop(busy);
-    let left_at = Instant::now();
-    let next = tokio::time::timeout(Duration::from_secs(5), next)
-        .await
-        .expect("the other replica's waiter got the signal back, not left to its deadline")
-        .expect("waiter task")
-        .expect("acquired");
-    println!(
-        "redis-lock: other replica's waiter in {:?}",
-        left_at.elapsed()
-    );
-    next.release().await.expect("released");
 }
 
 /// A replica's reader may take a signal just after its last waiter left (it was
