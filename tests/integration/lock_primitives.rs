@@ -626,13 +626,29 @@ async fn dropped_woken_waiter_passes_on(next: NextWaiter) {
     );
     drop(busy);
     let left_at = Instant::now();
-    let second = tokio::time::timeout(Duration::from_secs(5), second)
-        .await
-        .expect("the second waiter was woken, not left to its 10 s deadline")
-        .expect("waiter task")
-        .expect("acquired");
+    let second = served_soon(second, "the second waiter was woken").await;
     println!("redis-lock: second waiter in {:?}", left_at.elapsed());
     second.release().await.expect("released");
+}
+
+/// A task that takes `lock`'s "item", releases it at once and returns when it got it.
+fn acquired_at_in_background<L: DistributedLock + 'static>(
+    lock: Arc<L>,
+) -> tokio::task::JoinHandle<Instant> {
+    tokio::spawn(async move {
+        let guard = lock.acquire("item", LONG).await.expect("acquired");
+        let acquired_at = Instant::now();
+        guard.release().await.expect("released");
+        acquired_at
+    })
+}
+
+/// What `waiter` acquired, which it must have within 5 s: `what` happened.
+async fn served_soon<G>(waiter: tokio::task::JoinHandle<Result<G, LockError>>, what: &str) -> G {
+    match tokio::time::timeout(Duration::from_secs(5), waiter).await {
+        Ok(joined) => joined.expect("waiter task").expect("acquired"),
+        Err(_) => panic!("not served within 5 s: {what}, instead of its 10 s deadline"),
+    }
 }
 
 /// A replica's reader may take a signal just after its last waiter left (it was
@@ -671,11 +687,7 @@ async fn redis_lock_signal_taken_after_the_last_waiter_left_goes_to_another_repl
     );
     guard.release().await.expect("released");
     let released_at = Instant::now();
-    let next = tokio::time::timeout(Duration::from_secs(5), next)
-        .await
-        .expect("the waiting replica got the signal, not left to its deadline")
-        .expect("waiter task")
-        .expect("acquired");
+    let next = served_soon(next, "the waiting replica got the signal back").await;
     println!("redis-lock: waiting replica in {:?}", released_at.elapsed());
     next.release().await.expect("released");
 }
@@ -726,15 +738,7 @@ async fn handovers(rounds: usize, hold: Duration) -> usize {
     let mut handed_over = 0;
     for _ in 0..rounds {
         let guard = releaser.acquire("item", LONG).await.expect("acquired");
-        let waiting = {
-            let waiter = waiter.clone();
-            tokio::spawn(async move {
-                let guard = waiter.acquire("item", LONG).await.expect("acquired");
-                let acquired_at = Instant::now();
-                guard.release().await.expect("released");
-                acquired_at
-            })
-        };
+        let waiting = acquired_at_in_background(waiter.clone());
         tokio::time::sleep(hold).await;
         let busy = pool.get().await.expect("the waiter's only connection");
         guard.release().await.expect("released");
@@ -1771,15 +1775,7 @@ async fn table_lock_waiters_are_woken_by_releases() {
     let mut handoffs = Vec::with_capacity(HANDOFFS);
     for _ in 0..HANDOFFS {
         let guard = holder.acquire("item", LONG).await.expect("acquired");
-        let waiting = {
-            let waiter = waiter.clone();
-            tokio::spawn(async move {
-                let guard = waiter.acquire("item", LONG).await.expect("handed over");
-                let acquired_at = Instant::now();
-                guard.release().await.expect("released");
-                acquired_at
-            })
-        };
+        let waiting = acquired_at_in_background(waiter.clone());
         // Long past the waiter's first INSERT: it is waiting on a notice or a poll.
         tokio::time::sleep(Duration::from_millis(150)).await;
         assert!(!waiting.is_finished(), "the waiter got a held lock");
