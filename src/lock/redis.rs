@@ -49,10 +49,10 @@ use super::{DistributedLock, LockError, LockView, acquisition_token, token_owner
 /// (for `ARGV[6]` ms more; 0: a try-lock) marks it as waited for (`KEYS[5]`), which is
 /// what makes a release keep the turn: until `ARGV[5]` ms after the waiter's next try
 /// at the latest (the holder's lease running out or its own wait), since it may sleep
-/// until then without trying again. A try refused only by the
-/// reservation does not mark, or the mark would keep itself alive and keep refusing
-/// an uncontended lock. Taking the lock ends the reservation, and
-/// deletes a signal still in `KEYS[3]`: it is moot, the next release leaves another.
+/// until then without trying again. A try refused only by the reservation does not
+/// mark, or the mark would keep itself alive and keep refusing an uncontended lock.
+/// Taking the lock ends the reservation and deletes a signal still in `KEYS[3]`: it
+/// is moot, the next release leaves another.
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
@@ -156,7 +156,7 @@ pub(super) struct SignalKeys {
     list: String,
     /// Present while a release's turn is kept for the waiter it woke.
     reserved: String,
-    /// Present while some try failed in the last [`WAITED_FOR`].
+    /// Present while a try that will wait found the lock held lately (`ACQUIRE`).
     waiting: String,
     ttl_ms: u64,
 }
@@ -267,19 +267,19 @@ impl RedisLock {
     }
 
     /// One `SET NX PX` attempt; `deadline` bounds its fence floor (and says whether a
-    /// refused try will wait). `woken_by`: the token of the release whose signal woke
-    /// this try, which may take the turn that release kept. Until it returns, a drop
-    /// undoes whatever it took.
+    /// refused try will wait). `signals`: the lock's `signal_keys`. `woken_by`: the
+    /// token of the release whose signal woke this try, which may take the turn that
+    /// release kept. Until it returns, a drop undoes whatever it took.
     async fn try_acquire(
         &self,
         name: &str,
         token: &str,
         deadline: Instant,
+        signals: &SignalKeys,
         woken_by: Option<&str>,
     ) -> Result<Attempt, LockError> {
         let waits = deadline.saturating_duration_since(Instant::now());
         let conn = self.pool.get().await.map_err(redis_error)?;
-        let signals = self.signal_keys(name);
         let hold = RedisHold {
             pool: self.pool.clone(),
             key: self.key(name),
@@ -359,8 +359,12 @@ impl DistributedLock for RedisLock {
     async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
         let token = acquisition_token(&self.owner);
         let deadline = Instant::now() + wait;
+        let keys = self.signal_keys(name);
         // Most acquisitions find the lock free and need no signal reader.
-        let mut ttl = match self.try_acquire(name, &token, deadline, None).await? {
+        let mut ttl = match self
+            .try_acquire(name, &token, deadline, &keys, None)
+            .await?
+        {
             Attempt::Acquired(guard) => return Ok(guard),
             Attempt::Held(ttl) => ttl,
         };
@@ -369,7 +373,6 @@ impl DistributedLock for RedisLock {
         }
         // A release since that try left its signal in Redis: the reader finds it.
         // Dropped with a signal it took and never tried, `waiting` passes it on.
-        let keys = self.signal_keys(name);
         let mut waiting = self
             .signals
             .wait_on(&self.key(name), &keys.list, &keys.reserved);
@@ -387,7 +390,7 @@ impl DistributedLock for RedisLock {
                 return Err(LockError::Timeout { waited: wait });
             }
             let attempt = self
-                .try_acquire(name, &token, deadline, woken_by.as_deref())
+                .try_acquire(name, &token, deadline, &keys, woken_by.as_deref())
                 .await?;
             waiting.tried();
             ttl = match attempt {
