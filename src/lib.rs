@@ -6,7 +6,7 @@
 //! - `strategy`: one module per coordination strategy, plus the shared order flow;
 //! - `lock`: distributed lock primitives per backend (knows no HTTP, no orders);
 //! - `store`: the Redis stock cache, the MySQL records and cluster-wide state;
-//!   `redis_pool`: the Redis connections `store` and `lock` share;
+//!   `redis_pool`, `mysql_pool`: the connections `store` and `lock` share;
 //! - `app`, `replica`, `cluster`: putting replicas together and running them;
 //! - `config`, `model`: options and the domain values; `logging`, `telemetry`: logs and
 //!   metrics;
@@ -21,6 +21,7 @@ pub mod loadtests;
 pub mod lock;
 pub mod logging;
 pub mod model;
+pub mod mysql_pool;
 pub mod redis_pool;
 pub mod replica;
 pub mod replica_kill;

@@ -69,6 +69,12 @@
 //!   like any other. A drop anywhere else (in the local queue, in the courtesy tick,
 //!   waiting for a notice or a poll, looking at the row) has sent nothing that needs undoing; its
 //!   place in the queue and its registration for notices go with it.
+//! - **A MariaDB restart**: the pool hands out recently used connections unpinged
+//!   (`mysql_pool`), so the first statements after a crash meet dead ones. The
+//!   releases, renewals, takeovers and reads go again on another connection; an
+//!   INSERT cut off there is undone like a dropped one, and the acquisition tries again
+//!   under a new owner token. Each waits for MariaDB as long as the pool's acquire
+//!   timeout, so a short outage delays the lock instead of failing the order.
 //!
 //! All times are the database's own, in UTC (`UTC_TIMESTAMP(6)` into `DATETIME(6)`
 //! columns), so neither replicas' clocks nor their sessions' time zones matter.
@@ -92,6 +98,7 @@ use super::task::Tasks;
 use super::{
     DistributedLock, LockError, LockView, acquisition_token, jittered_backoff, token_owner,
 };
+use crate::mysql_pool::on_live_connection;
 
 /// MySQL error numbers that mean "someone else holds it" for a lock-row INSERT.
 const DUPLICATE_KEY: u16 = 1062;
@@ -155,6 +162,9 @@ enum Inserted {
     Row(u64),
     /// Held by someone else; the connection is handed back to look at the row.
     Taken(PoolConnection<MySql>),
+    /// The connection died under the INSERT (MariaDB restarted): whether the row went
+    /// in is unknown, and the attempt's undo deletes it if it did.
+    ConnectionLost,
 }
 
 /// The row holding a name, as a waiter sees it.
@@ -230,12 +240,14 @@ impl TableLock {
     /// The row holding `name`, if any: its id, owner and milliseconds to expiry
     /// (negative once expired and not yet taken over).
     pub async fn inspect(&self, name: &str) -> Result<Option<(i64, String, i64)>, LockError> {
-        sqlx::query_as(
-            "SELECT id, owner, CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) DIV 1000 AS SIGNED)
-             FROM distributed_locks WHERE lock_name = ?",
-        )
-        .bind(name)
-        .fetch_optional(&self.rows.pool)
+        on_live_connection(&self.rows.pool, || {
+            sqlx::query_as(
+                "SELECT id, owner, CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) DIV 1000 AS SIGNED)
+                 FROM distributed_locks WHERE lock_name = ?",
+            )
+            .bind(name)
+            .fetch_optional(&self.rows.pool)
+        })
         .await
         .map_err(mysql_error)
     }
@@ -273,6 +285,10 @@ impl TableLock {
                 None
             }
             // Whether the row went in is unknown: leave the undo armed.
+            Err(sqlx::Error::Io(error)) => {
+                tracing::debug!(%error, lock = name, "lock-row INSERT on a dead connection");
+                return Ok(Inserted::ConnectionLost);
+            }
             Err(error) => return Err(mysql_error(error)),
         };
         // The outcome is known: disarm the undo (the row, if any, is the caller's).
@@ -286,22 +302,34 @@ impl TableLock {
         })
     }
 
-    /// The row holding `name`, looked at on `conn`.
-    async fn look(&self, conn: &mut PoolConnection<MySql>, name: &str) -> Result<Row, LockError> {
+    /// The row holding `name`, looked at on `conn`; `None` if the connection died
+    /// meanwhile (the next attempt goes on another).
+    async fn look(
+        &self,
+        conn: &mut PoolConnection<MySql>,
+        name: &str,
+    ) -> Result<Option<Row>, LockError> {
         let asked = Instant::now();
-        let row: Option<(i64, String, i64)> = sqlx::query_as(LOOK_AT_ROW)
+        let looked = sqlx::query_as(LOOK_AT_ROW)
             .bind(name)
             .fetch_optional(&mut **conn)
-            .await
-            .map_err(mysql_error)?;
-        Ok(match row {
+            .await;
+        let row: Option<(i64, String, i64)> = match looked {
+            Ok(row) => row,
+            Err(sqlx::Error::Io(_)) => {
+                conn.close_on_drop();
+                return Ok(None);
+            }
+            Err(error) => return Err(mysql_error(error)),
+        };
+        Ok(Some(match row {
             None => Row::Gone,
             Some((id, owner, left_us)) if left_us < 0 => Row::Expired { id, owner },
             // Counted from before the question: the row lives at least that long.
             Some((_, _, left_us)) => {
                 Row::Live(asked + Duration::from_micros(left_us.unsigned_abs()))
             }
-        })
+        }))
     }
 
     /// Deletes the expired row `id`, if it is still there and still expired. Returns
@@ -312,7 +340,7 @@ impl TableLock {
         id: i64,
         previous_owner: &str,
     ) -> Result<bool, LockError> {
-        let deleted = retry_deadlocks(|| {
+        let deleted = run_retried(&self.rows.pool, || {
             sqlx::query(DELETE_EXPIRED_ROW)
                 .bind(id)
                 .execute(&self.rows.pool)
@@ -396,6 +424,9 @@ impl DistributedLock for TableLock {
         // Until then the row that blocks us has not expired: no need to look.
         let mut live_until: Option<Instant> = None;
         let mut attempt = 0;
+        // INSERTs met dead pooled connections: each idle one may be, as with
+        // `on_live_connection`, then a new one waits for MariaDB.
+        let mut dead_connections = 0;
         loop {
             // A deadline passed while the last step went on: no INSERT is sent after it.
             if Instant::now() >= deadline {
@@ -441,12 +472,24 @@ impl DistributedLock for TableLock {
                     continue;
                 }
                 Inserted::Taken(conn) => conn,
+                Inserted::ConnectionLost => {
+                    dead_connections += 1;
+                    if dead_connections > self.rows.pool.options().get_max_connections() {
+                        return Err(LockError::backend("mysql", "no live connection to MariaDB"));
+                    }
+                    // The attempt's undo deletes its row if it went in; the next one,
+                    // under an owner token of its own, cannot be confused with it.
+                    owner = acquisition_token(&self.rows.owner);
+                    after_release = false;
+                    live_until = None;
+                    continue;
+                }
             };
             attempt += 1;
             let mut row = None;
             if !after_release && live_until.is_none_or(|until| Instant::now() >= until) {
                 let looked = timeout_at(deadline, self.look(&mut conn, name)).await;
-                row = Some(looked.map_err(timed_out)??);
+                row = looked.map_err(timed_out)??;
             }
             drop(conn);
             let free = match row {
@@ -568,7 +611,7 @@ impl Rows {
 
     /// The same on any connection of the pool, retried after deadlocks.
     async fn delete_own(&self, name: &str, owner: &str) -> Result<bool, LockError> {
-        let deleted = retry_deadlocks(|| {
+        let deleted = run_retried(&self.pool, || {
             sqlx::query(DELETE_OWN_ROW)
                 .bind(name)
                 .bind(owner)
@@ -603,7 +646,7 @@ pub struct TableHold {
 #[async_trait]
 impl LeaseHold for TableHold {
     async fn renew(&self, lease: Duration) -> Result<bool, LockError> {
-        let updated = retry_deadlocks(|| {
+        let updated = run_retried(&self.rows.pool, || {
             sqlx::query(
                 "UPDATE distributed_locks SET expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
                  WHERE id = ? AND owner = ? AND expires_at >= UTC_TIMESTAMP(6)",
@@ -619,12 +662,14 @@ impl LeaseHold for TableHold {
         if updated.rows_affected() == 1 {
             return Ok(true);
         }
-        let still_ours: Option<i64> = sqlx::query_scalar(
-            "SELECT id FROM distributed_locks WHERE id = ? AND owner = ? AND expires_at >= UTC_TIMESTAMP(6)",
-        )
-        .bind(self.id)
-        .bind(&self.owner)
-        .fetch_optional(&self.rows.pool)
+        let still_ours: Option<i64> = on_live_connection(&self.rows.pool, || {
+            sqlx::query_scalar(
+                "SELECT id FROM distributed_locks WHERE id = ? AND owner = ? AND expires_at >= UTC_TIMESTAMP(6)",
+            )
+            .bind(self.id)
+            .bind(&self.owner)
+            .fetch_optional(&self.rows.pool)
+        })
         .await
         .map_err(mysql_error)?;
         Ok(still_ours.is_some())
@@ -640,13 +685,15 @@ impl LeaseHold for TableHold {
     /// whole lease a renewal gives; a write slower than that is still stopped by the
     /// row id's fencing token, which MySQL checks in the order's own transaction.
     async fn confirm(&self, lease: Duration) -> Result<bool, LockError> {
-        let left_us: Option<i64> = sqlx::query_scalar(
-            "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS SIGNED)
-             FROM distributed_locks WHERE id = ? AND owner = ?",
-        )
-        .bind(self.id)
-        .bind(&self.owner)
-        .fetch_optional(&self.rows.pool)
+        let left_us: Option<i64> = on_live_connection(&self.rows.pool, || {
+            sqlx::query_scalar(
+                "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) AS SIGNED)
+                 FROM distributed_locks WHERE id = ? AND owner = ?",
+            )
+            .bind(self.id)
+            .bind(&self.owner)
+            .fetch_optional(&self.rows.pool)
+        })
         .await
         .map_err(mysql_error)?;
         match left_us {
@@ -749,19 +796,21 @@ impl Drop for PendingInsert {
     }
 }
 
-/// Runs a lock-table statement again when InnoDB picks it as a deadlock victim. Under
-/// contention, the shared locks that failing duplicate-key INSERTs take on the lock
-/// row deadlock with the holder's DELETE or UPDATE of that row; the victim's statement
-/// was rolled back, so running it again is safe. Without this a release could fail
-/// and leave the row blocking everyone until its lease ran out.
-async fn retry_deadlocks<T, F, Fut>(mut statement: F) -> Result<T, LockError>
+/// Runs an idempotent lock-table statement (a DELETE or UPDATE of our own or an
+/// expired row) again when InnoDB picks it as a deadlock victim, or on another
+/// connection when its own was dead (`on_live_connection`). Under contention, the
+/// shared locks that failing duplicate-key INSERTs take on the lock row deadlock with
+/// the holder's DELETE or UPDATE of that row; the victim's statement was rolled back,
+/// so running it again is safe. Without this a release could fail and leave the row
+/// blocking everyone until its lease ran out.
+async fn run_retried<T, F, Fut>(pool: &MySqlPool, mut statement: F) -> Result<T, LockError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, sqlx::Error>>,
 {
     let mut attempt = 0;
     loop {
-        match statement().await {
+        match on_live_connection(pool, &mut statement).await {
             Err(sqlx::Error::Database(error))
                 if attempt < DEADLOCK_RETRIES && mysql_number(&*error) == Some(DEADLOCK) =>
             {

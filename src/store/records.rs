@@ -6,15 +6,13 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
-use sqlx::{Connection, MySql, Row, Transaction};
+use sqlx::mysql::MySqlPool;
+use sqlx::{MySql, Row, Transaction};
 
 use super::StoreError;
 use crate::model::{NewOrder, Order, Sku};
+use crate::mysql_pool;
 use crate::report::LoadReport;
-
-/// A pooled connection used this recently is handed out without a ping.
-const ALIVE_BYPASS: Duration = Duration::from_millis(500);
 
 #[derive(Clone)]
 pub struct Records {
@@ -47,27 +45,7 @@ impl Records {
     pub async fn connect(url: &str, pool_size: u32, patience: Duration) -> anyhow::Result<Self> {
         let started = tokio::time::Instant::now();
         let pool = loop {
-            let attempt = MySqlPoolOptions::new()
-                .max_connections(pool_size)
-                .acquire_timeout(Duration::from_secs(3))
-                // sqlx would ping every connection before handing it out: one round
-                // trip per transaction, most of them inside a lock. Like HikariCP's
-                // alive-bypass window, only a connection idle for a while is pinged;
-                // one used moments ago is handed out as it is, and a transaction
-                // whose BEGIN finds it dead (MariaDB restarted) starts again on
-                // another (`begin`).
-                .test_before_acquire(false)
-                .before_acquire(|conn, meta| {
-                    Box::pin(async move {
-                        if meta.idle_for < ALIVE_BYPASS {
-                            return Ok(true);
-                        }
-                        Ok(conn.ping().await.is_ok())
-                    })
-                })
-                .connect(url)
-                .await;
-            match attempt {
+            match mysql_pool::connect(url, pool_size).await {
                 Ok(pool) => break pool,
                 Err(error) if started.elapsed() < patience => {
                     tracing::warn!(%error, "database not reachable yet, retrying");
@@ -89,33 +67,12 @@ impl Records {
         self.on_live_connection(|| self.pool.begin()).await
     }
 
-    /// Runs `statement`, a BEGIN, a read or an idempotent write, again when it failed
-    /// at the connection level: the pool hands recently used connections out unpinged, so after a
-    /// MariaDB restart one may be dead. Nothing was written; sqlx discards the dead
-    /// connection (it fails its ping on release), and the next try takes another, at
-    /// worst a new one, which waits for the database as long as the pool's acquire
-    /// timeout. So an order sent during a short outage waits instead of failing
-    /// (`faults::mariadb_blip_mid_sale`).
+    /// `mysql_pool::on_live_connection` on this pool.
     pub(super) async fn on_live_connection<T, F: Future<Output = Result<T, sqlx::Error>>>(
         &self,
-        mut statement: impl FnMut() -> F,
+        statement: impl FnMut() -> F,
     ) -> Result<T, sqlx::Error> {
-        // Each idle connection may be dead, then a new one is opened. No new try
-        // starts after one acquire timeout; the last may itself wait that long.
-        let tries = self.pool.options().get_max_connections() + 1;
-        let deadline = tokio::time::Instant::now() + self.pool.options().get_acquire_timeout();
-        let mut tried = 1;
-        loop {
-            match statement().await {
-                Err(sqlx::Error::Io(error))
-                    if tried < tries && tokio::time::Instant::now() < deadline =>
-                {
-                    tracing::debug!(%error, "a dead connection; trying again on another");
-                    tried += 1;
-                }
-                result => return result,
-            }
-        }
+        mysql_pool::on_live_connection(&self.pool, statement).await
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {

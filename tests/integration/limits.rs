@@ -86,8 +86,11 @@ async fn an_order_cut_off_by_the_timeout_completes_and_releases() {
     let key = format!("{}:lock:{sku}", cluster.namespace);
     let mut settled = None;
     for _ in 0..200 {
-        let stats = cluster.sku_stats(sku).await;
+        // The lock first: once it is released, the stats read after it show everything
+        // the order did before its release (read the other way round, the stats could
+        // predate a release that came just before the lock's GET).
         let held: Option<String> = redis.get(&key).await.expect("GET");
+        let stats = cluster.sku_stats(sku).await;
         if stats["orders"] == 1 && held.is_none() {
             settled = Some(stats);
             break;
