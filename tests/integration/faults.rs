@@ -17,7 +17,9 @@ use flashsale::lock::DistributedLock;
 use flashsale::lock::HeldLock;
 use flashsale::lock::redis::RedisLock;
 use flashsale::lock::redlock::Redlock;
+use flashsale::lock::table::TableLock;
 use flashsale::lock::zookeeper::ZooKeeperLock;
+use flashsale::store::Records;
 
 use crate::support::{TestCluster, free_port, pool_for, redis_client, redis_pool};
 
@@ -550,39 +552,23 @@ async fn db_unique_mariadb_blip_mid_sale() {
 /// out unpinged, and they are dead. A release sent while MariaDB is down deletes its
 /// row once MariaDB is back, and an acquisition sent then gets the lock: both wait,
 /// neither fails on the dead connection (as db-unique's orders did, ~1 run in 10 of
-/// `db_unique_mariadb_blip_mid_sale`).
+/// `db_unique_mariadb_blip_mid_sale`). The undo of an INSERT the crash cut off (half a
+/// second at least, its connection being dead) keeps no local waiter from the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_lock_statements_outlive_dead_pooled_connections() {
-    use flashsale::lock::table::TableLock;
-    use flashsale::store::Records;
-
     let mut db = PrivateMariaDb::start().await;
-    let records = Records::connect(&db.url(), 4, Duration::from_secs(10))
-        .await
-        .expect("records");
-    let lock = TableLock::new(records.pool().clone(), "restart", Duration::from_secs(60));
     let wait = Duration::from_secs(10);
-    let held = lock.acquire("held", wait).await.expect("held");
-    // Every pooled connection used at once, so each is recent when MariaDB dies.
-    let warm = futures::future::join_all((0..4).map(|i| {
-        let lock = &lock;
-        async move {
-            let name = format!("warm-{i}");
-            lock.acquire(&name, wait)
-                .await
-                .expect("warm")
-                .release()
-                .await
-        }
-    }));
-    assert!(warm.await.iter().all(Result::is_ok));
+    // Two replicas: each pool's first statement after the crash meets a dead connection.
+    let releasing = table_lock_on_warm_connections(&db.url(), "releasing").await;
+    let held = releasing.acquire("held", wait).await.expect("held");
+    let acquiring = table_lock_on_warm_connections(&db.url(), "acquiring").await;
 
     db.kill().await;
-    let (released, acquired, ()) =
-        tokio::join!(held.release(), lock.acquire("after", wait), async {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            db.restart().await;
-        });
+    let (released, acquired, ()) = tokio::join!(
+        held.release(),
+        acquiring.acquire("after", wait),
+        db.restart()
+    );
     assert!(
         released.is_ok(),
         "a release on a dead connection: {released:?}"
@@ -590,10 +576,35 @@ async fn table_lock_statements_outlive_dead_pooled_connections() {
     let acquired = acquired.expect("an acquisition on a dead connection waited for MariaDB");
     acquired.release().await.expect("released");
     assert_eq!(
-        lock.inspect("held").await.expect("inspect"),
+        acquiring.waiting(),
+        0,
+        "the replica's turn is free once the acquisition that met the dead connection released"
+    );
+    assert_eq!(
+        acquiring.inspect("held").await.expect("inspect"),
         None,
         "the released row is gone"
     );
+}
+
+/// A replica's lock table whose every pooled connection was used just now, so is
+/// handed out unpinged for the next half second.
+async fn table_lock_on_warm_connections(url: &str, owner: &str) -> TableLock {
+    const CONNECTIONS: u32 = 4;
+    let records = Records::connect(url, CONNECTIONS, Duration::from_secs(10))
+        .await
+        .expect("records");
+    let lock = TableLock::new(records.pool().clone(), owner, Duration::from_secs(60));
+    let warm = futures::future::join_all((0..CONNECTIONS).map(|i| {
+        let lock = &lock;
+        async move {
+            let name = format!("warm-{owner}-{i}");
+            let guard = lock.acquire(&name, Duration::from_secs(5)).await;
+            guard.expect("warm").release().await
+        }
+    }));
+    assert!(warm.await.iter().all(Result::is_ok));
+    lock
 }
 
 async fn mariadb_blip_under(strategy: &str) {
