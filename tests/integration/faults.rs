@@ -503,6 +503,18 @@ impl PrivateMariaDb {
     async fn kill(&mut self) {
         sigkill(&mut self.child).await;
     }
+
+    /// Shuts MariaDB down as an operator's restart would (SIGTERM), and waits for it.
+    async fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pid = child
+                .id()
+                .and_then(|id| i32::try_from(id).ok())
+                .expect("pid");
+            kill(Pid::from_raw(pid), Signal::SIGTERM).expect("SIGTERM");
+            child.wait().await.expect("reaped");
+        }
+    }
 }
 
 impl Drop for PrivateMariaDb {
@@ -555,7 +567,18 @@ async fn db_unique_mariadb_blip_mid_sale() {
 /// `db_unique_mariadb_blip_mid_sale`). The undo of an INSERT the crash cut off (half a
 /// second at least, its connection being dead) keeps no local waiter from the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn table_lock_statements_outlive_dead_pooled_connections() {
+async fn table_lock_statements_outlive_a_mariadb_crash() {
+    table_lock_statements_outlive_a_restart(PrivateMariaDb::kill).await;
+}
+
+/// The same after a clean shutdown (SIGTERM), an operator's restart: MariaDB closes
+/// the idle connections without a word, so they are dead the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_lock_statements_outlive_a_mariadb_shutdown() {
+    table_lock_statements_outlive_a_restart(PrivateMariaDb::stop).await;
+}
+
+async fn table_lock_statements_outlive_a_restart(stop: impl AsyncFnOnce(&mut PrivateMariaDb)) {
     let mut db = PrivateMariaDb::start().await;
     let wait = Duration::from_secs(10);
     // Two replicas: each pool's first statement after the crash meets a dead connection.
@@ -563,7 +586,7 @@ async fn table_lock_statements_outlive_dead_pooled_connections() {
     let held = releasing.acquire("held", wait).await.expect("held");
     let acquiring = table_lock_on_warm_connections(&db.url(), "acquiring").await;
 
-    db.kill().await;
+    stop(&mut db).await;
     let (released, acquired, ()) = tokio::join!(
         held.release(),
         acquiring.acquire("after", wait),
