@@ -22,9 +22,12 @@
 //!   if the lock is still free. Which signal is unused is counted under a mutex, not
 //!   read from the `Notify`, which only says "look": a wake-up racing the last
 //!   waiter's exit cannot fall between the two.
-//! - Still lost: a signal taken by a process killed before its waiter tried. Waiters
-//!   keep their fallback, a retry when the holder's TTL runs out, for that as for a
-//!   crashed holder.
+//! - Still lost: a signal taken by a process killed before its waiter tried, or whose
+//!   `BLPOP` reply a connection reset dropped. So a reader that finds no signal for a
+//!   whole block (2 s) while its process has waiters wakes one of them to try anyway:
+//!   such a lock passes on within about that long, not when the holder's TTL would
+//!   have run out (the waiters' own fallback, for a crashed holder). One try per
+//!   process and lock every 2 s while a hold lasts that long costs next to nothing.
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
@@ -93,6 +96,8 @@ struct Signal {
     /// "Look at `state.unused`": one waiter per signal taken. A stale wake-up (its
     /// signal used or given back meanwhile) finds nothing and waits on.
     wakeup: Notify,
+    /// "No signal came for a whole block": one waiter tries without one.
+    quiet: Notify,
     state: Mutex<SignalState>,
     /// Tells an idle reader that a waiter came.
     registered: Notify,
@@ -111,6 +116,13 @@ impl Signal {
     fn state(&self) -> MutexGuard<'_, SignalState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// No signal came for a whole block: one local waiter, if any, tries anyway.
+    fn quiet_block(&self) {
+        if self.state().waiters > 0 {
+            self.quiet.notify_one();
+        }
+    }
 }
 
 /// A waiter's registration. Dropped with a signal it took and never tried, it hands
@@ -124,7 +136,8 @@ pub struct Waiting {
 
 impl Waiting {
     /// Waits until this process takes a release signal for the waiter (the token of
-    /// the release that left it), or until `until` (`None`).
+    /// the release that left it), or until `until` or a quiet block (`None`: try
+    /// without one).
     pub async fn signal_until(&mut self, until: Instant) -> Option<String> {
         let signal = self.signal.clone();
         loop {
@@ -135,6 +148,7 @@ impl Waiting {
                         return Some(token);
                     }
                 }
+                () = signal.quiet.notified() => return None,
                 () = tokio::time::sleep_until(until) => return None,
             }
         }
@@ -202,6 +216,7 @@ impl ReleaseSignals {
                     list: list.to_owned(),
                     reserved: reserved.to_owned(),
                     wakeup: Notify::new(),
+                    quiet: Notify::new(),
                     state: Mutex::new(SignalState::default()),
                     registered: Notify::new(),
                 });
@@ -331,11 +346,14 @@ async fn read_signals(signal: Arc<Signal>, shared: Arc<Shared>) {
             .await;
         match popped {
             Ok(Some((_, token))) => shared.hand_over(&signal, token),
-            Ok(None) => {}
+            // A release's signal may have gone to a process that died with it.
+            Ok(None) => signal.quiet_block(),
             Err(error) => {
                 tracing::warn!(%error, "release signal reader lost Redis; reconnecting");
                 connection = None;
                 tokio::time::sleep(RECONNECT_AFTER).await;
+                // The reply lost with the connection may have carried a signal.
+                signal.quiet_block();
             }
         }
     }

@@ -795,6 +795,56 @@ async fn redis_lock_turn_kept_for_a_waiter_that_never_tries_is_free_soon() {
     taken.release().await.expect("released");
 }
 
+/// A release's signal taken by a process that died before its waiter tried (the test
+/// takes it itself, having blocked on the list before the waiter's reader, so Redis
+/// serves it first) leaves the other processes' waiters without a wake-up. They try
+/// anyway once their reader has found no signal for a whole block (2 s), rather than
+/// when the holder's TTL would have run out (30 s here, past the wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_lock_signal_lost_with_its_taker_is_made_up_for_within_a_block() {
+    let (cluster, _factory) = redis_factory().await;
+    let ns = cluster.namespace.clone();
+    let holder = RedisLock::new(redis_client(), redis_pool(), &ns, "holder", LONG);
+    let waiter = Arc::new(RedisLock::new(
+        redis_client(),
+        redis_pool(),
+        &ns,
+        "waiter",
+        LONG,
+    ));
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    let list = format!("{ns}:lock-signal:item");
+    let thief = tokio::spawn(async move {
+        let blocking = deadpool_redis::redis::AsyncConnectionConfig::new()
+            .set_response_timeout(Some(Duration::from_secs(15)));
+        let mut conn = redis_client()
+            .get_multiplexed_async_connection_with_config(&blocking)
+            .await
+            .expect("redis");
+        let taken: Option<(String, String)> = conn.blpop(list, 10.0).await.expect("BLPOP");
+        taken
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let waiting = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move { waiter.acquire("item", Duration::from_secs(8)).await })
+    };
+    // The waiter's first try, and its reader blocked behind the thief.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let released = Instant::now();
+    guard.release().await.expect("released");
+    let stolen = thief.await.expect("joined");
+    assert!(stolen.is_some(), "the thief took the release's signal");
+    let taken = waiting
+        .await
+        .expect("joined")
+        .expect("the waiter got the lock without a signal");
+    let waited = released.elapsed();
+    println!("redis-lock: a lost signal was made up for after {waited:?}");
+    assert!(waited < Duration::from_secs(4), "{waited:?}");
+    taken.release().await.expect("released");
+}
+
 /// A release keeps its turn only while the lock was found held lately: until a second
 /// after the waiter's wait. A try refused only by a kept turn does not count:
 /// otherwise a lock contended once would keep refusing every uncontended
