@@ -24,10 +24,13 @@
 //!   waiter's exit cannot fall between the two.
 //! - Still lost: a signal taken by a process killed before its waiter tried, or whose
 //!   `BLPOP` reply a connection reset dropped. So a reader that finds no signal for a
-//!   whole block (2 s) while its process has waiters wakes one of them to try anyway:
-//!   such a lock passes on within about that long, not when the holder's TTL would
-//!   have run out (the waiters' own fallback, for a crashed holder). One try per
-//!   process and lock every 2 s while a hold lasts that long costs next to nothing.
+//!   whole block (2 s; after a reset, the first block on the new connection) while its
+//!   process has waiters wakes one of them to try anyway: such a lock passes on within
+//!   about that long, not when the holder's TTL would have run out (the waiters' own
+//!   fallback, for a crashed holder). One try per process and lock every 2 s while a
+//!   hold lasts that long costs next to nothing; the wake-up may land on a waiter
+//!   about to give up, or on one already trying (it then tries once more at once),
+//!   and the next quiet block covers the rest.
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
@@ -351,9 +354,10 @@ async fn read_signals(signal: Arc<Signal>, shared: Arc<Shared>) {
             Err(error) => {
                 tracing::warn!(%error, "release signal reader lost Redis; reconnecting");
                 connection = None;
+                // A reply lost with the connection may have carried a signal: the
+                // first block on the new one makes up for it, if it stays quiet.
+                // Waking a waiter here would send its try into the same outage.
                 tokio::time::sleep(RECONNECT_AFTER).await;
-                // The reply lost with the connection may have carried a signal.
-                signal.quiet_block();
             }
         }
     }
