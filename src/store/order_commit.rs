@@ -30,6 +30,7 @@ use sqlx::{MySql, Transaction};
 use super::StoreError;
 use super::records::{Records, insert_order};
 use crate::model::{NewOrder, Order, Sku};
+use crate::mysql_pool::on_live_connection;
 
 /// How an order changes the product's stock.
 #[derive(Debug, Clone, Copy)]
@@ -133,7 +134,7 @@ impl Records {
             .bind(&epoch)
             .execute(self.pool())
         };
-        self.on_live_connection(register).await?;
+        on_live_connection(self.pool(), register).await?;
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use sqlx::{MySql, Row, Transaction};
 
 use super::StoreError;
 use crate::model::{NewOrder, Order, Sku};
-use crate::mysql_pool;
+use crate::mysql_pool::{self, on_live_connection};
 use crate::report::LoadReport;
 
 #[derive(Clone)]
@@ -64,15 +64,7 @@ impl Records {
 
     /// Starts a transaction, on a live connection (`on_live_connection`).
     pub async fn begin(&self) -> Result<Transaction<'static, MySql>, sqlx::Error> {
-        self.on_live_connection(|| self.pool.begin()).await
-    }
-
-    /// `mysql_pool::on_live_connection` on this pool.
-    pub(super) async fn on_live_connection<T, F: Future<Output = Result<T, sqlx::Error>>>(
-        &self,
-        statement: impl FnMut() -> F,
-    ) -> Result<T, sqlx::Error> {
-        mysql_pool::on_live_connection(&self.pool, statement).await
+        on_live_connection(&self.pool, || self.pool.begin()).await
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
@@ -91,7 +83,7 @@ impl Records {
             .bind(sku.as_str())
             .fetch_optional(&self.pool)
         };
-        let row: Option<(i64, i64, String)> = self.on_live_connection(read).await?;
+        let row: Option<(i64, i64, String)> = on_live_connection(&self.pool, read).await?;
         Ok(row.map(|(stock, version, epoch)| OptimisticRow {
             stock,
             version,
@@ -106,7 +98,7 @@ impl Records {
                 .bind(sku.as_str())
                 .fetch_optional(&self.pool)
         };
-        Ok(self.on_live_connection(read).await?)
+        Ok(on_live_connection(&self.pool, read).await?)
     }
 
     /// Products with their order totals; all of them, or only `sku`.
