@@ -563,7 +563,7 @@ async fn db_unique_mariadb_blip_mid_sale() {
 /// connections its statements meet first were used moments ago, so they are handed
 /// out unpinged, and they are dead. A release sent while MariaDB is down deletes its
 /// row once MariaDB is back, and an acquisition sent then gets the lock: both wait,
-/// neither fails on the dead connection (as db-unique's orders did, ~1 run in 10 of
+/// neither fails on the dead connection (as db-unique's orders did in two CI runs of
 /// `db_unique_mariadb_blip_mid_sale`). The undo of an INSERT the crash cut off (half a
 /// second at least, its connection being dead) keeps no local waiter from the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
