@@ -15,7 +15,9 @@
 #               under target/ from PyPI) and the goals against them
 #   orders      orders/s per strategy on one hot SKU, measured by wrk (an independent
 #               generator) against three replicas and counted in MySQL, as a ratio to
-#               `none` with one connection in the same repeat
+#               `none` with one connection in the same repeat; from the same runs,
+#               where a lock strategy's time per order goes (the replicas' step
+#               histograms) and each process's CPU time per order (/proc)
 #
 #   scripts/bench.sh [--no-stack] lockbench|orders   only that section
 #

@@ -18,9 +18,10 @@ done
 redis-cli -p 6390 --scan --pattern 'flashsale_t_*' | xargs -r -n 500 redis-cli -p 6390 del >/dev/null
 
 # Test tools from Debian: docker-compose (to validate docker-compose.yml: no Docker
-# engine runs here), chromium with node/npm (the dashboard's browser test) and
-# Python's venv (schemathesis, the OpenAPI fuzz).
+# engine runs here), chromium with node/npm (the dashboard's browser test),
+# Python's venv (schemathesis, the OpenAPI fuzz) and wrk (the benchmark's orders).
 missing=()
+command -v wrk >/dev/null || missing+=(wrk)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 command -v node >/dev/null || missing+=(nodejs)
@@ -56,21 +57,26 @@ set +e
 cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
-# The benchmark pipeline (lockbench, the peers' libraries from PyPI, the goals table)
-# once, small, into a scratch document: it runs rarely by hand and must not rot
-# between runs. Every lock and every peer must have measured. Skipped when the
-# arguments pick tests.
+# The benchmark pipeline (lockbench, the peers' libraries from PyPI, the goals table;
+# the orders under two strategies with their ratio, time and CPU tables) once, small,
+# into a scratch document: it runs rarely by hand and must not rot between runs.
+# Every lock and every peer must have measured, and each order table must have its
+# base and redis-lock rows. Skipped when the arguments pick tests.
 if [ $# = 0 ]; then
   bench_doc=$(mktemp)
   trap 'rm -f "$log" "$bench_doc"' EXIT
   bench_status=0
   BENCH_DOC=$bench_doc BENCH_REPEAT=1 BENCH_SECONDS=1 BENCH_CONTENDERS=2 \
-    ./scripts/bench.sh --no-stack lockbench || bench_status=$?
+    BENCH_ORDER_SECONDS=1 BENCH_STRATEGIES="none redis-lock" \
+    ./scripts/bench.sh --no-stack lockbench orders || bench_status=$?
   measured=$(grep -c '^| [a-z0-9-]* | 1/1 |' "$bench_doc" || true)
-  if [ "$bench_status" = 0 ] && [ "$measured" = 11 ] && grep -q 'python-redis-lock (cycles/s)' "$bench_doc"; then
-    echo "bench: lockbench section made, 11 of 11 locks and peers measured"
+  order_rows=$(sed -n '/^<!-- orders:begin -->$/,/^<!-- orders:end -->$/p' "$bench_doc" |
+    grep -cE '^\| (none, 1 connection \(the base\)|redis-lock) \| [0-9]' || true)
+  if [ "$bench_status" = 0 ] && [ "$measured" = 11 ] && grep -q 'python-redis-lock (cycles/s)' "$bench_doc" \
+    && [ "$order_rows" = 6 ]; then
+    echo "bench: lockbench section made, 11 of 11 locks and peers measured; orders section made, 6 of 6 rows"
   else
-    echo "bench: FAILED (status $bench_status, $measured of 11 locks and peers measured):"
+    echo "bench: FAILED (status $bench_status, $measured of 11 locks and peers measured, $order_rows of 6 order rows):"
     cat "$bench_doc"
     [ "$status" != 0 ] || status=1
   fi

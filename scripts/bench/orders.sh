@@ -1,6 +1,7 @@
 # Sourced by scripts/bench.sh (uses its WORK, REPEAT, COMMIT, CORES, CPU, MEMORY, log,
 # die and replace_section): the whole order path under each strategy, measured from
-# outside by wrk and counted in MySQL.
+# outside by wrk and counted in MySQL; around each run, where its time went (the
+# replicas' `flashsale_order_step_seconds`) and its CPU (every process's, from /proc).
 
 ORDER_SECONDS=${BENCH_ORDER_SECONDS:-5}
 CONNECTIONS=${BENCH_CONNECTIONS:-10}
@@ -49,6 +50,64 @@ print(json.dumps({"strategy": label, "repeat": int(repeat),
                   "orders_per_s": (int(after) - int(before)) / float(seconds),
                   "non_2xx_per_s": int(refused) / float(seconds)}))' \
     "$label" "$repeat" "$before" "$after" "$seconds" "$non2xx"
+}
+
+# costs PORT...: one JSON object, what the runs between two of them cost: the CPU ticks
+# of each counted process (the stack's services by their pidfiles, the replicas as
+# the children of this script's cluster; keyed by group, pid and start time, so a
+# process that exits or a reused pid is not compared), the machine's busy and total
+# ticks, and the sum and count of each strategy's steps on every PORT.
+costs() {
+  local replicas
+  replicas=$(pgrep -P "$CLUSTER_PID" | tr '\n' ' ' || true)
+  STACK_DIR=.stack REPLICAS="$replicas" python3 - "$@" <<'PY'
+import glob, json, os, re, sys, urllib.request
+pids = {}
+for pidfile in glob.glob(os.path.join(os.environ['STACK_DIR'], '*', '*.pid')):
+    service = os.path.basename(os.path.dirname(pidfile)).split('-')[0]
+    try:
+        pids[open(pidfile).read().strip()] = service
+    except OSError:
+        pass
+for pid in os.environ['REPLICAS'].split():
+    pids[pid] = 'replicas'
+processes = {}
+for pid, group in pids.items():
+    try:
+        fields = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
+    except OSError:
+        continue
+    # utime, stime and starttime: fields 14, 15 and 22 of stat.
+    processes[f'{group}/{pid}/{fields[19]}'] = int(fields[11]) + int(fields[12])
+# user nice system idle iowait irq softirq; steal (another VM's) is left out.
+cpu = list(map(int, open('/proc/stat').readline().split()[1:8]))
+steps = {}
+sample = re.compile(r'flashsale_order_step_seconds_(sum|count)\{(.*)\} (\S+)$')
+for port in sys.argv[1:]:
+    try:
+        text = urllib.request.urlopen(f'http://127.0.0.1:{port}/metrics', timeout=10).read()
+    except OSError:
+        continue
+    for line in text.decode().splitlines():
+        found = sample.match(line)
+        if found:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', found[2]))
+            key = f"{labels.get('strategy')}/{labels.get('step')}"
+            totals = steps.setdefault(key, [0.0, 0.0])
+            totals[0 if found[1] == 'sum' else 1] += float(found[3])
+print(json.dumps({'processes': processes, 'busy': sum(cpu) - cpu[3] - cpu[4],
+                  'total': sum(cpu), 'steps': steps}))
+PY
+}
+
+# measure_costs CONNECTIONS SECONDS LABEL REPEAT PORT...: `measure`, with what the
+# run cost (`costs` before and after it) in one JSON line.
+measure_costs() {
+  local ports=("${@:5}") before measured after
+  before=$(costs "${ports[@]}")
+  measured=$(measure "$@")
+  after=$(costs "${ports[@]}")
+  printf '{"measured":%s,"before":%s,"after":%s}\n' "$measured" "$before" "$after"
 }
 
 start_replicas() {
@@ -114,13 +173,13 @@ section_orders() {
     admin PUT /api/admin/strategy '{"strategy":"none"}'
     admin POST /api/admin/reset "{\"sku\":\"$SKU\",\"stock\":$STOCK}"
     measure 1 1 warm "$repeat" "$PORT" >/dev/null
-    measure 1 "$ORDER_SECONDS" baseline "$repeat" "$PORT" >>"$results"
+    measure_costs 1 "$ORDER_SECONDS" baseline "$repeat" "$PORT" >>"$results"
     for strategy in "${STRATEGIES[@]}"; do
       log "orders: repeat $repeat of $REPEAT, $strategy"
       admin PUT /api/admin/strategy "{\"strategy\":\"$strategy\"}"
       admin POST /api/admin/reset "{\"sku\":\"$SKU\",\"stock\":$STOCK}"
       measure "$CONNECTIONS" 1 warm "$repeat" "${ports[@]}" >/dev/null
-      measure "$CONNECTIONS" "$ORDER_SECONDS" "$strategy" "$repeat" "${ports[@]}" >>"$results"
+      measure_costs "$CONNECTIONS" "$ORDER_SECONDS" "$strategy" "$repeat" "${ports[@]}" >>"$results"
     done
   done
   stop_replicas
@@ -148,10 +207,40 @@ section_orders() {
     echo
     echo "Each cell: median of the repeats (min–max)."
     echo
-    python3 scripts/bench/orders_table.py "$results"
+    python3 scripts/bench/orders_table.py ratios "$results"
     echo
     echo "**non-2xx answers/s**: refusals (503 \`lock_timeout\`, optimistic giving up); with"
     echo "$STOCK units in stock nothing sells out."
+    echo
+    echo "### Where a lock strategy's time per order goes"
+    echo
+    echo "On one hot SKU a lock sells one order at a time, so its time per order (1000 ÷"
+    echo "orders/s) is one holder's critical section followed by the handoff to the next."
+    echo "The steps are the replicas' own means over the same runs"
+    echo "(\`flashsale_order_step_seconds\` in \`/metrics\`): **read** the stock (a holder also"
+    echo "marks it pending), the lock's **last check**, the MySQL **commit** (BEGIN, UPDATE,"
+    echo "INSERT, COMMIT), the **cache write**, the lock's **release**. **handoff** is the"
+    echo "rest: from one holder's release returning to the next holder's acquisition"
+    echo "returning (the wake-up and the acquisition's last steps). **the lock's part** is"
+    echo "the time per order less read, commit and cache write: last check, release and"
+    echo "handoff. **at the goal**: the time per order the goal's ratio allows against the"
+    echo "same repeat's base, and what it leaves the lock if the store's steps stay as"
+    echo "measured. The base's row is \`none\` on one connection, where the rest of the time"
+    echo "is the HTTP round trip and the settings read. Milliseconds; medians of the repeats."
+    echo
+    python3 scripts/bench/orders_table.py time "$results"
+    echo
+    echo "### Where each order's CPU goes"
+    echo
+    echo "CPU time per order by process over the same runs, in milliseconds, read from"
+    echo "\`/proc\`: this run's replicas and the stack's services by their pidfiles; **rest** is"
+    echo "the machine's other busy time (wrk, the kernel, anything else running). **busy %**"
+    echo "is all $CORES cores together. **at most** is the orders/s the cores could give if"
+    echo "they did nothing but these orders at this cost each ($CORES × 1000 ÷ total), and"
+    echo "**÷ base** that ceiling as a ratio to the same repeat's base: a goal above it cannot"
+    echo "be met on this machine without cutting CPU per order. Medians of the repeats."
+    echo
+    python3 scripts/bench/orders_table.py cpu "$results" "$CORES" "$ORDER_SECONDS"
     echo '<!-- orders:end -->'
   } >"$WORK/orders.md"
   replace_section orders "$WORK/orders.md"

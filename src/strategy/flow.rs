@@ -79,7 +79,10 @@ impl SaleFlow {
         let sold = self
             .section(order, strategy, guard.fencing_token(), critical)
             .await;
-        if let Err(error) = guard.release().instrument(debug_span!("release")).await {
+        let released = timed(strategy, "release", guard.release())
+            .instrument(debug_span!("release"))
+            .await;
+        if let Err(error) = released {
             tracing::warn!(%error, sku = %order.sku, strategy, "lock release failed");
         }
         metrics::histogram!("flashsale_lock_hold_seconds", "strategy" => strategy.to_owned())
@@ -180,16 +183,19 @@ impl SaleFlow {
         // A lock holder marks the stock pending until its cache write (see
         // `store::stock_cache`); without a lock there is nobody to protect.
         let mark = hold.map_or_else(String::new, |_| acquisition_token(&self.replica_id));
-        let stock = if hold.is_some() {
-            self.read_to_sell(order, &mark, options.epoch)
-                .instrument(debug_span!("read"))
-                .await?
-        } else {
-            match self.store.cache.stock(&order.sku).await? {
-                Some(stock) => stock,
-                None => return Err(self.missing_stock(order).await),
+        let read = async {
+            if hold.is_some() {
+                self.read_to_sell(order, &mark, options.epoch).await
+            } else {
+                match self.store.cache.stock(&order.sku).await? {
+                    Some(stock) => Ok(stock),
+                    None => Err(self.missing_stock(order).await),
+                }
             }
         };
+        let stock = timed(strategy, "read", read)
+            .instrument(debug_span!("read"))
+            .await?;
         ensure_in_stock(stock, order)?;
         self.pause_at(PausePoint::AfterRead, hold, strategy, options)
             .await?;
@@ -197,7 +203,7 @@ impl SaleFlow {
         // The last moment to notice a lost lock. A lease can still run out between
         // this check and the commit; closing that gap takes the fence.
         if let Some(hold) = hold {
-            hold.ensure_held().await?;
+            timed(strategy, "check", hold.ensure_held()).await?;
         }
         self.pause_at(PausePoint::BeforeCommit, hold, strategy, options)
             .await?;
@@ -209,10 +215,13 @@ impl SaleFlow {
                 read_stock: stock,
             }),
         };
-        let committed = self
-            .commit(order, write, strategy, options.epoch, &mark)
-            .instrument(debug_span!("commit"))
-            .await?;
+        let committed = timed(
+            strategy,
+            "commit",
+            self.commit(order, write, strategy, options.epoch, &mark),
+        )
+        .instrument(debug_span!("commit"))
+        .await?;
         // The order is committed: from here on nothing may turn it into a failure.
         if let Err(error) = self
             .pause_at(PausePoint::AfterCommit, hold, strategy, options)
@@ -220,9 +229,13 @@ impl SaleFlow {
         {
             tracing::warn!(%error, sku = %order.sku, "the after-commit pause failed; the order stands");
         }
-        self.write_cache(order, new_stock, committed.version, &mark)
-            .instrument(debug_span!("cache_write"))
-            .await;
+        timed(
+            strategy,
+            "cache_write",
+            self.write_cache(order, new_stock, committed.version, &mark),
+        )
+        .instrument(debug_span!("cache_write"))
+        .await;
         Ok(committed.order)
     }
 
@@ -481,6 +494,21 @@ impl SaleFlow {
             .await;
         Ok(())
     }
+}
+
+/// Runs one step of an order's critical section and records how long it took, so
+/// `/metrics` shows where a strategy's time per order goes (`scripts/bench.sh` puts it
+/// in BENCHMARKS.md). A step that is dropped records nothing.
+async fn timed<T>(strategy: &str, step: &'static str, work: impl Future<Output = T>) -> T {
+    let started = Instant::now();
+    let done = work.await;
+    metrics::histogram!(
+        "flashsale_order_step_seconds",
+        "strategy" => strategy.to_owned(),
+        "step" => step
+    )
+    .record(started.elapsed().as_secs_f64());
+    done
 }
 
 /// Now, in Unix epoch milliseconds with sub-millisecond precision: sections of
