@@ -14,7 +14,7 @@ use sqlx::Connection;
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 
 /// A pooled connection used this recently is handed out without a ping.
-const ALIVE_BYPASS: Duration = Duration::from_millis(500);
+pub const ALIVE_BYPASS: Duration = Duration::from_millis(500);
 /// How long a caller waits for a connection, so an outage answers 503 instead of
 /// hanging.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);

@@ -19,6 +19,7 @@ use flashsale::lock::redis::RedisLock;
 use flashsale::lock::redlock::Redlock;
 use flashsale::lock::table::TableLock;
 use flashsale::lock::zookeeper::ZooKeeperLock;
+use flashsale::mysql_pool::ALIVE_BYPASS;
 use flashsale::store::Records;
 
 use crate::support::{TestCluster, free_port, pool_for, redis_client, redis_pool};
@@ -582,11 +583,26 @@ async fn table_lock_statements_outlive_a_restart(stop: impl AsyncFnOnce(&mut Pri
     let mut db = PrivateMariaDb::start().await;
     let wait = Duration::from_secs(10);
     // Two replicas: each pool's first statement after the crash meets a dead connection.
-    let releasing = table_lock_on_warm_connections(&db.url(), "releasing").await;
+    let releasing = table_lock_on(&db.url(), "releasing").await;
     let held = releasing.acquire("held", wait).await.expect("held");
-    let acquiring = table_lock_on_warm_connections(&db.url(), "acquiring").await;
+    let acquiring = table_lock_on(&db.url(), "acquiring").await;
 
+    // Every pooled connection of both replicas used just now, so handed out unpinged
+    // after the outage: only then do the statements below meet dead connections. A
+    // connection idle longer than the pool's alive bypass is pinged first, replaced,
+    // and the test would pass without the retry it is about.
+    tokio::join!(
+        use_every_connection(&releasing, "releasing"),
+        use_every_connection(&acquiring, "acquiring")
+    );
+    let warmed = Instant::now();
     stop(&mut db).await;
+    assert!(
+        warmed.elapsed() < ALIVE_BYPASS,
+        "MariaDB went down {:?} after the warm-up, past the pool's alive bypass \
+         ({ALIVE_BYPASS:?}): the connections would be pinged and the retry not exercised",
+        warmed.elapsed()
+    );
     let (released, acquired, ()) = tokio::join!(
         held.release(),
         acquiring.acquire("after", wait),
@@ -610,24 +626,28 @@ async fn table_lock_statements_outlive_a_restart(stop: impl AsyncFnOnce(&mut Pri
     );
 }
 
-/// A replica's lock table whose every pooled connection was used just now, so is
-/// handed out unpinged for the next half second.
-async fn table_lock_on_warm_connections(url: &str, owner: &str) -> TableLock {
-    const CONNECTIONS: u32 = 4;
-    let records = Records::connect(url, CONNECTIONS, Duration::from_secs(10))
+/// Pooled connections of each replica's lock table in the tests above.
+const TABLE_LOCK_CONNECTIONS: u32 = 4;
+
+/// A replica's lock table on a pool of its own.
+async fn table_lock_on(url: &str, owner: &str) -> TableLock {
+    let records = Records::connect(url, TABLE_LOCK_CONNECTIONS, Duration::from_secs(10))
         .await
         .expect("records");
-    let lock = TableLock::new(records.pool().clone(), owner, Duration::from_secs(60));
-    let warm = futures::future::join_all((0..CONNECTIONS).map(|i| {
-        let lock = &lock;
-        async move {
-            let name = format!("warm-{owner}-{i}");
-            let guard = lock.acquire(&name, Duration::from_secs(5)).await;
-            guard.expect("warm").release().await
-        }
+    TableLock::new(records.pool().clone(), owner, Duration::from_secs(60))
+}
+
+/// Takes and releases as many locks at once as `lock` has pooled connections, so
+/// every one of them has just been used; names of the replica's own (`owner`), so
+/// that two replicas warming up do not wait for each other.
+async fn use_every_connection(lock: &TableLock, owner: &str) {
+    let used = futures::future::join_all((0..TABLE_LOCK_CONNECTIONS).map(|i| async move {
+        let guard = lock
+            .acquire(&format!("warm-{owner}-{i}"), Duration::from_secs(5))
+            .await;
+        guard.expect("warm").release().await
     }));
-    assert!(warm.await.iter().all(Result::is_ok));
-    lock
+    assert!(used.await.iter().all(Result::is_ok));
 }
 
 async fn mariadb_blip_under(strategy: &str) {
