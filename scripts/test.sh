@@ -70,13 +70,16 @@ if [ $# = 0 ]; then
     BENCH_ORDER_SECONDS=1 BENCH_STRATEGIES="none redis-lock" \
     ./scripts/bench.sh --no-stack lockbench orders || bench_status=$?
   measured=$(grep -c '^| [a-z0-9-]* | 1/1 |' "$bench_doc" || true)
-  order_rows=$(sed -n '/^<!-- orders:begin -->$/,/^<!-- orders:end -->$/p' "$bench_doc" |
-    grep -cE '^\| (none, 1 connection \(the base\)|redis-lock) \| [0-9]' || true)
+  orders=$(sed -n '/^<!-- orders:begin -->$/,/^<!-- orders:end -->$/p' "$bench_doc")
+  order_rows=$(grep -cE '^\| (none, 1 connection \(the base\)|redis-lock) \| [0-9]' <<<"$orders" || true)
+  # The CPU table's base row must have found the replicas and MariaDB by their pids.
+  cpu_found=$(sed -n "/^### Where each order's CPU goes/,\$p" <<<"$orders" |
+    awk -F'|' '$2 ~ /the base/ && $5 + 0 > 0 && $7 + 0 > 0 { print "yes" }')
   if [ "$bench_status" = 0 ] && [ "$measured" = 11 ] && grep -q 'python-redis-lock (cycles/s)' "$bench_doc" \
-    && [ "$order_rows" = 6 ]; then
-    echo "bench: lockbench section made, 11 of 11 locks and peers measured; orders section made, 6 of 6 rows"
+    && [ "$order_rows" = 6 ] && [ "$cpu_found" = yes ]; then
+    echo "bench: lockbench section made, 11 of 11 locks and peers measured; orders section made, 6 of 6 rows, CPU attributed"
   else
-    echo "bench: FAILED (status $bench_status, $measured of 11 locks and peers measured, $order_rows of 6 order rows):"
+    echo "bench: FAILED (status $bench_status, $measured of 11 locks and peers measured, $order_rows of 6 order rows, CPU attributed: ${cpu_found:-no}):"
     cat "$bench_doc"
     [ "$status" != 0 ] || status=1
   fi

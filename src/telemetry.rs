@@ -9,7 +9,7 @@
 //! | `flashsale_orders_total` | strategy, outcome (the API code, `strategy::Outcome`) | `http::orders` |
 //! | `flashsale_lock_acquire_seconds` (histogram) | strategy, outcome (`acquired`, `timeout`, `abandoned`: the shopper left, `error`) | `strategy::flow` |
 //! | `flashsale_lock_hold_seconds` (histogram) | strategy | `strategy::flow` |
-//! | `flashsale_order_step_seconds` (histogram) | strategy, step (`read`, `check`: the lock's last check, `commit`, `cache_write`, `release`) | `strategy::flow`, the steps of the critical section every lock strategy (and `none`) runs |
+//! | `flashsale_order_step_seconds` (histogram) | strategy, step (`read`, `check`: the lock's last check, `commit`, `cache_write`, `release`) | `strategy::flow`, the steps of the critical section `none` and the lease and queue locks share (redis-lock, db-unique, zookeeper, etcd, redlock); a failed step is timed too |
 //! | `flashsale_lock_timeouts_total`, `flashsale_locks_lost_total`, `flashsale_fencing_rejections_total`, `flashsale_optimistic_conflicts_total`, `flashsale_optimistic_gave_up_total`, `flashsale_paused_holders_total` | strategy | `store::ClusterState::count` (`store::ClusterEvent`) |
 //! | `flashsale_lease_renewals_total` | outcome (`renewed`, `lost`, `error`) | `lock::lease` |
 //! | `flashsale_stock` (gauge) | sku, store (`redis`, `mysql`) | `/metrics`, from the records |

@@ -52,51 +52,83 @@ print(json.dumps({"strategy": label, "repeat": int(repeat),
     "$label" "$repeat" "$before" "$after" "$seconds" "$non2xx"
 }
 
-# costs PORT...: one JSON object, what the runs between two of them cost: the CPU ticks
-# of each counted process (the stack's services by their pidfiles, the replicas as
-# the children of this script's cluster; keyed by group, pid and start time, so a
-# process that exits or a reused pid is not compared), the machine's busy and total
-# ticks, and the sum and count of each strategy's steps on every PORT.
+# costs before|after PORT...: one JSON object, what the runs between a `before` and an
+# `after` cost:
+# - the CPU ticks of each counted process: the stack's services by their pidfiles
+#   (BENCH_STACK_DIR, default .stack), the replicas as the children of this script's
+#   cluster; keyed by group, pid and start time, so a process that exits or a reused
+#   pid is not compared;
+# - the ticks of this shell and the children it waited for: wrk and the benchmark's
+#   own curl and Python, the "harness";
+# - the machine's busy and total ticks;
+# - per PORT that answered, the sum and count of each strategy's steps.
+# `before` scrapes the replicas before reading the ticks and `after` after, so the
+# scrapes' own work stays outside the window.
 costs() {
   local replicas
   replicas=$(pgrep -P "$CLUSTER_PID" | tr '\n' ' ' || true)
-  STACK_DIR=.stack REPLICAS="$replicas" python3 - "$@" <<'PY'
+  STACK_DIR=${BENCH_STACK_DIR:-.stack} REPLICAS="$replicas" HARNESS=$$ python3 - "$@" <<'PY'
 import glob, json, os, re, sys, urllib.request
-pids = {}
-for pidfile in glob.glob(os.path.join(os.environ['STACK_DIR'], '*', '*.pid')):
-    service = os.path.basename(os.path.dirname(pidfile)).split('-')[0]
-    try:
-        pids[open(pidfile).read().strip()] = service
-    except OSError:
-        pass
-for pid in os.environ['REPLICAS'].split():
-    pids[pid] = 'replicas'
-processes = {}
-for pid, group in pids.items():
-    try:
-        fields = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
-    except OSError:
-        continue
-    # utime, stime and starttime: fields 14, 15 and 22 of stat.
-    processes[f'{group}/{pid}/{fields[19]}'] = int(fields[11]) + int(fields[12])
-# user nice system idle iowait irq softirq; steal (another VM's) is left out.
-cpu = list(map(int, open('/proc/stat').readline().split()[1:8]))
-steps = {}
-sample = re.compile(r'flashsale_order_step_seconds_(sum|count)\{(.*)\} (\S+)$')
-for port in sys.argv[1:]:
-    try:
-        text = urllib.request.urlopen(f'http://127.0.0.1:{port}/metrics', timeout=10).read()
-    except OSError:
-        continue
-    for line in text.decode().splitlines():
-        found = sample.match(line)
-        if found:
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', found[2]))
-            key = f"{labels.get('strategy')}/{labels.get('step')}"
-            totals = steps.setdefault(key, [0.0, 0.0])
-            totals[0 if found[1] == 'sum' else 1] += float(found[3])
-print(json.dumps({'processes': processes, 'busy': sum(cpu) - cpu[3] - cpu[4],
-                  'total': sum(cpu), 'steps': steps}))
+
+def stat(pid):
+    # Fields after the command name; utime, stime, cutime, cstime and starttime are
+    # fields 14, 15, 16, 17 and 22 of stat.
+    return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
+
+def ticks():
+    pids = {}
+    for pidfile in glob.glob(os.path.join(os.environ['STACK_DIR'], '*', '*.pid')):
+        service = os.path.basename(os.path.dirname(pidfile)).split('-')[0]
+        try:
+            pids[open(pidfile).read().strip()] = service
+        except OSError:
+            pass
+    for pid in os.environ['REPLICAS'].split():
+        pids[pid] = 'replicas'
+    processes = {}
+    for pid, group in pids.items():
+        try:
+            fields = stat(pid)
+        except OSError:
+            continue
+        processes[f'{group}/{pid}/{fields[19]}'] = int(fields[11]) + int(fields[12])
+    shell = stat(os.environ['HARNESS'])
+    # This script's own CPU so far: the shell counts all of it once it has exited,
+    # but only what it spends from now on falls inside the window.
+    mine = os.times()
+    harness = sum(int(shell[i]) for i in (11, 12, 13, 14)) + round(
+        (mine.user + mine.system) * os.sysconf('SC_CLK_TCK'))
+    # user nice system idle iowait irq softirq; steal (another VM's) is left out.
+    cpu = list(map(int, open('/proc/stat').readline().split()[1:8]))
+    return {'processes': processes, 'harness': harness,
+            'busy': sum(cpu) - cpu[3] - cpu[4], 'total': sum(cpu)}
+
+def steps():
+    found_steps = {}
+    sample = re.compile(r'flashsale_order_step_seconds_(sum|count)\{(.*)\} (\S+)$')
+    for port in sys.argv[2:]:
+        try:
+            text = urllib.request.urlopen(f'http://127.0.0.1:{port}/metrics', timeout=10).read()
+        except OSError:
+            continue
+        mine = found_steps.setdefault(port, {})
+        for line in text.decode().splitlines():
+            found = sample.match(line)
+            if found:
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', found[2]))
+                key = f"{labels.get('strategy')}/{labels.get('step')}"
+                totals = mine.setdefault(key, [0.0, 0.0])
+                totals[0 if found[1] == 'sum' else 1] += float(found[3])
+    return found_steps
+
+if sys.argv[1] == 'before':
+    scraped = steps()
+    snapshot = ticks()
+else:
+    snapshot = ticks()
+    scraped = steps()
+snapshot['steps'] = scraped
+print(json.dumps(snapshot))
 PY
 }
 
@@ -104,9 +136,9 @@ PY
 # run cost (`costs` before and after it) in one JSON line.
 measure_costs() {
   local ports=("${@:5}") before measured after
-  before=$(costs "${ports[@]}")
+  before=$(costs before "${ports[@]}")
   measured=$(measure "$@")
-  after=$(costs "${ports[@]}")
+  after=$(costs after "${ports[@]}")
   printf '{"measured":%s,"before":%s,"after":%s}\n' "$measured" "$before" "$after"
 }
 
@@ -215,30 +247,39 @@ section_orders() {
     echo "### Where a lock strategy's time per order goes"
     echo
     echo "On one hot SKU a lock sells one order at a time, so its time per order (1000 ÷"
-    echo "orders/s) is one holder's critical section followed by the handoff to the next."
-    echo "The steps are the replicas' own means over the same runs"
+    echo "orders/s) is one holder's critical section and then the passing of the lock to the"
+    echo "next. The steps are the replicas' own means over the same runs"
     echo "(\`flashsale_order_step_seconds\` in \`/metrics\`): **read** the stock (a holder also"
     echo "marks it pending), the lock's **last check**, the MySQL **commit** (BEGIN, UPDATE,"
-    echo "INSERT, COMMIT), the **cache write**, the lock's **release**. **handoff** is the"
-    echo "rest: from one holder's release returning to the next holder's acquisition"
-    echo "returning (the wake-up and the acquisition's last steps). **the lock's part** is"
-    echo "the time per order less read, commit and cache write: last check, release and"
-    echo "handoff. **at the goal**: the time per order the goal's ratio allows against the"
-    echo "same repeat's base, and what it leaves the lock if the store's steps stay as"
-    echo "measured. The base's row is \`none\` on one connection, where the rest of the time"
-    echo "is the HTTP round trip and the settings read. Milliseconds; medians of the repeats."
+    echo "INSERT, COMMIT), the **cache write**, the lock's **release**. **between steps** is"
+    echo "the time per order they leave: mostly the handoff, from one holder's release"
+    echo "returning to the next holder's acquisition returning, plus the bookkeeping"
+    echo "between steps. A release can overlap the next acquisition, so this is less than"
+    echo "the handoff \`lockbench\` measures (from the release's start). **the lock's part**"
+    echo "is the time per order less read, commit and cache write. **at the goal**: the time"
+    echo "per order the goal's ratio allows against the base, and what that leaves the lock"
+    echo "if the store's steps stay as measured. The base's row is \`none\` on one"
+    echo "connection, whose time between steps is the HTTP round trip and the settings read."
+    echo "Milliseconds, pooled over the repeats (all their seconds over all their orders, so"
+    echo "a row adds up), with the repeats' min–max of the time per order; **runs**: the"
+    echo "repeats counted (one whose replicas' counters cannot be compared is left out)."
     echo
     python3 scripts/bench/orders_table.py time "$results"
     echo
     echo "### Where each order's CPU goes"
     echo
     echo "CPU time per order by process over the same runs, in milliseconds, read from"
-    echo "\`/proc\`: this run's replicas and the stack's services by their pidfiles; **rest** is"
-    echo "the machine's other busy time (wrk, the kernel, anything else running). **busy %**"
-    echo "is all $CORES cores together. **at most** is the orders/s the cores could give if"
-    echo "they did nothing but these orders at this cost each ($CORES × 1000 ÷ total), and"
-    echo "**÷ base** that ceiling as a ratio to the same repeat's base: a goal above it cannot"
-    echo "be met on this machine without cutting CPU per order. Medians of the repeats."
+    echo "\`/proc\`: this run's replicas, the stack's services by their pidfiles (**other**:"
+    echo "pidfiles of anything else there), and **wrk and harness**, the load generator with"
+    echo "the benchmark's own curl and Python. **rest** is the machine's other busy time (the"
+    echo "kernel's interrupts, anything else running; a few hundredths below zero are two"
+    echo "counters sampled apart). **busy %** is all $CORES cores"
+    echo "together over each run's window, a little longer than the $ORDER_SECONDS s of load."
+    echo "**at most** is the orders/s the cores could give if they did nothing but these"
+    echo "orders at this cost each, wrk and harness left out ($CORES × 1000 ÷ (total − wrk and"
+    echo "harness)), and **÷ base** that ceiling as a ratio to the same repeat's base, median"
+    echo "(min–max) of the repeats: a goal above it cannot be met on this machine at this CPU"
+    echo "per order. Pooled over the repeats."
     echo
     python3 scripts/bench/orders_table.py cpu "$results" "$CORES" "$ORDER_SECONDS"
     echo '<!-- orders:end -->'

@@ -1,14 +1,18 @@
 """Turns scripts/bench.sh's order runs (JSON lines from `measure_costs`) into
-BENCHMARKS.md's tables, each cell the median over the repeats:
+BENCHMARKS.md's tables: the ratios as the median of the repeats (min-max), the time
+and CPU per order pooled over the repeats (all their seconds over all their orders),
+so that a row adds up:
 
   orders_table.py ratios RUNS   orders/s (from MySQL) and its ratio to `none` with one
                                 connection measured in the same repeat, min-max too,
                                 against the goals
   orders_table.py time RUNS     where a lock strategy's time per order goes: the
-                                steps of its critical section, the handoff, and what
-                                the goal leaves the lock
+                                steps of its critical section, the time between
+                                them (mostly the handoff), and what the goal leaves
+                                the lock
   orders_table.py cpu RUNS N S  CPU time per order by process over runs of S seconds,
                                 and the most orders/s N cores could give at that cost
+
 """
 import json
 import os
@@ -32,10 +36,6 @@ def spread(values, digits):
     if len(values) == 1:
         return med
     return f"{med} ({fmt.format(min(values))}–{fmt.format(max(values))})"
-
-
-def median(values, digits):
-    return f"{statistics.median(values):.{digits}f}" if values else "—"
 
 
 def load(path):
@@ -74,86 +74,118 @@ def ratios(runs):
         print(f"| {name} | {spread(rates, 0)} | {spread(shares, 2)} | {goal} | {spread(refused, 0)} |")
 
 
-def steps_ms(run, strategy):
-    """Mean milliseconds of each step over the run; None where the run has no such step."""
-    means = {}
+def step_totals(run, strategy):
+    """Seconds and count of each step over the run, summed over the replicas; None if the
+    run's two snapshots do not compare (a replica answered only one of them, or its
+    counters went back: it restarted)."""
+    before, after = run["before"]["steps"], run["after"]["steps"]
+    if set(before) != set(after):
+        return None
+    totals = {}
     for step in STEPS:
         key = f"{strategy}/{step}"
-        before = run["before"]["steps"].get(key, [0.0, 0.0])
-        after = run["after"]["steps"].get(key, [0.0, 0.0])
-        count = after[1] - before[1]
-        means[step] = 1000 * (after[0] - before[0]) / count if count > 0 else None
-    return means
+        spent = count = 0.0
+        for port in after:
+            was, now = before[port].get(key, [0.0, 0.0]), after[port].get(key, [0.0, 0.0])
+            if now[0] < was[0] or now[1] < was[1]:
+                return None
+            spent, count = spent + now[0] - was[0], count + now[1] - was[1]
+        totals[step] = (spent, count)
+    return totals
 
 
 def time(runs):
+    """Pooled over the repeats (every second of every run, every order), so that a
+    row adds up; ms per order also gives the runs' min-max."""
     baseline = base_rates(runs)
+    base = statistics.mean(baseline.values()) if baseline else None
     columns = ["ms per order", "read", "last check", "commit", "cache write", "release",
-               "handoff", "the lock's part", "ms per order at the goal", "the lock's part at the goal"]
+               "between steps", "the lock's part", "ms per order at the goal",
+               "the lock's part at the goal", "runs"]
     print("| strategy | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for name in ["baseline"] + names(runs):
-        cells = {column: [] for column in columns}
-        for run in (r for r in runs if r["strategy"] == name):
-            means = steps_ms(run, "none" if name == "baseline" else name)
-            if means["commit"] is None or run["orders_per_s"] <= 0:
+        label = "none" if name == "baseline" else name
+        measured = [r for r in runs if r["strategy"] == name and r["orders_per_s"] > 0]
+        pooled = dict.fromkeys(STEPS, (0.0, 0.0))
+        counted = []
+        for run in measured:
+            totals = step_totals(run, label)
+            if totals is None or totals["commit"][1] == 0:
                 continue
-            locked = means["check"] is not None and means["release"] is not None
-            if name != "baseline" and not locked:
-                continue
-            cycle = 1000 / run["orders_per_s"]
-            spent = sum(v for v in means.values() if v is not None)
-            store = means["read"] + means["commit"] + means["cache_write"]
-            cells["ms per order"].append(cycle)
-            for column, step in zip(columns[1:6], STEPS):
-                if means[step] is not None:
-                    cells[column].append(means[step])
-            if locked:
-                cells["handoff"].append(cycle - spent)
-                cells["the lock's part"].append(cycle - store)
-                if name in GOALS and baseline.get(run["repeat"]):
-                    goal_cycle = 1000 / (GOALS[name] * baseline[run["repeat"]])
-                    cells["ms per order at the goal"].append(goal_cycle)
-                    cells["the lock's part at the goal"].append(goal_cycle - store)
-        if not cells["ms per order"]:
+            counted.append(run)
+            for step in STEPS:
+                pooled[step] = tuple(a + b for a, b in zip(pooled[step], totals[step]))
+        if not counted:
             continue
+        means = {step: 1000 * spent / count if count else None
+                 for step, (spent, count) in pooled.items()}
+        locked = means["check"] is not None and means["release"] is not None
+        if name != "baseline" and not locked:
+            continue
+        cycles = [1000 / r["orders_per_s"] for r in counted]
+        cycle = 1000 * len(counted) / sum(r["orders_per_s"] for r in counted)
+        cells = [f"{cycle:.2f} ({min(cycles):.2f}–{max(cycles):.2f})" if len(cycles) > 1
+                 else f"{cycle:.2f}"]
+        cells += [f"{means[step]:.2f}" if means[step] is not None else "—" for step in STEPS]
+        store = means["read"] + means["commit"] + means["cache_write"]
+        if locked:
+            cells.append(f"{cycle - sum(means.values()):.2f}")
+            cells.append(f"{cycle - store:.2f}")
+        else:
+            cells += ["—", "—"]
+        if locked and name in GOALS and base:
+            goal_cycle = 1000 / (GOALS[name] * base)
+            cells += [f"{goal_cycle:.2f}", f"{goal_cycle - store:.2f}"]
+        else:
+            cells += ["—", "—"]
+        cells.append(str(len(counted)))
         label = BASE if name == "baseline" else name
-        print(f"| {label} | " + " | ".join(median(cells[c], 2) for c in columns) + " |")
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def cpu(runs, cores, seconds):
+    """Pooled over the repeats: every tick of every run over every order."""
     hz = os.sysconf("SC_CLK_TCK")
     baseline = base_rates(runs)
-    rows = {}
+    pooled = {}
     for run in runs:
         before, after = run["before"], run["after"]
-        busy = after["busy"] - before["busy"]
-        # The orders MySQL counted during the run.
-        orders = max(run["orders_per_s"] * seconds, 1)
-        spent = dict.fromkeys(GROUPS, 0)
+        spent = dict.fromkeys(GROUPS + ["other"], 0)
         for process, ticks in after["processes"].items():
             if process in before["processes"]:
                 group = process.split("/")[0]
-                spent[group] = spent.get(group, 0) + ticks - before["processes"][process]
-        per_order = {g: spent[g] / hz * 1000 / orders for g in GROUPS}
-        per_order["rest"] = (busy - sum(spent.values())) / hz * 1000 / orders
-        per_order["total"] = busy / hz * 1000 / orders
-        per_order["orders/s"] = run["orders_per_s"]
-        per_order["busy %"] = 100 * busy / max(after["total"] - before["total"], 1)
-        # All cores busy with nothing but these orders, at this cost each.
-        per_order["at most"] = cores * 1000 / max(per_order["total"], 1e-9)
-        if baseline.get(run["repeat"]):
-            per_order["÷ base"] = per_order["at most"] / baseline[run["repeat"]]
-        rows.setdefault(run["strategy"], []).append(per_order)
-    columns = ["orders/s", "busy %"] + GROUPS + ["rest", "total", "at most", "÷ base"]
+                group = group if group in GROUPS else "other"
+                spent[group] += ticks - before["processes"][process]
+        spent["wrk and harness"] = after["harness"] - before["harness"]
+        spent["busy"] = after["busy"] - before["busy"]
+        spent["window"] = after["total"] - before["total"]
+        # The orders MySQL counted during the run.
+        spent["orders"] = run["orders_per_s"] * seconds
+        totals = pooled.setdefault(run["strategy"], {"ceilings": [], "runs": 0})
+        totals["runs"] += 1
+        for key, value in spent.items():
+            totals[key] = totals.get(key, 0) + value
+        # What these cores could sell at this run's cost per order, the load generator
+        # and the benchmark's own scripts left out.
+        served = (spent["busy"] - spent["wrk and harness"]) / hz * 1000 / max(spent["orders"], 1)
+        if baseline.get(run["repeat"]) and served > 0:
+            totals["ceilings"].append(cores * 1000 / served / baseline[run["repeat"]])
+    groups = GROUPS + ["other", "wrk and harness"]
+    columns = ["orders/s", "busy %"] + groups + ["rest", "total", "at most", "÷ base"]
     print("| strategy | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
-    for strategy, measured in rows.items():
-        cells = []
-        for column in columns:
-            values = [run[column] for run in measured if column in run]
-            digits = 0 if column in ("orders/s", "busy %", "at most") else 2
-            cells.append(median(values, digits))
+    for strategy, totals in pooled.items():
+        orders = max(totals["orders"], 1)
+        per_order = {g: totals[g] / hz * 1000 / orders for g in groups}
+        per_order["total"] = totals["busy"] / hz * 1000 / orders
+        per_order["rest"] = per_order["total"] - sum(per_order[g] for g in groups)
+        served = per_order["total"] - per_order["wrk and harness"]
+        cells = [f"{totals['orders'] / seconds / totals['runs']:.0f}",
+                 f"{100 * totals['busy'] / max(totals['window'], 1):.0f}"]
+        cells += [f"{per_order[c]:.2f}" for c in groups + ["rest", "total"]]
+        cells.append(f"{cores * 1000 / served:.0f}" if served > 0 else "—")
+        cells.append(spread(totals["ceilings"], 2))
         label = BASE if strategy == "baseline" else strategy
         print(f"| {label} | " + " | ".join(cells) + " |")
 
