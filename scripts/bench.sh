@@ -28,7 +28,8 @@
 #   FLASHSALE_LOCK_LEASE_MS and FLASHSALE_ZK_SESSION_MS as for `flashsale serve`;
 #   BENCH_ORDER_SECONDS (5), BENCH_CONNECTIONS (10 per replica), BENCH_PORT (8181,
 #   the first of the three replicas this script starts and stops), BENCH_STRATEGIES
-#   (space-separated, default all), BENCH_BINARY (default target/release/flashsale);
+#   (space-separated, default all), BENCH_BINARY (default target/release/flashsale),
+#   BENCH_STACK_DIR (the services' pidfiles, for the CPU table; default .stack);
 #   BENCH_DOC, the document written (default BENCHMARKS.md; scripts/test.sh runs a
 #   small lockbench section into a scratch file, so the pipeline cannot rot).
 # Every run is bounded in time; the whole default run takes about nine minutes after
