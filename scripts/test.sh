@@ -18,10 +18,9 @@ done
 redis-cli -p 6390 --scan --pattern 'flashsale_t_*' | xargs -r -n 500 redis-cli -p 6390 del >/dev/null
 
 # Test tools from Debian: docker-compose (to validate docker-compose.yml: no Docker
-# engine runs here), chromium with node/npm (the dashboard's browser test),
-# Python's venv (schemathesis, the OpenAPI fuzz) and wrk (the benchmark's orders).
+# engine runs here), chromium with node/npm (the dashboard's browser test) and
+# Python's venv (schemathesis, the OpenAPI fuzz). The bench installs its own wrk.
 missing=()
-command -v wrk >/dev/null || missing+=(wrk)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 command -v node >/dev/null || missing+=(nodejs)

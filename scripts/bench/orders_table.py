@@ -105,12 +105,13 @@ def time(runs):
     print("| strategy | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for name in ["baseline"] + names(runs):
-        label = "none" if name == "baseline" else name
+        # The base is `none` in the replicas' step histograms.
+        strategy = "none" if name == "baseline" else name
         measured = [r for r in runs if r["strategy"] == name and r["orders_per_s"] > 0]
         pooled = dict.fromkeys(STEPS, (0.0, 0.0))
         counted = []
         for run in measured:
-            totals = step_totals(run, label)
+            totals = step_totals(run, strategy)
             if totals is None or totals["commit"][1] == 0:
                 continue
             counted.append(run)
