@@ -512,14 +512,152 @@ async fn zookeeper_cleanup_outwaits_a_partition_the_session_survives() {
     tasks_end::<ZooKeeper>(&replica).await;
 }
 
+/// A holder's node deleted by someone else while its session lives (by hand, by a
+/// tool): the holder's very next check refuses. ZooKeeper answered for the session a
+/// moment before, so a check that answered from what it last heard (the session's
+/// state, an own-node watch whose event is still on its way) would pass.
+#[tokio::test]
+async fn zookeeper_node_deleted_by_hand_is_noticed_by_the_next_check() {
+    let (cluster, _factory) = zookeeper_factory().await;
+    let holder = ZooKeeperLock::new(&zookeeper(), LONG, &cluster.namespace, "holder");
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    guard.ensure_held().await.expect("held");
+    let admin = zookeeper_client::Client::connect(&zookeeper())
+        .await
+        .expect("an admin session");
+    admin
+        .delete(guard.path(), None)
+        .await
+        .expect("node deleted by hand");
+    match guard.ensure_held().await {
+        Err(LockError::Lost(reason)) => println!("zookeeper: a node deleted by hand: {reason}"),
+        other => panic!("the check after a deletion by hand said {other:?}"),
+    }
+}
+
 /// A ZooKeeper holder cut off from the ensemble longer than its session timeout loses
-/// its session: it knows it lost the lock, the ephemeral node goes with the session so
-/// the lock passes on, and after the partition heals the holder's lock service opens
-/// a new session for its next acquisition.
+/// its session: it stops trusting its lock before anyone else can hold it, the
+/// ephemeral node goes with the session so the lock passes on, and after the partition
+/// heals the holder's lock service opens a new session for its next acquisition.
 #[tokio::test]
 async fn zookeeper_expired_session_is_detected() {
     let (cluster, _factory) = zookeeper_factory().await;
     let proxy = PartitionProxy::start(&zookeeper()).await;
+    let (holder, guard) =
+        holder_outlived_by_its_session(&cluster, &proxy, PartitionProxy::cut).await;
+    proxy.heal();
+    drop(guard);
+    let again = holder
+        .acquire("other", LONG)
+        .await
+        .expect("a new session after the partition");
+    again
+        .ensure_held()
+        .await
+        .expect("held with the new session");
+}
+
+/// The same over a link that goes silent instead of breaking: nothing tells the
+/// holder's client, whose session looks connected until its own read timeout, and a
+/// check sent meanwhile gets no answer. The holder must still stop trusting before
+/// ZooKeeper can expire the session and the rival can hold.
+#[tokio::test]
+async fn zookeeper_holder_on_a_silent_link_stops_trusting_before_the_rival_holds() {
+    let (cluster, _factory) = zookeeper_factory().await;
+    let proxy = PartitionProxy::start(&zookeeper()).await;
+    let (_holder, _guard) =
+        holder_outlived_by_its_session(&cluster, &proxy, PartitionProxy::stall).await;
+}
+
+/// A holder whose whole process stops (a stop-the-world pause, a stopped VM) for
+/// longer than its session timeout: ZooKeeper expires the session and the rival
+/// holds. When the process runs again its client has not yet heard of it, and the
+/// holder's check runs before the client's own tasks catch up: a check that trusted
+/// what the holder knew before the pause (its session's state, or the time since
+/// ZooKeeper last answered, as a clock that stopped with the process would tell it)
+/// would pass. Here the holder's lock service runs on a runtime of its own whose one
+/// thread the test blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zookeeper_holder_paused_past_its_session_distrusts_its_next_check() {
+    let (cluster, _factory) = zookeeper_factory().await;
+    let session_timeout = Duration::from_millis(2000);
+    let runtime = OwnRuntime(Some(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("the holder's runtime"),
+    ));
+    let process = runtime.0.as_ref().expect("built");
+    let holder = {
+        let _inside = process.enter();
+        Arc::new(ZooKeeperLock::new(
+            &zookeeper(),
+            session_timeout,
+            &cluster.namespace,
+            "holder",
+        ))
+    };
+    let rival = ZooKeeperLock::new(&zookeeper(), session_timeout, &cluster.namespace, "rival");
+    let guard = {
+        let holder = holder.clone();
+        process
+            .spawn(async move { holder.acquire("item", LONG).await })
+            .await
+            .expect("joined")
+            .expect("acquired")
+    };
+
+    // The holder stops right before its check and runs it the moment the process
+    // resumes, before any other task of the process (the client's among them) has run.
+    let pause = session_timeout * 2;
+    let (paused_tx, paused_rx) = tokio::sync::oneshot::channel();
+    let check = process.spawn(async move {
+        let _ = paused_tx.send(());
+        std::thread::sleep(pause);
+        guard.ensure_held().await
+    });
+    paused_rx.await.expect("the pause began");
+    let paused_at = Instant::now();
+    let rival_guard = rival
+        .acquire("item", pause)
+        .await
+        .expect("the rival holds once the paused holder's session expired");
+    assert!(
+        paused_at.elapsed() < pause,
+        "the rival held during the pause"
+    );
+    let verdict = check.await.expect("joined");
+    assert!(
+        verdict.is_err(),
+        "a holder paused past its session trusted its lock while the rival held it"
+    );
+    println!("zookeeper: after the pause the check said {verdict:?}");
+    rival_guard.release().await.expect("released");
+}
+
+/// A runtime started by a test, shut down without waiting (dropped in the test's own
+/// runtime, a runtime panics).
+struct OwnRuntime(Option<tokio::runtime::Runtime>);
+
+impl Drop for OwnRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// Holds a lock through `proxy` with a 2 s session, partitions it from ZooKeeper
+/// (`partition`), and checks every few milliseconds until a check refuses. Right after
+/// the partition the hold is still good (ZooKeeper keeps the session for its timeout);
+/// what must never happen is a check that answers Ok once a rival, on a session of its
+/// own, holds the lock.
+async fn holder_outlived_by_its_session(
+    cluster: &TestCluster,
+    proxy: &PartitionProxy,
+    partition: fn(&PartitionProxy),
+) -> (ZooKeeperLock, flashsale::lock::zookeeper::ZooKeeperGuard) {
     let session_timeout = Duration::from_millis(2000);
     let holder = ZooKeeperLock::new(
         &proxy.address.to_string(),
@@ -531,32 +669,46 @@ async fn zookeeper_expired_session_is_detected() {
     let guard = holder.acquire("item", LONG).await.expect("acquired");
     guard.ensure_held().await.expect("held");
 
-    proxy.cut();
+    partition(proxy);
     let started = Instant::now();
+    let rival_holds = tokio::spawn(async move {
+        let guard = rival
+            .acquire("item", Duration::from_secs(10))
+            .await
+            .expect("the lock passed on");
+        (Instant::now(), guard)
+    });
+    // The last moment the holder trusted its hold: when a check last answered Ok (a
+    // check that hangs on the dead link is waiting, not trusting).
+    let mut trusted_at = started;
+    let refused_at = loop {
+        if guard.ensure_held().await.is_err() {
+            break Instant::now();
+        }
+        trusted_at = Instant::now();
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "a cut-off holder kept trusting its lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let (rival_at, rival_guard) = rival_holds.await.expect("joined");
     assert!(
-        guard.ensure_held().await.is_err(),
-        "a cut-off holder must not trust its lock"
+        trusted_at < rival_at,
+        "the holder trusted its lock {:?} after the partition, the rival held it from {:?}",
+        trusted_at - started,
+        rival_at - started
     );
-    rival
-        .acquire("item", Duration::from_secs(10))
-        .await
-        .expect("the lock passed on");
     println!(
-        "zookeeper: lock passed on {:?} after the holder was cut off",
-        started.elapsed()
+        "zookeeper: holder last trusted its lock {:?} after the partition, refused {:?}, \
+         lock passed on after {:?}",
+        trusted_at - started,
+        refused_at - started,
+        rival_at - started
     );
     assert!(guard.ensure_held().await.is_err(), "still not held");
-
-    proxy.heal();
-    drop(guard);
-    let again = holder
-        .acquire("other", LONG)
-        .await
-        .expect("a new session after the partition");
-    again
-        .ensure_held()
-        .await
-        .expect("held with the new session");
+    drop(rival_guard);
+    (holder, guard)
 }
 
 /// A release signal wakes one waiter of a replica. When that waiter is dropped (its

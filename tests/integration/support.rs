@@ -386,10 +386,12 @@ pub struct ProcessReplica {
 }
 
 /// A TCP proxy on loopback that can cut every connection through it and refuse new
-/// ones, to simulate a network partition between one client and its server.
+/// ones, to simulate a network partition between one client and its server; or stall
+/// them, for a link that goes silent without a reset.
 pub struct PartitionProxy {
     pub address: std::net::SocketAddr,
     cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stalled: std::sync::Arc<std::sync::atomic::AtomicBool>,
     connections: std::sync::Arc<std::sync::Mutex<Vec<JoinHandle<()>>>>,
     acceptor: JoinHandle<()>,
 }
@@ -403,20 +405,26 @@ impl PartitionProxy {
             .expect("bind proxy");
         let address = listener.local_addr().expect("proxy address");
         let cut = Arc::new(AtomicBool::new(false));
+        let stalled = Arc::new(AtomicBool::new(false));
         let connections: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
         let target = target.to_owned();
         let acceptor = {
-            let (cut, connections) = (cut.clone(), connections.clone());
+            let (cut, stalled, connections) = (cut.clone(), stalled.clone(), connections.clone());
             tokio::spawn(async move {
-                while let Ok((mut inbound, _)) = listener.accept().await {
+                while let Ok((inbound, _)) = listener.accept().await {
                     if cut.load(Ordering::SeqCst) {
                         continue; // dropped: the client sees the connection refused
                     }
                     let target = target.clone();
+                    let stalled = stalled.clone();
                     let forward = tokio::spawn(async move {
-                        if let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await {
-                            let _ =
-                                tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                        if let Ok(outbound) = tokio::net::TcpStream::connect(&target).await {
+                            let (from_client, to_client) = inbound.into_split();
+                            let (from_server, to_server) = outbound.into_split();
+                            tokio::join!(
+                                relay(from_client, to_server, stalled.clone()),
+                                relay(from_server, to_client, stalled),
+                            );
                         }
                     });
                     connections.lock().expect("proxy connections").push(forward);
@@ -426,6 +434,7 @@ impl PartitionProxy {
         PartitionProxy {
             address,
             cut,
+            stalled,
             connections,
             acceptor,
         }
@@ -446,6 +455,35 @@ impl PartitionProxy {
 
     pub fn heal(&self) {
         self.cut.store(false, Ordering::SeqCst);
+    }
+
+    /// From now on every byte through the open connections is dropped, both ways, and
+    /// nothing tells either end: a link gone silent. The streams are broken for good, so
+    /// it ends with `cut`, not `heal`.
+    pub fn stall(&self) {
+        self.stalled.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Copies one direction of a proxied connection, dropping what it reads once stalled.
+async fn relay(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    stalled: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0; 16 * 1024];
+    loop {
+        let read = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => return,
+            Ok(read) => read,
+        };
+        if stalled.load(Ordering::SeqCst) {
+            continue;
+        }
+        if to.write_all(&buffer[..read]).await.is_err() {
+            return;
+        }
     }
 }
 
