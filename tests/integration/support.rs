@@ -208,6 +208,16 @@ impl TestCluster {
             .default_headers(headers)
             .build()
             .expect("HTTP client");
+        // A replica beats once (registering in Redis) before it serves, but in its own
+        // task: a test that asked one replica for the cluster right away could find the
+        // others not registered yet. An answer from each (a static route) means each
+        // has registered.
+        for replica in &replicas {
+            http.get(format!("{}/api/strategies", replica.base_url))
+                .send()
+                .await
+                .expect("the replica serves");
+        }
         TestCluster {
             replicas,
             database_url,
