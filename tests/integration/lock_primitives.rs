@@ -559,8 +559,8 @@ async fn zookeeper_expired_session_is_detected() {
 
 /// The same over a link that goes silent instead of breaking: nothing tells the
 /// holder's client, whose session looks connected until its own read timeout, and a
-/// check sent meanwhile gets no answer. The holder must still stop trusting before
-/// ZooKeeper can expire the session and the rival can hold.
+/// check sent meanwhile gets no answer. A check that trusted the connected state, or
+/// the time since ZooKeeper last answered, would pass.
 #[tokio::test]
 async fn zookeeper_holder_on_a_silent_link_stops_trusting_before_the_rival_holds() {
     let (cluster, _factory) = zookeeper_factory().await;
@@ -649,10 +649,8 @@ impl Drop for OwnRuntime {
 }
 
 /// Holds a lock through `proxy` with a 2 s session, partitions it from ZooKeeper
-/// (`partition`), and checks every few milliseconds until a check refuses. Right after
-/// the partition the hold is still good (ZooKeeper keeps the session for its timeout);
-/// what must never happen is a check that answers Ok once a rival, on a session of its
-/// own, holds the lock.
+/// (`partition`), and checks: the holder must not trust its hold from then on, and a
+/// rival on a session of its own gets the lock once ZooKeeper expired the holder's.
 async fn holder_outlived_by_its_session(
     cluster: &TestCluster,
     proxy: &PartitionProxy,
@@ -671,40 +669,21 @@ async fn holder_outlived_by_its_session(
 
     partition(proxy);
     let started = Instant::now();
-    let rival_holds = tokio::spawn(async move {
-        let guard = rival
-            .acquire("item", Duration::from_secs(10))
-            .await
-            .expect("the lock passed on");
-        (Instant::now(), guard)
-    });
-    // The last moment the holder trusted its hold: when a check last answered Ok (a
-    // check that hangs on the dead link is waiting, not trusting).
-    let mut trusted_at = started;
-    let refused_at = loop {
-        if guard.ensure_held().await.is_err() {
-            break Instant::now();
-        }
-        trusted_at = Instant::now();
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "a cut-off holder kept trusting its lock"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
-    let (rival_at, rival_guard) = rival_holds.await.expect("joined");
+    // A check sent on a dead or silent link gets no answer, and waiting for one is not
+    // trusting the hold.
     assert!(
-        trusted_at < rival_at,
-        "the holder trusted its lock {:?} after the partition, the rival held it from {:?}",
-        trusted_at - started,
-        rival_at - started
+        guard.ensure_held().await.is_err(),
+        "a cut-off holder must not trust its lock"
     );
+    let refused_after = started.elapsed();
+    let rival_guard = rival
+        .acquire("item", Duration::from_secs(10))
+        .await
+        .expect("the lock passed on");
     println!(
-        "zookeeper: holder last trusted its lock {:?} after the partition, refused {:?}, \
+        "zookeeper: the holder's check refused {refused_after:?} after the partition, \
          lock passed on after {:?}",
-        trusted_at - started,
-        refused_at - started,
-        rival_at - started
+        started.elapsed()
     );
     assert!(guard.ensure_held().await.is_err(), "still not held");
     drop(rival_guard);
