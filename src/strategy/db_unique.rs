@@ -17,7 +17,10 @@ pub fn explanation() -> Explanation {
                   taken over once expired, by deleting exactly that row by its id. Within \
                   a replica, requests for one SKU queue locally and only the first sends \
                   INSERTs; it retries when a notice arrives, and polls every 25-50 ms in \
-                  case one was lost.",
+                  case one was lost. A holder whose own replica has requests queued hands \
+                  the row to the next of them with one UPDATE of the owner instead of \
+                  deleting it (one statement where a release and an INSERT took two), at \
+                  most 8 times in a row; then it releases the row to every replica.",
         commands: vec![
             "INSERT INTO distributed_locks (lock_name, owner, expires_at) VALUES (?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)",
             "on 1062/1213, when the row may be old: SELECT id, owner, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) FROM distributed_locks WHERE lock_name = ?; \
@@ -25,11 +28,13 @@ pub fn explanation() -> Explanation {
             "renew (every lease/3): UPDATE distributed_locks SET expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND WHERE id = ? AND owner = ?",
             "last check before the commit: SELECT TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) FROM distributed_locks WHERE id = ? AND owner = ? (renew if under lease/3)",
             "release: DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?; PUBLISH <ns>:lock-row-released:<sku> <owner>",
+            "hand over to this replica's next request (at most 8 in a row): UPDATE distributed_locks SET owner = ?, acquired_at = UTC_TIMESTAMP(6), expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND WHERE id = ? AND owner = ?",
         ],
         failure_mode: "A crashed holder's row blocks everyone until it expires. The release \
                        notice is only a hint: a lost one costs a waiter a poll (at most 50 ms). \
                        Like every lease lock, a holder paused past its expiry can be overtaken \
-                       and write after the next holder; fencing (the row id, registered before \
+                       and write after the next holder; fencing (the row id and its place in a run \
+                       of handovers, registered before \
                        the read, and the stock read compared at commit) refuses it.",
     }
 }

@@ -1,0 +1,227 @@
+//! The lock table's handover: a replica whose own requests wait for the row it holds
+//! gives the row to the next of them in one UPDATE instead of deleting it for everyone
+//! (`lock::table`). What it must not give up: one holder at a time, fencing tokens that
+//! only grow, the other replicas' turn, and a row nobody is left holding when the
+//! waiter it was meant for gives up or the release is cut off.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use flashsale::lock::table::TableLock;
+use flashsale::lock::{DistributedLock, HeldLock};
+use futures::future::join_all;
+
+use crate::lock_primitives::subscribed;
+use crate::support::{TestCluster, redis_pool};
+
+/// Longer than any test here: a row left to its lease blocks the rest of the test.
+const LEASE: Duration = Duration::from_secs(30);
+const WAIT: Duration = Duration::from_secs(5);
+/// `lock::table::LOCAL_RUN`: handovers in a row before the row is released to all.
+const LOCAL_RUN: usize = 8;
+
+/// One replica's lock table: its own pool, release notices on Redis.
+async fn replica(cluster: &TestCluster, owner: &str) -> Arc<TableLock> {
+    Arc::new(
+        TableLock::new(cluster.mysql().await, owner, LEASE)
+            .with_release_notices(redis_pool(), &cluster.namespace),
+    )
+}
+
+/// Waits (at most 10 s) until no row is left and the locks run, keep and queue nothing.
+async fn nothing_left(cluster: &TestCluster, locks: &[&TableLock]) {
+    let mysql = cluster.mysql().await;
+    let started = Instant::now();
+    loop {
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SELECT lock_name, owner FROM distributed_locks")
+                .fetch_all(&mysql)
+                .await
+                .expect("lock rows");
+        let busy: usize = locks
+            .iter()
+            .map(|lock| lock.background_tasks() + lock.waiting())
+            .sum();
+        if rows.is_empty() && busy == 0 {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "left behind: rows {rows:?}, {busy} tasks, queues or registrations"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The replica's next waiter gets the row itself: the same row id, its own owner
+/// token, a greater fencing token, and a release that deletes it.
+#[tokio::test]
+async fn db_unique_hands_its_row_to_the_replicas_next_waiter() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let lock = replica(&cluster, "replica-1").await;
+    let guard = lock.acquire("item", WAIT).await.expect("acquired");
+    let (id, first_owner, _) = lock.inspect("item").await.expect("row").expect("held");
+    let waiter = tokio::spawn({
+        let lock = lock.clone();
+        async move { lock.acquire("item", WAIT).await.expect("handed over") }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let token = guard.fencing_token().expect("a token");
+    guard.release().await.expect("released");
+    let next = waiter.await.expect("waiter");
+    let (next_id, next_owner, left_ms) = lock.inspect("item").await.expect("row").expect("held");
+    assert_eq!(
+        next_id, id,
+        "the row was handed over, not deleted and inserted"
+    );
+    assert_ne!(next_owner, first_owner, "under an owner token of its own");
+    assert!(left_ms > 20_000, "with a whole lease: {left_ms} ms left");
+    assert!(next.fencing_token().expect("a token") > token);
+    next.ensure_held().await.expect("still held");
+    next.release().await.expect("released");
+    nothing_left(&cluster, &[&lock]).await;
+}
+
+/// One replica keeps six requests queued on a name all along; another replica asks
+/// once. It gets the lock after at most a few runs of handovers, not never: without
+/// the bound on a run the busy replica would hand the row round its own requests
+/// for ever. Tokens stay in order throughout and nobody holds it with another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn db_unique_runs_of_handovers_are_bounded() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let busy = replica(&cluster, "busy").await;
+    let other = replica(&cluster, "other").await;
+    subscribed(&[&busy, &other]).await;
+    let holds = Arc::new(AtomicUsize::new(0));
+    let inside = Arc::new(AtomicUsize::new(0));
+    let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let until = Instant::now() + Duration::from_secs(3);
+    let loops = (0..6).map(|_| {
+        let (busy, holds, inside, tokens) =
+            (busy.clone(), holds.clone(), inside.clone(), tokens.clone());
+        tokio::spawn(async move {
+            while Instant::now() < until {
+                let guard = busy.acquire("hot", WAIT).await.expect("acquired");
+                assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                tokens
+                    .lock()
+                    .expect("tokens")
+                    .push(guard.fencing_token().expect("a token"));
+                holds.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_micros(200)).await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                guard.release().await.expect("released");
+            }
+        })
+    });
+    let loops: Vec<_> = loops.collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let asked = holds.load(Ordering::SeqCst);
+    let guard = other
+        .acquire("hot", WAIT)
+        .await
+        .expect("the other replica's turn came");
+    assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+    let waited_for = holds.load(Ordering::SeqCst) - asked;
+    tokens
+        .lock()
+        .expect("tokens")
+        .push(guard.fencing_token().expect("a token"));
+    inside.fetch_sub(1, Ordering::SeqCst);
+    guard.release().await.expect("released");
+    for task in join_all(loops).await {
+        task.expect("busy replica's request");
+    }
+
+    let tokens = tokens.lock().expect("tokens").clone();
+    let handed = tokens.iter().filter(|token| *token & 0xffff > 0).count();
+    println!(
+        "db-unique: the other replica waited {waited_for} holds; {} holds, {handed} handed over",
+        tokens.len()
+    );
+    assert!(
+        waited_for <= 3 * (LOCAL_RUN + 1),
+        "the other replica waited {waited_for} holds"
+    );
+    assert!(handed > 0, "the busy replica handed its row over");
+    assert!(
+        tokens.windows(2).all(|pair| pair[0] < pair[1]),
+        "fencing tokens in the order of the holds: {tokens:?}"
+    );
+    nothing_left(&cluster, &[&busy, &other]).await;
+}
+
+/// The waiter a row was handed to gives up before it takes it (its request hung up
+/// while the UPDATE was on its way), and nobody else on that replica waits. The row is
+/// nobody's now: it is deleted and announced at once, so the other replica's waiter
+/// gets the lock long before the row's lease would have let it. The runtime has one
+/// thread, so the release's check for waiters runs before the waiter's abort does.
+#[tokio::test(flavor = "current_thread")]
+async fn db_unique_row_handed_to_a_waiter_that_gave_up_is_freed_at_once() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let holder = replica(&cluster, "holder").await;
+    let other = replica(&cluster, "other").await;
+    subscribed(&[&holder, &other]).await;
+    let guard = holder.acquire("item", WAIT).await.expect("acquired");
+    let gives_up = tokio::spawn({
+        let holder = holder.clone();
+        async move { holder.acquire("item", WAIT).await.map(drop) }
+    });
+    let elsewhere = tokio::spawn({
+        let other = other.clone();
+        async move {
+            let guard = other.acquire("item", WAIT).await.expect("freed");
+            let got_it = Instant::now();
+            guard.release().await.expect("released");
+            got_it
+        }
+    });
+    // Both are waiting: one in the holder's queue, one for a notice.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    gives_up.abort();
+    let released = Instant::now();
+    guard.release().await.expect("released");
+    let got_it = elsewhere.await.expect("the other replica's waiter");
+    let waited = got_it.duration_since(released);
+    println!("db-unique: the other replica held it {waited:?} after the release");
+    assert!(
+        waited < Duration::from_secs(2),
+        "freed at once, not left to its lease: {waited:?}"
+    );
+    nothing_left(&cluster, &[&holder, &other]).await;
+}
+
+/// A release cut off at every 50 µs of its first 2 ms, with a waiter on the same
+/// replica (to hand the row to) and one on another. Wherever the cut lands (before the
+/// UPDATE, while it is on its way, after it), both waiters get the lock within their
+/// wait, each in turn: the row is handed over, deleted by the guard's background
+/// release, or deleted by the undo of an UPDATE whose answer nobody read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn db_unique_releases_cut_at_every_point_leave_the_lock_to_the_waiters() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let holder = replica(&cluster, "holder").await;
+    let other = replica(&cluster, "other").await;
+    subscribed(&[&holder, &other]).await;
+    let inside = Arc::new(AtomicUsize::new(0));
+    for step in 0..40 {
+        let after = Duration::from_micros(50 * step);
+        let guard = holder.acquire("item", WAIT).await.expect("acquired");
+        let waiters = [holder.clone(), other.clone()].map(|lock| {
+            let inside = inside.clone();
+            tokio::spawn(async move {
+                let guard = lock.acquire("item", WAIT).await.expect("the lock came");
+                assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                inside.fetch_sub(1, Ordering::SeqCst);
+                guard.release().await.expect("released");
+            })
+        });
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let _ = tokio::time::timeout(after, guard.release()).await;
+        for waiter in join_all(waiters).await {
+            waiter.unwrap_or_else(|error| panic!("cut at {after:?}: {error}"));
+        }
+    }
+    nothing_left(&cluster, &[&holder, &other]).await;
+}
