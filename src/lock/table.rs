@@ -146,12 +146,14 @@ const DELETE_EXPIRED_ROW: &str =
     "DELETE FROM distributed_locks WHERE id = ? AND expires_at < UTC_TIMESTAMP(6)";
 const DELETE_OWN_ROW: &str = "DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?";
 /// Our row given to another owner with a whole lease, in one statement; nothing if the
-/// row is not ours any more. The row keeps its id (a new id would mean deleting and
-/// inserting the row, which took MariaDB three times as long as this UPDATE).
+/// row is not ours any more or has expired (another replica may be taking it over, and
+/// a hold that outlived its lease has nothing to hand on). The row keeps its id (a new
+/// id would mean deleting and inserting the row, which took MariaDB three times as
+/// long as this UPDATE).
 const HAND_OVER_ROW: &str = "UPDATE distributed_locks
      SET owner = ?, acquired_at = UTC_TIMESTAMP(6),
          expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
-     WHERE id = ? AND owner = ?";
+     WHERE id = ? AND owner = ? AND expires_at >= UTC_TIMESTAMP(6)";
 /// Holds in a row that a replica hands over to its own waiters before it releases the
 /// row to everyone: the other replicas wait at most this many holds more for a turn.
 const LOCAL_RUN: u32 = 8;
@@ -413,6 +415,25 @@ impl TableLock {
         Ok(Some(guard))
     }
 
+    /// The row this replica's previous holder handed to `turn`, as a guard; `None` if
+    /// none was, or it expired before it was taken (the releaser's UPDATE waited inside
+    /// MariaDB for most of a lease: the guard's drop deleted it).
+    async fn take_handed(
+        &self,
+        turn: &Arc<TableTurn>,
+        deadline: Instant,
+        wait: Duration,
+    ) -> Result<Option<LeaseGuard<TableHold>>, LockError> {
+        let Some(row) = turn.take_passed() else {
+            return Ok(None);
+        };
+        let sent = row.sent;
+        let guard = LeaseGuard::start(row.into_hold(turn), self.rows.lease, &self.rows.tasks);
+        timeout_at(deadline, self.with_lease_ahead(guard, sent))
+            .await
+            .map_err(|_| LockError::Timeout { waited: wait })?
+    }
+
     /// How long the head waits for a notice before it tries again anyway.
     fn poll_pause(&self, attempt: u32) -> Duration {
         // While notices are heard the poll only covers a lost one: at the cap at once.
@@ -437,17 +458,8 @@ impl DistributedLock for TableLock {
             .await
             .ok_or(LockError::Timeout { waited: wait })?;
         let turn = Arc::new(turn);
-        if let Some(row) = turn.take_passed() {
-            let sent = row.sent;
-            let guard = LeaseGuard::start(row.into_hold(&turn), self.rows.lease, &self.rows.tasks);
-            let renewed = timeout_at(deadline, self.with_lease_ahead(guard, sent))
-                .await
-                .map_err(|_| LockError::Timeout { waited: wait })??;
-            if let Some(guard) = renewed {
-                return Ok(guard);
-            }
-            // Expired before we took it (the releaser's UPDATE waited inside MariaDB
-            // for most of a lease): the guard's drop deleted it; contend as usual.
+        if let Some(guard) = self.take_handed(&turn, deadline, wait).await? {
+            return Ok(guard);
         }
         // Without notices, a wake-up nobody sends: the poll is all there is.
         let wakeup = match (&self.notices, &self.rows.announcer) {
@@ -479,6 +491,11 @@ impl DistributedLock for TableLock {
             // A deadline passed while the last step went on: no INSERT is sent after it.
             if Instant::now() >= deadline {
                 return Err(LockError::Timeout { waited: wait });
+            }
+            // A hold of ours dropped on the way here (born expired, say) may have
+            // handed its row to our own turn.
+            if let Some(guard) = self.take_handed(&turn, deadline, wait).await? {
+                return Ok(guard);
             }
             // Listen before trying, so a release between the try and the wait is
             // seen; a notice stored before this attempt is answered by the attempt.
@@ -699,9 +716,22 @@ pub struct TableHold {
 /// A replica's turn on a lock name, which can carry a row handed over to the next.
 type TableTurn = Turn<HandedOver>;
 
+/// What a handover came to.
+enum HandOver {
+    /// The row is the next request's now.
+    Done(HandedOver),
+    /// Nothing changed: the row was not ours any more, had expired, or the statement
+    /// was refused.
+    NotDone,
+    /// The connection died under the UPDATE: the row is ours or this new owner's.
+    Unknown(String),
+}
+
 /// A row that this replica's last holder gave to whoever takes the turn next. Until
 /// someone does, nobody holds it: dropped untaken (the waiter it was meant for gave up,
-/// and nobody else waits), it is deleted and announced at once, not left to its lease.
+/// and nobody else waits), it is deleted and announced at once, not left to its lease
+/// (dropped outside a runtime, at shutdown, it is left to its lease, as a crash would
+/// leave it).
 struct HandedOver {
     rows: Arc<Rows>,
     id: u64,
@@ -811,17 +841,27 @@ impl LeaseHold for TableHold {
     /// Hands the row over to this replica's next waiter, if there is one and the run
     /// is not over; otherwise deletes it and tells the other replicas.
     async fn delete(&self) -> Result<bool, LockError> {
-        if self.run < LOCAL_RUN
-            && self.turn.others_waiting()
-            && let Some(row) = self.hand_over().await
-        {
-            self.turn.pass_on(row);
-            return Ok(true);
+        let mut handed_to = None;
+        if self.run < LOCAL_RUN && self.turn.others_waiting() {
+            match self.hand_over().await {
+                HandOver::Done(row) => {
+                    self.turn.pass_on(row);
+                    return Ok(true);
+                }
+                HandOver::Unknown(owner) => handed_to = Some(owner),
+                HandOver::NotDone => {}
+            }
         }
-        let deleted = self.rows.delete_own(&self.name, &self.owner).await?;
+        let mut deleted = self.rows.delete_own(&self.name, &self.owner).await?;
+        // The connection died under a handover: the row is ours or the new owner's,
+        // whom nobody will ever give it to. Deleted while we still have the turn, so
+        // our successor does not meet it.
+        if let Some(owner) = &handed_to {
+            deleted |= self.rows.delete_own(&self.name, owner).await?;
+        }
         if deleted {
-            // After a run of handovers other replicas have waited: let them in first.
-            let contended = self.contended || self.run > 0;
+            // A run cut short by its bound had other replicas waiting: let them in first.
+            let contended = self.contended || self.run >= LOCAL_RUN;
             self.rows.released(&self.name, &self.owner, contended).await;
         }
         Ok(deleted)
@@ -834,19 +874,26 @@ impl LeaseHold for TableHold {
     /// The row's auto-increment id, then its place in the run of handovers: a new row
     /// has a greater id than any before it, and a handover keeps the id and counts
     /// one more (at most `LOCAL_RUN`, far below the shift), so tokens only grow.
+    /// (Saturating: past ids of 2^48, never reached by an auto-increment in practice,
+    /// every token is the same and the fence refuses them all rather than wrap.)
     fn fencing_token(&self) -> Option<u64> {
-        Some(self.id << RUN_BITS | u64::from(self.run))
+        Some(
+            self.id
+                .saturating_mul(1 << RUN_BITS)
+                .saturating_add(u64::from(self.run)),
+        )
     }
 }
 
 impl TableHold {
     /// Gives our row to the replica's next waiter under an owner token of its own: one
     /// UPDATE where a release and the next INSERT cost two statements, and no notice,
-    /// since the other replicas' heads could only meet the row again. `None` if the row
-    /// was not ours any more or the statement failed; the caller then deletes as usual.
-    async fn hand_over(&self) -> Option<HandedOver> {
+    /// since the other replicas' heads could only meet the row again.
+    async fn hand_over(&self) -> HandOver {
         let owner = acquisition_token(&self.rows.owner);
-        let conn = self.rows.pool.acquire().await.ok()?;
+        let Ok(conn) = self.rows.pool.acquire().await else {
+            return HandOver::NotDone;
+        };
         // Dropped before the answer, or cut off, it deletes the row if it became the
         // new owner's.
         let mut pending = PendingInsert {
@@ -856,7 +903,9 @@ impl TableHold {
             owner: owner.clone(),
             turn: None,
         };
-        let conn = pending.conn.as_mut()?;
+        let Some(conn) = pending.conn.as_mut() else {
+            return HandOver::NotDone;
+        };
         let sent = Instant::now();
         let handed = sqlx::query(HAND_OVER_ROW)
             .bind(&owner)
@@ -865,15 +914,25 @@ impl TableHold {
             .bind(&self.owner)
             .execute(&mut **conn)
             .await;
-        match handed {
-            // The answer is known: the row is the new owner's only if the UPDATE said so.
-            Ok(_) | Err(sqlx::Error::Database(_)) => drop(pending.conn.take()),
-            Err(_) => {}
+        let handed = match handed {
+            Ok(handed) => handed,
+            // The answer is known: nothing changed.
+            Err(sqlx::Error::Database(error)) => {
+                tracing::debug!(%error, lock = %self.name, "hand-over refused");
+                drop(pending.conn.take());
+                return HandOver::NotDone;
+            }
+            // Unknown: the undo stays armed, and the caller deletes under both owners.
+            Err(error) => {
+                tracing::debug!(%error, lock = %self.name, "hand-over cut off");
+                return HandOver::Unknown(owner);
+            }
+        };
+        drop(pending.conn.take());
+        if handed.rows_affected() == 0 {
+            return HandOver::NotDone;
         }
-        let handed = handed
-            .inspect_err(|error| tracing::debug!(%error, lock = %self.name, "hand-over failed"))
-            .ok()?;
-        (handed.rows_affected() > 0).then(|| HandedOver {
+        HandOver::Done(HandedOver {
             rows: self.rows.clone(),
             id: self.id,
             name: self.name.clone(),

@@ -52,6 +52,47 @@ async fn row_locked(cluster: &TestCluster) -> sqlx::MySqlConnection {
     .await
 }
 
+/// A holder's release stalls inside MariaDB (another session holds the lock row) past
+/// the row's lease, with two requests of its replica queued: the row it hands over is
+/// expired by the time the first waiter takes it. Both waiters still get the lock, one
+/// after the other. (A review traced how this could fail: the first waiter, unable to
+/// confirm the row, handed it on into its own turn and then met it as a stranger's.
+/// Two guards close that, an expired row is never handed over and a turn takes what
+/// was handed to it at every attempt, but this test passed without them too: the
+/// first waiter's takeover of the expired row usually wins the race.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_lock_handover_stalled_past_its_lease_leaves_the_lock_to_the_waiters() {
+    let lease = Duration::from_millis(600);
+    let cluster = TestCluster::start(1, &[]).await;
+    let lock = Arc::new(table_lock(&cluster, "replica", lease).await);
+    let held = lock.acquire("item", LONG).await.expect("held");
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let lock = lock.clone();
+            tokio::spawn(async move {
+                let guard = lock
+                    .acquire("item", Duration::from_secs(5))
+                    .await
+                    .expect("the lock came");
+                guard.release().await.expect("released");
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut session = row_locked(&cluster).await;
+    let release = tokio::spawn(held.release());
+    tokio::time::sleep(lease * 3 / 2).await;
+    sqlx::query("COMMIT")
+        .execute(&mut session)
+        .await
+        .expect("commit");
+    // Lost, or released: the hold outlived its lease either way.
+    let _ = release.await.expect("release finished");
+    for waiter in waiters {
+        waiter.await.expect("waiter");
+    }
+}
+
 /// A replica's waiting head is dropped (its shopper left) while its INSERT waits
 /// inside MariaDB; the INSERT then fails with a duplicate key, the ordinary end of a
 /// head's try. The undo must give the replica's turn back at once: it took the
