@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 
 use flashsale::lock::table::TableLock;
 use flashsale::lock::{DistributedLock, HeldLock};
+use futures::StreamExt;
 use futures::future::join_all;
 
 use crate::lock_primitives::subscribed;
-use crate::support::{TestCluster, redis_pool};
+use crate::support::{TestCluster, redis_client, redis_pool};
 
 /// Longer than any test here: a row left to its lease blocks the rest of the test.
 const LEASE: Duration = Duration::from_secs(30);
@@ -162,19 +163,26 @@ async fn db_unique_runs_of_handovers_are_bounded() {
 
 /// The waiter a row was handed to gives up before it takes it (its request hung up
 /// while the UPDATE was on its way), and nobody else on that replica waits. The row is
-/// nobody's now: it is deleted and announced at once, so the other replica's waiter,
-/// woken by the notice, gets the lock long before the row's lease would have let it,
-/// and sooner than its poll (every 25-50 ms) would. The runtime has one thread, so the
-/// release's check for waiters runs before the waiter's abort does. Five times: a
-/// loaded machine may delay one notice past the bound.
+/// nobody's now: it is deleted and announced at once (a release notice under the
+/// owner token it was handed to), so the other replica's waiter gets the lock long
+/// before the row's lease would have let it. The runtime has one thread, so the
+/// release's check for waiters runs before the waiter's abort does. Five times over.
 #[tokio::test(flavor = "current_thread")]
 async fn db_unique_row_handed_to_a_waiter_that_gave_up_is_freed_at_once() {
     let cluster = TestCluster::start(1, &[]).await;
     let holder = replica(&cluster, "holder").await;
     let other = replica(&cluster, "other").await;
     subscribed(&[&holder, &other]).await;
-    let mut waits = Vec::new();
-    for _ in 0..5 {
+    let mut notices = redis_client()
+        .get_async_pubsub()
+        .await
+        .expect("a subscription");
+    notices
+        .subscribe(format!("{}:lock-row-released:item", cluster.namespace))
+        .await
+        .expect("subscribed");
+    let mut notices = notices.into_on_message();
+    for round in 0..5 {
         let guard = holder.acquire("item", WAIT).await.expect("acquired");
         let gives_up = tokio::spawn({
             let holder = holder.clone();
@@ -184,28 +192,28 @@ async fn db_unique_row_handed_to_a_waiter_that_gave_up_is_freed_at_once() {
             let other = other.clone();
             async move {
                 let guard = other.acquire("item", WAIT).await.expect("freed");
-                let got_it = Instant::now();
                 guard.release().await.expect("released");
-                got_it
             }
         });
         // Both are waiting: one in the holder's queue, one for a notice.
         tokio::time::sleep(Duration::from_millis(200)).await;
         gives_up.abort();
-        let released = Instant::now();
         guard.release().await.expect("released");
-        let got_it = elsewhere.await.expect("the other replica's waiter");
-        waits.push(got_it.duration_since(released));
+        elsewhere.await.expect("the other replica's waiter");
+        // The row's own notice, then the other replica's release.
+        let mut announced = Vec::new();
+        for _ in 0..2 {
+            let notice = tokio::time::timeout(Duration::from_secs(2), notices.next())
+                .await
+                .expect("a release notice")
+                .expect("the subscription");
+            announced.push(notice.get_payload::<String>().expect("an owner token"));
+        }
+        assert!(
+            announced.iter().any(|owner| owner.starts_with("holder:")),
+            "round {round}: the handed row was announced when deleted: {announced:?}"
+        );
     }
-    println!("db-unique: the other replica held it {waits:?} after the releases");
-    let woken = waits
-        .iter()
-        .filter(|waited| **waited < Duration::from_millis(20))
-        .count();
-    assert!(
-        woken >= 3,
-        "freed and announced at once, not left to its lease or to a poll: {waits:?}"
-    );
     nothing_left(&cluster, &[&holder, &other]).await;
 }
 
