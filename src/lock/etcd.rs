@@ -70,6 +70,19 @@
 //!   an earlier contender was still waiting has a lower one than the revision that
 //!   contender was granted at, which is what etcd's Lock service, used before, gave
 //!   as the token, and what MySQL may hold as the SKU's fence.)
+//! - **Handed over within a replica**: a holder whose replica has more requests waiting
+//!   for the lock gives them its key instead of deleting it, without a call to etcd: the
+//!   key, on the replica's session, is the lock, and the request holding the replica's
+//!   turn is the one using it. A release and the next key's turn cost a delete (a raft
+//!   write), a watch event and a read; this costs nothing, and the next holder's last
+//!   check still reads the key from etcd. After `RUN_LIMIT` handovers in a row the key
+//!   is deleted and the replica's next request queues a new one behind the other
+//!   replicas', so replicas still take the lock in the order they queued and each waits
+//!   at most a few holds more; requests of different replicas no longer do (one that
+//!   came later may go first, by at most a run). Each hold's fencing token is the
+//!   granting revision with its place in the run (`local_queue::token_in_run`). A key
+//!   handed to a request that gave up, with nobody behind it, goes with the queue and is
+//!   deleted like a dropped acquisition's.
 //! - Pausing a holder (`suspend_renewal`, the paused-holder fault) stops its session's
 //!   renewals without telling it, as pausing the process would: every key of the
 //!   session expires after the TTL. The replica's other holds, which are not paused,
@@ -89,7 +102,7 @@ use etcd_client::{
 use tokio::sync::{OnceCell, oneshot};
 use tokio::time::{Instant, timeout, timeout_at};
 
-use super::local_queue::{LocalQueues, Turn};
+use super::local_queue::{LocalQueues, Passed, Turn, token_in_run};
 use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, HeldLock, LockError, LockView};
 
@@ -113,7 +126,7 @@ pub struct EtcdLock {
     /// The session this replica's keys live on now; replaced once it stops serving.
     session: tokio::sync::Mutex<Option<Arc<Session>>>,
     /// The replica's requests for one lock take turns: one key per lock and session.
-    local_queues: LocalQueues,
+    local_queues: LocalQueues<HandedKey>,
     /// Sessions given up because a key's fate was unknown or its delete failed.
     given_up: Arc<AtomicUsize>,
     tasks: Tasks,
@@ -230,6 +243,20 @@ impl DistributedLock for EtcdLock {
             .turn(&lock_name, deadline)
             .await
             .ok_or_else(too_late)?;
+        // Handed over by the replica's last holder, on a session still served;
+        // otherwise its drop deletes it and we queue afresh.
+        if let Some(mut handed) = turn.take_passed()
+            && handed.queued.session.serves()
+        {
+            handed.queued.turn = Some(turn);
+            return Ok(EtcdGuard {
+                queued: handed.queued,
+                revision: handed.revision,
+                token: handed.token,
+                run: handed.run,
+                paused: AtomicBool::new(false),
+            });
+        }
         let client = timeout_at(deadline, self.client())
             .await
             .map_err(|_| too_late())??;
@@ -274,6 +301,7 @@ impl DistributedLock for EtcdLock {
             queued,
             revision,
             token,
+            run: 0,
             paused: AtomicBool::new(false),
         })
     }
@@ -696,8 +724,27 @@ struct QueuedKey {
     key: String,
     session: Arc<Session>,
     put: Put,
-    turn: Option<Turn>,
+    turn: Option<EtcdTurn>,
     tasks: Tasks,
+}
+
+/// A replica's turn on a lock, which can carry a key handed over to the next request.
+type EtcdTurn = Turn<HandedKey>;
+
+/// A key this replica's last holder gave to whoever takes the turn next, without the
+/// turn (the queue holds this).
+struct HandedKey {
+    queued: QueuedKey,
+    revision: i64,
+    token: i64,
+    run: u32,
+}
+
+/// Abandoned, its `QueuedKey` deletes it like a dropped acquisition's, under the turn.
+impl Passed for HandedKey {
+    fn abandoned(mut self, turn: Option<EtcdTurn>) {
+        self.queued.turn = turn;
+    }
 }
 
 impl QueuedKey {
@@ -784,6 +831,8 @@ pub struct EtcdGuard {
     revision: i64,
     /// The fencing token: the revision at which the turn was found.
     token: i64,
+    /// How many holds before this one in a row had the key (0: queued for this one).
+    run: u32,
     /// Set by `suspend_renewal`: this hold plays the paused process.
     paused: AtomicBool,
 }
@@ -823,8 +872,11 @@ impl HeldLock for EtcdGuard {
         }
     }
 
+    /// The granting revision, with the hold's place in its run of handovers.
     fn fencing_token(&self) -> Option<u64> {
-        u64::try_from(self.token).ok()
+        u64::try_from(self.token)
+            .ok()
+            .map(|token| token_in_run(token, self.run))
     }
 
     fn suspend_renewal(&self) {
@@ -836,9 +888,28 @@ impl HeldLock for EtcdGuard {
         session.keep_alive.abort();
     }
 
-    /// Deletes the key; the next contender's watch hears it. If the delete fails, the
-    /// drop retries it in the background.
+    /// Hands the key to this replica's next request if one waits and the run may go
+    /// on; otherwise deletes it, and the next contender's watch hears it. If the delete
+    /// fails, the drop retries it in the background.
     async fn release(mut self) -> Result<(), LockError> {
+        let run = self.run;
+        if self.queued.session.serves()
+            && let Some(turn) = self.queued.turn.take_if(|turn| turn.hands_over(run))
+        {
+            let EtcdGuard {
+                queued,
+                revision,
+                token,
+                ..
+            } = self;
+            turn.pass_on(HandedKey {
+                queued,
+                revision,
+                token,
+                run: run + 1,
+            });
+            return Ok(());
+        }
         let key = self.queued.key.clone();
         let was_there = delete_key(self.queued.client.clone(), &key, self.revision).await?;
         self.queued.put = Put::Settled;

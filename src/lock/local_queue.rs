@@ -6,10 +6,15 @@
 //! waiters on a hot SKU empty the pool and other SKUs fail), and Redlock's contenders
 //! split the nodes among themselves so that nobody reaches a majority.
 //!
-//! A turn's holder can also leave something for whoever takes the turn next (the lock
-//! table hands its row over this way): it stays with the queue, so if nobody takes it,
-//! it is dropped with the queue once the last turn and waiter are gone, and its `Drop`
-//! can undo it.
+//! A turn's holder can also leave something for whoever takes the turn next: a lock
+//! held by this replica, handed to its next request instead of released to everyone
+//! (lock cohorting, as NUMA-aware locks pass a lock within a socket first). It stays
+//! with the queue; if nobody takes it (the request it was meant for gave up, and nobody
+//! else waits), it is `abandoned` once the last turn and waiter are gone, with a fresh
+//! turn on its name to hold while it releases the lock, so the replica's next request
+//! does not start against it. A run of handovers
+//! is bounded (`RUN_LIMIT`), so the other replicas wait a few holds more at most, and
+//! each hold of a run gets a fencing token of its own (`token_in_run`).
 //!
 //! Tokio's mutex is fair (FIFO), and entries are weak so finished names leave nothing.
 
@@ -20,20 +25,94 @@ use std::sync::{Arc, Mutex, Weak};
 use tokio::sync::OwnedMutexGuard;
 use tokio::time::Instant;
 
-/// This replica's queues, by lock name; `T` is what a turn can leave for the next.
-pub struct LocalQueues<T = ()> {
-    by_name: Mutex<HashMap<String, Weak<Queue<T>>>>,
+/// How many times in a row a replica may hand a lock to its own next request before it
+/// releases it to everyone.
+pub const RUN_LIMIT: u32 = 8;
+
+/// The bits of a fencing token that count a hold's place in its run of handovers.
+const RUN_BITS: u32 = 16;
+const _: () = assert!(RUN_LIMIT < 1 << RUN_BITS);
+
+/// The fencing token of the `run`-th hold handed along from an acquisition whose own
+/// token was `token`: the token shifted left by 16 bits, plus the run. Acquisitions'
+/// tokens grow, and within a run each handover counts one more (never 2^16), so these
+/// grow in hold order too. Saturating: past 2^48, never reached by the backends'
+/// counters in practice, every token is the same and a fence refuses them all rather
+/// than see them wrap.
+pub fn token_in_run(token: u64, run: u32) -> u64 {
+    token
+        .saturating_mul(1 << RUN_BITS)
+        .saturating_add(u64::from(run))
 }
 
-struct Queue<T> {
+/// What a turn can leave for the next.
+pub trait Passed: Sized {
+    /// Nobody took it: it must release what it holds, keeping `turn` (a turn on its
+    /// name, `None` if another request of the replica got there first) until done.
+    fn abandoned(self, turn: Option<Turn<Self>>);
+}
+
+/// Queues that pass nothing on.
+impl Passed for () {
+    fn abandoned(self, _turn: Option<Turn<()>>) {}
+}
+
+type ByName<T> = Mutex<HashMap<String, Weak<Queue<T>>>>;
+
+/// This replica's queues, by lock name; `T` is what a turn can leave for the next.
+pub struct LocalQueues<T: Passed = ()> {
+    by_name: Arc<ByName<T>>,
+}
+
+struct Queue<T: Passed> {
     order: Arc<tokio::sync::Mutex<()>>,
     /// Requests waiting for a turn right now.
     waiting: AtomicUsize,
     passed: Mutex<Option<T>>,
+    name: String,
+    /// The queues this one belongs to, for the turn an abandoned value releases under.
+    home: Weak<ByName<T>>,
+}
+
+impl<T: Passed> Drop for Queue<T> {
+    fn drop(&mut self) {
+        let passed = self.passed.get_mut().unwrap_or_else(|e| e.into_inner());
+        let Some(value) = passed.take() else {
+            return;
+        };
+        let turn = self.home.upgrade().and_then(|home| {
+            let queue = queue_in(&home, &self.name);
+            let guard = queue.order.clone().try_lock_owned().ok()?;
+            Some(Turn {
+                _guard: guard,
+                queue,
+                waited: false,
+            })
+        });
+        value.abandoned(turn);
+    }
+}
+
+/// The queue for `name` in `home`, made if there is none.
+fn queue_in<T: Passed>(home: &Arc<ByName<T>>, name: &str) -> Arc<Queue<T>> {
+    let mut queues = home.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(queue) = queues.get(name).and_then(Weak::upgrade) {
+        return queue;
+    }
+    queues.retain(|_, weak| weak.strong_count() > 0);
+    let queue = Arc::new(Queue {
+        order: Arc::default(),
+        waiting: AtomicUsize::new(0),
+        passed: Mutex::new(None),
+        name: name.to_owned(),
+        home: Arc::downgrade(home),
+    });
+    queues.insert(name.to_owned(), Arc::downgrade(&queue));
+    queue
 }
 
 /// This request's turn: the lock name is its own within the replica until dropped.
-pub struct Turn<T = ()> {
+pub struct Turn<T: Passed = ()> {
     // Declared first so it is dropped first: the next turn starts before this one's
     // hold on the queue goes, and finds what was passed on.
     _guard: OwnedMutexGuard<()>,
@@ -42,15 +121,15 @@ pub struct Turn<T = ()> {
     pub waited: bool,
 }
 
-impl<T> Default for LocalQueues<T> {
+impl<T: Passed> Default for LocalQueues<T> {
     fn default() -> Self {
         LocalQueues {
-            by_name: Mutex::default(),
+            by_name: Arc::default(),
         }
     }
 }
 
-impl<T> LocalQueues<T> {
+impl<T: Passed> LocalQueues<T> {
     /// Waits for this replica's turn on `name`, at most until `deadline`.
     pub async fn turn(&self, name: &str, deadline: Instant) -> Option<Turn<T>> {
         let queue = self.queue(name);
@@ -83,26 +162,22 @@ impl<T> LocalQueues<T> {
     }
 
     fn queue(&self, name: &str) -> Arc<Queue<T>> {
-        let mut queues = self.by_name.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(queue) = queues.get(name).and_then(Weak::upgrade) {
-            return queue;
-        }
-        queues.retain(|_, weak| weak.strong_count() > 0);
-        let queue = Arc::new(Queue {
-            order: Arc::default(),
-            waiting: AtomicUsize::new(0),
-            passed: Mutex::new(None),
-        });
-        queues.insert(name.to_owned(), Arc::downgrade(&queue));
-        queue
+        queue_in(&self.by_name, name)
     }
 }
 
-impl<T> Turn<T> {
+impl<T: Passed> Turn<T> {
     /// Whether another request of this replica is waiting for the turn now (it may
     /// still give up before it comes).
     pub fn others_waiting(&self) -> bool {
         self.queue.waiting.load(Ordering::SeqCst) > 0
+    }
+
+    /// Whether a hold `run` handovers into its run should hand its lock to this
+    /// replica's next request rather than release it: someone is waiting, and the run
+    /// may go on.
+    pub fn hands_over(&self, run: u32) -> bool {
+        run < RUN_LIMIT && self.others_waiting()
     }
 
     /// Leaves `value` for whoever takes the turn next.
@@ -164,18 +239,26 @@ mod tests {
         assert!(queues.turn("a", soon).await.is_some());
     }
 
-    /// Dropped with the queue: what a turn left and nobody took.
-    struct Left(Arc<AtomicUsize>);
+    type Kept = Arc<Mutex<Vec<Turn<Left>>>>;
+
+    /// What a turn left: counts its drops, and keeps the turn it is abandoned with.
+    struct Left(Arc<AtomicUsize>, Kept);
     impl Drop for Left {
         fn drop(&mut self) {
             self.0.fetch_add(1, Ordering::SeqCst);
         }
     }
+    impl Passed for Left {
+        fn abandoned(self, turn: Option<Turn<Self>>) {
+            self.1.lock().expect("kept").extend(turn);
+        }
+    }
 
     #[tokio::test]
-    async fn what_a_turn_leaves_goes_to_the_next_or_is_dropped_with_the_queue() {
+    async fn what_a_turn_leaves_goes_to_the_next_or_is_abandoned_with_a_turn() {
         let queues = Arc::new(LocalQueues::<Left>::default());
         let dropped = Arc::new(AtomicUsize::new(0));
+        let kept = Kept::default();
         let later = Instant::now() + Duration::from_secs(5);
 
         let first = queues.turn("a", later).await.expect("free");
@@ -189,19 +272,22 @@ mod tests {
         while !first.others_waiting() {
             tokio::task::yield_now().await;
         }
-        first.pass_on(Left(dropped.clone()));
+        first.pass_on(Left(dropped.clone(), kept.clone()));
         drop(first);
         assert!(next.await.expect("joined"), "the next turn finds it");
         assert_eq!(dropped.load(Ordering::SeqCst), 1, "taken, then dropped");
 
         let alone = queues.turn("a", later).await.expect("free");
-        alone.pass_on(Left(dropped.clone()));
+        alone.pass_on(Left(dropped.clone(), kept.clone()));
         drop(alone);
-        assert_eq!(
-            dropped.load(Ordering::SeqCst),
-            2,
-            "nobody waited: dropped with the queue"
+        assert_eq!(dropped.load(Ordering::SeqCst), 2, "nobody waited");
+        let soon = Instant::now() + Duration::from_millis(50);
+        assert!(
+            queues.turn("a", soon).await.is_none(),
+            "abandoned with the name's turn, kept until it is done"
         );
+        kept.lock().expect("kept").clear();
+        assert!(queues.turn("a", soon).await.is_some());
         assert_eq!(queues.live(), 0);
     }
 }

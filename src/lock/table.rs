@@ -58,7 +58,7 @@
 //!   between the woken heads in between; this is one statement and nothing else, and
 //!   it took db-unique from 0.46 to 0.68 of the bare order's rate (`BENCHMARKS.md`).
 //!   The other replicas' heads see the row stay taken, as they would see a fresh one.
-//!   A run of handovers is bounded (`LOCAL_RUN`); then the row is deleted and
+//!   A run of handovers is bounded (`local_queue::RUN_LIMIT`); then the row is deleted and
 //!   announced as usual, with the courtesy below, so the other replicas wait a few
 //!   holds more at most (lock cohorting, as NUMA-aware locks do it). The row keeps its
 //!   id, so a fencing token is the id shifted left by 16 bits plus the place in the run:
@@ -109,7 +109,7 @@ use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until, timeout_at};
 
 use super::lease::{LeaseGuard, LeaseHold};
-use super::local_queue::{LocalQueues, Turn};
+use super::local_queue::{LocalQueues, Passed, RUN_LIMIT, Turn, token_in_run};
 use super::notices::ReleaseNotices;
 use super::task::Tasks;
 use super::{
@@ -154,13 +154,6 @@ const HAND_OVER_ROW: &str = "UPDATE distributed_locks
      SET owner = ?, acquired_at = UTC_TIMESTAMP(6),
          expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
      WHERE id = ? AND owner = ? AND expires_at >= UTC_TIMESTAMP(6)";
-/// Holds in a row that a replica hands over to its own waiters before it releases the
-/// row to everyone: the other replicas wait at most this many holds more for a turn.
-const LOCAL_RUN: u32 = 8;
-/// A hold's fencing token is its row's id shifted by this many bits, plus its place in
-/// the run of holds that row was handed through.
-const RUN_BITS: u32 = 16;
-const _: () = assert!(LOCAL_RUN < 1 << RUN_BITS);
 
 pub struct TableLock {
     rows: Arc<Rows>,
@@ -728,8 +721,9 @@ enum HandOver {
 }
 
 /// A row that this replica's last holder gave to whoever takes the turn next. Until
-/// someone does, nobody holds it: dropped untaken (the waiter it was meant for gave up,
-/// and nobody else waits), it is deleted and announced at once, not left to its lease
+/// someone does, nobody holds it: abandoned (the waiter it was meant for gave up, and
+/// nobody else waits), it is deleted and announced at once under a turn of its own, not
+/// left to its lease
 /// (dropped outside a runtime, at shutdown, it is left to its lease, as a crash would
 /// leave it).
 struct HandedOver {
@@ -742,6 +736,14 @@ struct HandedOver {
     run: u32,
     contended: bool,
     taken: bool,
+    /// The turn its release is made under, if it was abandoned.
+    cleanup_turn: Option<TableTurn>,
+}
+
+impl Passed for HandedOver {
+    fn abandoned(mut self, turn: Option<TableTurn>) {
+        self.cleanup_turn = turn;
+    }
 }
 
 impl HandedOver {
@@ -766,7 +768,9 @@ impl Drop for HandedOver {
             return;
         }
         let (rows, name, owner) = (self.rows.clone(), self.name.clone(), self.owner.clone());
+        let turn = self.cleanup_turn.take();
         self.rows.tasks.spawn_detached(async move {
+            let _turn = turn;
             let deleted = tokio::time::timeout(UNDO_TIMEOUT, rows.delete_own(&name, &owner)).await;
             match deleted {
                 Ok(Ok(true)) => rows.released(&name, &owner, false).await,
@@ -842,7 +846,7 @@ impl LeaseHold for TableHold {
     /// is not over; otherwise deletes it and tells the other replicas.
     async fn delete(&self) -> Result<bool, LockError> {
         let mut handed_to = None;
-        if self.run < LOCAL_RUN && self.turn.others_waiting() {
+        if self.turn.hands_over(self.run) {
             match self.hand_over().await {
                 HandOver::Done(row) => {
                     self.turn.pass_on(row);
@@ -861,7 +865,7 @@ impl LeaseHold for TableHold {
         }
         if deleted {
             // A run cut short by its bound had other replicas waiting: let them in first.
-            let contended = self.contended || self.run >= LOCAL_RUN;
+            let contended = self.contended || self.run >= RUN_LIMIT;
             self.rows.released(&self.name, &self.owner, contended).await;
         }
         Ok(deleted)
@@ -871,17 +875,10 @@ impl LeaseHold for TableHold {
         format!("lock row {} ({})", self.id, self.name)
     }
 
-    /// The row's auto-increment id, then its place in the run of handovers: a new row
-    /// has a greater id than any before it, and a handover keeps the id and counts
-    /// one more (at most `LOCAL_RUN`, far below the shift), so tokens only grow.
-    /// (Saturating: past ids of 2^48, never reached by an auto-increment in practice,
-    /// every token is the same and the fence refuses them all rather than wrap.)
+    /// The row's auto-increment id, with its place in the run of handovers: a new row
+    /// has a greater id than any before it, and a handover keeps the id.
     fn fencing_token(&self) -> Option<u64> {
-        Some(
-            self.id
-                .saturating_mul(1 << RUN_BITS)
-                .saturating_add(u64::from(self.run)),
-        )
+        Some(token_in_run(self.id, self.run))
     }
 }
 
@@ -941,6 +938,7 @@ impl TableHold {
             run: self.run + 1,
             contended: self.contended,
             taken: false,
+            cleanup_turn: None,
         })
     }
 }

@@ -23,6 +23,21 @@
 //! 0.11.2, deletes the bare child name when cancelled during the create; that fails
 //! path validation and the node outlives the request.)
 //!
+//! **Handed over within a replica.** The replica's requests for one lock take turns
+//! (`local_queue`), so the replica has one node in the lock's queue at a time. A holder
+//! whose replica has more requests waiting gives them its node instead of deleting it,
+//! without a call to ZooKeeper: the node, on the replica's session, is the lock, and the
+//! request holding the replica's turn is the one using it. A release and the next
+//! node's turn cost a delete, a watch event and a listing through ZooKeeper's write
+//! pipeline; this costs nothing, and the next holder's last check still asks
+//! ZooKeeper that the node and session are there. After `RUN_LIMIT` handovers in a row
+//! the node is deleted and the replica's next request queues a new one behind the other
+//! replicas', so replicas still take the lock in the order they queued and each waits
+//! at most a few holds more; requests of different replicas no longer do (one that came
+//! later may go first, by at most a run). Each hold's fencing token is the node's
+//! sequence with its place in the run (`local_queue::token_in_run`). A node handed to a
+//! request that gave up, with nobody behind it, goes with the queue and is deleted.
+//!
 //! **Session.** One per replica, opened in the background at start and again after it
 //! expired. Opening is single-flight: contenders that need a session share one attempt,
 //! and each waits for it no longer than its own lock wait.
@@ -36,6 +51,7 @@ use futures::future::{BoxFuture, Shared};
 use tokio::time::{Instant, timeout, timeout_at};
 use zookeeper_client as zk;
 
+use super::local_queue::{LocalQueues, Passed, Turn, token_in_run};
 use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, HeldLock, LockError, LockView};
 
@@ -71,8 +87,12 @@ pub struct ZooKeeperLock {
     slot: Arc<Mutex<Slot>>,
     /// The latest session attempt, stopped if the lock service is dropped first.
     connecting: Mutex<Option<AbortOnDrop>>,
+    local_queues: LocalQueues<HandedNode>,
     tasks: Tasks,
 }
+
+/// A replica's turn on a lock, which can carry a node handed over to the next request.
+type ZkTurn = Turn<HandedNode>;
 
 impl ZooKeeperLock {
     /// One session per replica, shared by all its contenders (the Curator prefix keeps
@@ -93,6 +113,7 @@ impl ZooKeeperLock {
             root: format!("/flashsale/{namespace}/locks"),
             slot: Arc::new(Mutex::new(Slot::Empty)),
             connecting: Mutex::new(None),
+            local_queues: LocalQueues::default(),
             tasks: Tasks::default(),
         };
         drop(lock.open(&mut lock.slot()));
@@ -202,7 +223,12 @@ impl ZooKeeperLock {
     }
 
     /// The recipe on one session: create our node, then wait until it is the lowest.
-    async fn contend(&self, client: &zk::Client, dir: &str) -> Result<ZooKeeperGuard, zk::Error> {
+    async fn contend(
+        &self,
+        client: &zk::Client,
+        dir: &str,
+        turn: &Arc<ZkTurn>,
+    ) -> Result<ZooKeeperGuard, zk::Error> {
         let marker = format!("_c_{}-", uuid());
         let prefix = format!("{dir}/{marker}lock-");
         let mut pending = PendingNode {
@@ -252,6 +278,8 @@ impl ZooKeeperLock {
                     path,
                     released: false,
                     tasks: self.tasks.clone(),
+                    run: 0,
+                    turn: turn.clone(),
                 });
             }
             let predecessor = format!("{dir}/{}", children[position - 1]);
@@ -403,10 +431,23 @@ impl DistributedLock for ZooKeeperLock {
     async fn acquire(&self, name: &str, wait: Duration) -> Result<ZooKeeperGuard, LockError> {
         let deadline = Instant::now() + wait;
         let dir = self.lock_dir(name);
+        let turn = self
+            .local_queues
+            .turn(&dir, deadline)
+            .await
+            .ok_or(LockError::Timeout { waited: wait })?;
+        let turn = Arc::new(turn);
+        if let Some(node) = turn.take_passed() {
+            // On a session still connected; otherwise its drop deletes it if it can,
+            // and we queue afresh (on a new session if that one expired).
+            if node.client.state() == zk::SessionState::SyncConnected {
+                return Ok(node.into_guard(&turn));
+            }
+        }
         // A session can turn out expired only when used; then one retry on a new one.
         for _ in 0..2 {
             let client = self.session(deadline, wait).await?;
-            match timeout_at(deadline, self.contend(&client, &dir)).await {
+            match timeout_at(deadline, self.contend(&client, &dir, &turn)).await {
                 Err(_) => return Err(LockError::Timeout { waited: wait }),
                 Ok(Ok(guard)) => return Ok(guard),
                 Ok(Err(zk::Error::SessionExpired)) => self.discard(&client),
@@ -443,9 +484,55 @@ impl DistributedLock for ZooKeeperLock {
 pub struct ZooKeeperGuard {
     client: zk::Client,
     path: String,
-    /// Set once the node's deletion was confirmed.
+    /// Set once the node's deletion was confirmed, or the node handed over.
     released: bool,
     tasks: Tasks,
+    /// How many holds before this one in a row had the node (0: it was created for
+    /// this one).
+    run: u32,
+    /// This replica's turn on the lock, given up when the guard goes.
+    turn: Arc<ZkTurn>,
+}
+
+/// A node this replica's last holder gave to whoever takes the turn next. Abandoned
+/// (the request it was meant for gave up, and nobody else waits), it is deleted under a
+/// turn of its own.
+struct HandedNode {
+    client: zk::Client,
+    path: String,
+    run: u32,
+    tasks: Tasks,
+    taken: bool,
+    cleanup_turn: Option<ZkTurn>,
+}
+
+impl Passed for HandedNode {
+    fn abandoned(mut self, turn: Option<ZkTurn>) {
+        self.cleanup_turn = turn;
+    }
+}
+
+impl HandedNode {
+    fn into_guard(mut self, turn: &Arc<ZkTurn>) -> ZooKeeperGuard {
+        self.taken = true;
+        ZooKeeperGuard {
+            client: self.client.clone(),
+            path: std::mem::take(&mut self.path),
+            released: false,
+            tasks: self.tasks.clone(),
+            run: self.run,
+            turn: turn.clone(),
+        }
+    }
+}
+
+impl Drop for HandedNode {
+    fn drop(&mut self) {
+        if !self.taken {
+            let turn = self.cleanup_turn.take();
+            delete_in_background(&self.tasks, &self.client, &self.path, turn);
+        }
+    }
 }
 
 impl ZooKeeperGuard {
@@ -480,15 +567,31 @@ impl HeldLock for ZooKeeperGuard {
         }
     }
 
-    /// The sequence plus one: the first node under a lock's directory has sequence 0,
-    /// and a fence only moves to a strictly greater token, so 0 would be refused.
+    /// The sequence plus one (the first node under a lock's directory has sequence 0,
+    /// and a fence only moves to a strictly greater token, so 0 would be refused), with
+    /// the hold's place in its run of handovers.
     fn fencing_token(&self) -> Option<u64> {
-        self.sequence().map(|sequence| sequence + 1)
+        self.sequence()
+            .map(|sequence| token_in_run(sequence + 1, self.run))
     }
 
-    /// Deletes the node; the successor's watch fires and it takes over. If the delete
-    /// fails, the drop retries it in the background.
+    /// Hands the node to this replica's next request if one waits and the run may go
+    /// on; otherwise deletes it, and the successor's watch fires. If the delete fails,
+    /// the drop retries it in the background.
     async fn release(mut self) -> Result<(), LockError> {
+        if self.turn.hands_over(self.run) && self.client.state() == zk::SessionState::SyncConnected
+        {
+            self.released = true;
+            self.turn.pass_on(HandedNode {
+                client: self.client.clone(),
+                path: self.path.clone(),
+                run: self.run + 1,
+                tasks: self.tasks.clone(),
+                taken: false,
+                cleanup_turn: None,
+            });
+            return Ok(());
+        }
         match delete_node(&self.client, &self.path).await {
             Ok(()) => {
                 self.released = true;
@@ -507,18 +610,24 @@ impl HeldLock for ZooKeeperGuard {
 
 impl Drop for ZooKeeperGuard {
     fn drop(&mut self) {
-        if self.released {
-            return;
+        if !self.released {
+            delete_in_background(&self.tasks, &self.client, &self.path, None);
         }
-        let (client, path) = (self.client.clone(), self.path.clone());
-        self.tasks.spawn_detached(async move {
-            match timeout(CLEANUP_TIMEOUT, delete_node(&client, &path)).await {
-                Ok(Ok(()) | Err(zk::Error::SessionExpired)) => {}
-                Ok(Err(error)) => tracing::warn!(%error, %path, "could not delete a lock node"),
-                Err(_) => tracing::warn!(%path, "deleting a lock node timed out"),
-            }
-        });
     }
+}
+
+/// Deletes a lock node nobody holds any more, from a task of its own, keeping `turn`
+/// meanwhile.
+fn delete_in_background(tasks: &Tasks, client: &zk::Client, path: &str, turn: Option<ZkTurn>) {
+    let (client, path) = (client.clone(), path.to_owned());
+    tasks.spawn_detached(async move {
+        let _turn = turn;
+        match timeout(CLEANUP_TIMEOUT, delete_node(&client, &path)).await {
+            Ok(Ok(()) | Err(zk::Error::SessionExpired)) => {}
+            Ok(Err(error)) => tracing::warn!(%error, %path, "could not delete a lock node"),
+            Err(_) => tracing::warn!(%path, "deleting a lock node timed out"),
+        }
+    });
 }
 
 /// The trailing sequence number of a lock node's name or path.

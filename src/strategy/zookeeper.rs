@@ -12,13 +12,17 @@ pub fn explanation() -> Explanation {
                   lock path; the lowest sequence holds the lock. Every other contender \
                   watches only the node just before its own, so a release wakes one \
                   waiter. The nodes live as long as the replica's session: if the replica \
-                  dies, ZooKeeper deletes its node when the session times out.",
+                  dies, ZooKeeper deletes its node when the session times out. A replica's \
+                  requests for one SKU take turns, so it has one node in the queue; a \
+                  holder whose replica has more requests waiting hands them its node \
+                  without a call to ZooKeeper, at most 8 times in a row, then deletes it \
+                  and the replica queues again behind the others.",
         commands: vec![
             "create -e -s /flashsale/<ns>/locks/<sku>/_c_<uuid>-lock-   (ancestors created if missing)",
             "getChildren /flashsale/<ns>/locks/<sku>; lowest sequence holds",
             "otherwise: exists/getData + watch on the predecessor only",
             "before commit: session connected and exists <own node> with our session as owner",
-            "release: delete <own node>",
+            "release: delete <own node>; or, with requests of the same replica waiting (at most 8 in a row), nothing: the next of them holds the node",
         ],
         failure_mode: "Session expiry: a holder cut off from ZooKeeper longer than the session \
                        timeout loses its node while it may still be working. It must check its \
