@@ -876,7 +876,7 @@ impl HeldLock for EtcdGuard {
     fn fencing_token(&self) -> Option<u64> {
         u64::try_from(self.token)
             .ok()
-            .map(|token| token_in_run(token, self.run))
+            .and_then(|token| token_in_run(token, self.run))
     }
 
     fn suspend_renewal(&self) {

@@ -36,13 +36,16 @@ const _: () = assert!(RUN_LIMIT < 1 << RUN_BITS);
 /// The fencing token of the `run`-th hold handed along from an acquisition whose own
 /// token was `token`: the token shifted left by 16 bits, plus the run. Acquisitions'
 /// tokens grow, and within a run each handover counts one more (never 2^16), so these
-/// grow in hold order too. Saturating: past 2^48, never reached by the backends'
-/// counters in practice, every token is the same and a fence refuses them all rather
-/// than see them wrap.
-pub fn token_in_run(token: u64, run: u32) -> u64 {
+/// grow in hold order too. `None` past 2^48, never reached by the backends' counters in
+/// practice: a hold without a token writes nothing while fencing is on.
+///
+/// A token of an earlier version of this service (the bare id, sequence or revision)
+/// is far below these: during a rolling upgrade across this change, with fencing on,
+/// an old replica's hold after a new one's is refused (a refusal, never a stale write).
+pub fn token_in_run(token: u64, run: u32) -> Option<u64> {
     token
-        .saturating_mul(1 << RUN_BITS)
-        .saturating_add(u64::from(run))
+        .checked_mul(1 << RUN_BITS)?
+        .checked_add(u64::from(run))
 }
 
 /// What a turn can leave for the next.
@@ -69,27 +72,63 @@ struct Queue<T: Passed> {
     /// Requests waiting for a turn right now.
     waiting: AtomicUsize,
     passed: Mutex<Option<T>>,
-    name: String,
-    /// The queues this one belongs to, for the turn an abandoned value releases under.
+    /// The queues this one belongs to, whose lock `let_go` decides under.
     home: Weak<ByName<T>>,
 }
 
+/// A reference to a queue that lets go of it through `let_go`.
+struct Handle<T: Passed>(Option<Arc<Queue<T>>>);
+
+impl<T: Passed> Drop for Handle<T> {
+    fn drop(&mut self) {
+        if let Some(queue) = self.0.take() {
+            let_go(queue, None);
+        }
+    }
+}
+
+/// Lets go of `queue`, and of `guard` if a turn is ending. If that was the queue's last
+/// reference and a value passed on was never taken, the value is abandoned with a turn
+/// on this same queue (the ending one, or a fresh one: nobody else can hold it now), so
+/// the replica's next request for the name finds the queue and waits until the value
+/// is done with. Decided under the map's lock, where references are handed out, so no
+/// request can come in between and make a queue of its own for the name.
+fn let_go<T: Passed>(queue: Arc<Queue<T>>, guard: Option<OwnedMutexGuard<()>>) {
+    let mut guard = guard;
+    let mut left = None;
+    if let Some(home) = queue.home.upgrade() {
+        let _queues = home.lock().unwrap_or_else(|e| e.into_inner());
+        if Arc::strong_count(&queue) == 1 {
+            let mut passed = queue.passed.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(value) = passed.take() {
+                let turn = guard
+                    .take()
+                    .or_else(|| queue.order.clone().try_lock_owned().ok());
+                left = Some((value, turn));
+            }
+        }
+    }
+    match left {
+        Some((value, turn)) => {
+            let turn = turn.map(|guard| Turn {
+                guard: Some(guard),
+                queue: Handle(Some(queue)),
+                waited: false,
+            });
+            value.abandoned(turn);
+        }
+        // The turn first: the next one starts and finds what was passed on.
+        None => drop((guard, queue)),
+    }
+}
+
+/// Whatever `let_go` did not settle (the map itself gone): abandoned without a turn.
 impl<T: Passed> Drop for Queue<T> {
     fn drop(&mut self) {
         let passed = self.passed.get_mut().unwrap_or_else(|e| e.into_inner());
-        let Some(value) = passed.take() else {
-            return;
-        };
-        let turn = self.home.upgrade().and_then(|home| {
-            let queue = queue_in(&home, &self.name);
-            let guard = queue.order.clone().try_lock_owned().ok()?;
-            Some(Turn {
-                _guard: guard,
-                queue,
-                waited: false,
-            })
-        });
-        value.abandoned(turn);
+        if let Some(value) = passed.take() {
+            value.abandoned(None);
+        }
     }
 }
 
@@ -104,7 +143,6 @@ fn queue_in<T: Passed>(home: &Arc<ByName<T>>, name: &str) -> Arc<Queue<T>> {
         order: Arc::default(),
         waiting: AtomicUsize::new(0),
         passed: Mutex::new(None),
-        name: name.to_owned(),
         home: Arc::downgrade(home),
     });
     queues.insert(name.to_owned(), Arc::downgrade(&queue));
@@ -113,12 +151,19 @@ fn queue_in<T: Passed>(home: &Arc<ByName<T>>, name: &str) -> Arc<Queue<T>> {
 
 /// This request's turn: the lock name is its own within the replica until dropped.
 pub struct Turn<T: Passed = ()> {
-    // Declared first so it is dropped first: the next turn starts before this one's
-    // hold on the queue goes, and finds what was passed on.
-    _guard: OwnedMutexGuard<()>,
-    queue: Arc<Queue<T>>,
+    /// Always there but while the turn is dropped.
+    guard: Option<OwnedMutexGuard<()>>,
+    queue: Handle<T>,
     /// Whether other requests of this replica had to wait before this one.
     pub waited: bool,
+}
+
+impl<T: Passed> Drop for Turn<T> {
+    fn drop(&mut self) {
+        if let Some(queue) = self.queue.0.take() {
+            let_go(queue, self.guard.take());
+        }
+    }
 }
 
 impl<T: Passed> Default for LocalQueues<T> {
@@ -132,21 +177,22 @@ impl<T: Passed> Default for LocalQueues<T> {
 impl<T: Passed> LocalQueues<T> {
     /// Waits for this replica's turn on `name`, at most until `deadline`.
     pub async fn turn(&self, name: &str, deadline: Instant) -> Option<Turn<T>> {
-        let queue = self.queue(name);
-        if let Ok(guard) = queue.order.clone().try_lock_owned() {
+        let queue = Handle(Some(self.queue(name)));
+        let order = queue.0.as_ref()?.order.clone();
+        if let Ok(guard) = order.clone().try_lock_owned() {
             return Some(Turn {
-                _guard: guard,
+                guard: Some(guard),
                 queue,
                 waited: false,
             });
         }
-        let waiting = Waiting::count(&queue.waiting);
-        let guard = tokio::time::timeout_at(deadline, queue.order.clone().lock_owned())
+        let waiting = Waiting::count(&queue.0.as_ref()?.waiting);
+        let guard = tokio::time::timeout_at(deadline, order.lock_owned())
             .await
             .ok()?;
         drop(waiting);
         Some(Turn {
-            _guard: guard,
+            guard: Some(guard),
             queue,
             waited: true,
         })
@@ -170,7 +216,10 @@ impl<T: Passed> Turn<T> {
     /// Whether another request of this replica is waiting for the turn now (it may
     /// still give up before it comes).
     pub fn others_waiting(&self) -> bool {
-        self.queue.waiting.load(Ordering::SeqCst) > 0
+        self.queue
+            .0
+            .as_ref()
+            .is_some_and(|queue| queue.waiting.load(Ordering::SeqCst) > 0)
     }
 
     /// Whether a hold `run` handovers into its run should hand its lock to this
@@ -182,12 +231,19 @@ impl<T: Passed> Turn<T> {
 
     /// Leaves `value` for whoever takes the turn next.
     pub fn pass_on(&self, value: T) {
-        *self.queue.passed.lock().unwrap_or_else(|e| e.into_inner()) = Some(value);
+        match &self.queue.0 {
+            Some(queue) => {
+                *queue.passed.lock().unwrap_or_else(|e| e.into_inner()) = Some(value);
+            }
+            None => value.abandoned(None),
+        }
     }
 
     /// What the previous turn left, if anything.
     pub fn take_passed(&self) -> Option<T> {
         self.queue
+            .0
+            .as_ref()?
             .passed
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -878,7 +878,7 @@ impl LeaseHold for TableHold {
     /// The row's auto-increment id, with its place in the run of handovers: a new row
     /// has a greater id than any before it, and a handover keeps the id.
     fn fencing_token(&self) -> Option<u64> {
-        Some(token_in_run(self.id, self.run))
+        token_in_run(self.id, self.run)
     }
 }
 

@@ -572,7 +572,7 @@ impl HeldLock for ZooKeeperGuard {
     /// the hold's place in its run of handovers.
     fn fencing_token(&self) -> Option<u64> {
         self.sequence()
-            .map(|sequence| token_in_run(sequence + 1, self.run))
+            .and_then(|sequence| token_in_run(sequence + 1, self.run))
     }
 
     /// Hands the node to this replica's next request if one waits and the run may go

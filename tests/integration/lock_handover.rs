@@ -368,10 +368,12 @@ async fn runs_are_bounded<L: DistributedLock + 'static>(what: &str, busy: Arc<L>
         })
         .collect();
     tokio::time::sleep(Duration::from_millis(500)).await;
+    let asked = tokens.lock().expect("tokens").len();
     let guard = other
         .acquire("hot", WAIT)
         .await
         .expect("the other replica's turn came");
+    let waited_for = tokens.lock().expect("tokens").len() - asked;
     assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
     tokens
         .lock()
@@ -384,7 +386,14 @@ async fn runs_are_bounded<L: DistributedLock + 'static>(what: &str, busy: Arc<L>
     }
     let tokens = tokens.lock().expect("tokens").clone();
     let longest = tokens.iter().map(|token| token & 0xffff).max().unwrap_or(0);
-    println!("{what}: {} holds, longest run {longest}", tokens.len());
+    println!(
+        "{what}: {} holds, longest run {longest}; the other replica waited {waited_for} holds",
+        tokens.len()
+    );
+    assert!(
+        waited_for <= 3 * (RUN_LIMIT as usize + 1),
+        "{what}: the other replica waited {waited_for} holds"
+    );
     assert_eq!(
         longest,
         u64::from(RUN_LIMIT),

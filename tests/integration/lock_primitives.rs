@@ -1427,11 +1427,14 @@ async fn etcd_lock_waits_as_long_as_the_caller_wait() {
         .expect("the waiter got the lock after its long wait");
 }
 
-/// Tokens keep growing in a queue shared with etcd's own Lock service, which the
-/// previous version of this lock used and which gave the revision of the grant as the
-/// token (a rolling upgrade runs both; MySQL keeps the largest token as the fence). A
-/// key queued while an older contender still waited has a create revision below that
-/// contender's grant: as a token it would be refused as stale although it holds.
+/// Tokens keep growing in a queue shared with etcd's own Lock service, which an earlier
+/// version of this lock used and which gave the revision of the grant as the token (a
+/// rolling upgrade runs both; MySQL keeps the largest token as the fence). A key queued
+/// while an older contender still waited has a create revision below that contender's
+/// grant: as a token it would be refused as stale although it holds. This lock's tokens
+/// are the grant's revision shifted 16 bits (with the place in a run of handovers), so
+/// the Lock service's bare revision after one of them is lower: refused while the
+/// upgrade lasts, never accepted as stale.
 #[tokio::test]
 async fn etcd_tokens_grow_across_a_queue_shared_with_etcds_lock_service() {
     use etcd_client::{Client, LockOptions};
@@ -1472,8 +1475,12 @@ async fn etcd_tokens_grow_across_a_queue_shared_with_etcds_lock_service() {
     let newer_token = newer_guard.fencing_token().expect("token");
     newer_guard.release().await.expect("released");
     assert!(
-        holder_token < older_token && older_token < newer_token,
+        older_token < newer_token && holder_token < newer_token,
         "tokens grow in hold order: {holder_token}, {older_token}, {newer_token}"
+    );
+    assert!(
+        older_token < holder_token,
+        "the Lock service's bare revision is below a shifted token: {older_token}, {holder_token}"
     );
 }
 
