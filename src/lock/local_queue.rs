@@ -91,35 +91,40 @@ impl<T: Passed> Drop for Handle<T> {
 /// reference and a value passed on was never taken, the value is abandoned with a turn
 /// on this same queue (the ending one, or a fresh one: nobody else can hold it now), so
 /// the replica's next request for the name finds the queue and waits until the value
-/// is done with. Decided under the map's lock, where references are handed out, so no
-/// request can come in between and make a queue of its own for the name.
+/// is done with. Every reference is made (`queue_in`) and let go here under the map's
+/// lock, so the count read there is exact: of two let go at once, the second sees
+/// itself last, and no request can come in between and make a queue of its own.
 fn let_go<T: Passed>(queue: Arc<Queue<T>>, guard: Option<OwnedMutexGuard<()>>) {
-    let mut guard = guard;
-    let mut left = None;
-    if let Some(home) = queue.home.upgrade() {
-        let _queues = home.lock().unwrap_or_else(|e| e.into_inner());
-        if Arc::strong_count(&queue) == 1 {
-            let mut passed = queue.passed.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(value) = passed.take() {
-                let turn = guard
-                    .take()
-                    .or_else(|| queue.order.clone().try_lock_owned().ok());
-                left = Some((value, turn));
-            }
-        }
-    }
-    match left {
-        Some((value, turn)) => {
-            let turn = turn.map(|guard| Turn {
-                guard: Some(guard),
-                queue: Handle(Some(queue)),
-                waited: false,
-            });
-            value.abandoned(turn);
-        }
-        // The turn first: the next one starts and finds what was passed on.
-        None => drop((guard, queue)),
-    }
+    let Some(home) = queue.home.upgrade() else {
+        // The queues are gone: nobody can ask for the name again.
+        drop((guard, queue));
+        return;
+    };
+    let queues = home.lock().unwrap_or_else(|e| e.into_inner());
+    let left = if Arc::strong_count(&queue) == 1 {
+        queue
+            .passed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    } else {
+        None
+    };
+    let Some(value) = left else {
+        // The turn before the reference (a tuple drops in order): a waiter that then
+        // gives up and finds itself last can take a fresh turn. If this was the last
+        // reference, `Queue::drop` finds nothing passed and takes no lock.
+        drop((guard, queue));
+        return;
+    };
+    let turn = guard.or_else(|| queue.order.clone().try_lock_owned().ok());
+    drop(queues);
+    let turn = turn.map(|guard| Turn {
+        guard: Some(guard),
+        queue: Handle(Some(queue)),
+        waited: false,
+    });
+    value.abandoned(turn);
 }
 
 /// Whatever `let_go` did not settle (the map itself gone): abandoned without a turn.
@@ -231,11 +236,17 @@ impl<T: Passed> Turn<T> {
 
     /// Leaves `value` for whoever takes the turn next.
     pub fn pass_on(&self, value: T) {
-        match &self.queue.0 {
-            Some(queue) => {
-                *queue.passed.lock().unwrap_or_else(|e| e.into_inner()) = Some(value);
-            }
-            None => value.abandoned(None),
+        let Some(queue) = &self.queue.0 else {
+            return value.abandoned(None);
+        };
+        let earlier = queue
+            .passed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .replace(value);
+        // Never taken, and this turn goes on holding the name.
+        if let Some(earlier) = earlier {
+            earlier.abandoned(None);
         }
     }
 
