@@ -30,7 +30,7 @@ async fn replica(cluster: &TestCluster, owner: &str) -> Arc<TableLock> {
 }
 
 /// Waits (at most 10 s) until no row is left and the locks run, keep and queue nothing.
-async fn nothing_left(cluster: &TestCluster, locks: &[&TableLock]) {
+pub(crate) async fn nothing_left(cluster: &TestCluster, locks: &[&TableLock]) {
     let mysql = cluster.mysql().await;
     let started = Instant::now();
     loop {
@@ -95,69 +95,7 @@ async fn db_unique_runs_of_handovers_are_bounded() {
     let busy = replica(&cluster, "busy").await;
     let other = replica(&cluster, "other").await;
     subscribed(&[&busy, &other]).await;
-    let holds = Arc::new(AtomicUsize::new(0));
-    let inside = Arc::new(AtomicUsize::new(0));
-    let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let until = Instant::now() + Duration::from_secs(3);
-    let loops = (0..6).map(|_| {
-        let (busy, holds, inside, tokens) =
-            (busy.clone(), holds.clone(), inside.clone(), tokens.clone());
-        tokio::spawn(async move {
-            while Instant::now() < until {
-                let guard = busy.acquire("hot", WAIT).await.expect("acquired");
-                assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
-                tokens
-                    .lock()
-                    .expect("tokens")
-                    .push(guard.fencing_token().expect("a token"));
-                holds.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_micros(200)).await;
-                inside.fetch_sub(1, Ordering::SeqCst);
-                guard.release().await.expect("released");
-            }
-        })
-    });
-    let loops: Vec<_> = loops.collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-
-    let asked = holds.load(Ordering::SeqCst);
-    let guard = other
-        .acquire("hot", WAIT)
-        .await
-        .expect("the other replica's turn came");
-    assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
-    let waited_for = holds.load(Ordering::SeqCst) - asked;
-    tokens
-        .lock()
-        .expect("tokens")
-        .push(guard.fencing_token().expect("a token"));
-    inside.fetch_sub(1, Ordering::SeqCst);
-    guard.release().await.expect("released");
-    for task in join_all(loops).await {
-        task.expect("busy replica's request");
-    }
-
-    let tokens = tokens.lock().expect("tokens").clone();
-    let handed = tokens.iter().filter(|token| *token & 0xffff > 0).count();
-    let longest = tokens.iter().map(|token| token & 0xffff).max().unwrap_or(0);
-    println!(
-        "db-unique: the other replica waited {waited_for} holds; {} holds, {handed} handed over",
-        tokens.len()
-    );
-    assert!(
-        waited_for <= 3 * (RUN_LIMIT as usize + 1),
-        "the other replica waited {waited_for} holds"
-    );
-    assert!(handed > 0, "the busy replica handed its row over");
-    assert_eq!(
-        longest,
-        u64::from(RUN_LIMIT),
-        "runs reach their bound and no further"
-    );
-    assert!(
-        tokens.windows(2).all(|pair| pair[0] < pair[1]),
-        "fencing tokens in the order of the holds: {tokens:?}"
-    );
+    runs_are_bounded("db-unique", busy.clone(), other.clone()).await;
     nothing_left(&cluster, &[&busy, &other]).await;
 }
 
@@ -166,7 +104,7 @@ async fn db_unique_runs_of_handovers_are_bounded() {
 /// nobody's now: it is deleted and announced at once (a release notice under the
 /// owner token it was handed to), so the other replica's waiter gets the lock long
 /// before the row's lease would have let it. The runtime has one thread, so the
-/// release's check for waiters runs before the waiter's abort does. Five times over.
+/// release's check for waiters runs before the waiter's abort does. Three times over.
 #[tokio::test(flavor = "current_thread")]
 async fn db_unique_row_handed_to_a_waiter_that_gave_up_is_freed_at_once() {
     let cluster = TestCluster::start(1, &[]).await;
@@ -182,38 +120,22 @@ async fn db_unique_row_handed_to_a_waiter_that_gave_up_is_freed_at_once() {
         .await
         .expect("subscribed");
     let mut notices = notices.into_on_message();
-    for round in 0..5 {
-        let guard = holder.acquire("item", WAIT).await.expect("acquired");
-        let gives_up = tokio::spawn({
-            let holder = holder.clone();
-            async move { holder.acquire("item", WAIT).await.map(drop) }
-        });
-        let elsewhere = tokio::spawn({
-            let other = other.clone();
-            async move {
-                let guard = other.acquire("item", WAIT).await.expect("freed");
-                guard.release().await.expect("released");
-            }
-        });
-        // Both are waiting: one in the holder's queue, one for a notice.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        gives_up.abort();
-        guard.release().await.expect("released");
-        elsewhere.await.expect("the other replica's waiter");
-        // The row's own notice, then the other replica's release.
-        let mut announced = Vec::new();
-        for _ in 0..2 {
-            let notice = tokio::time::timeout(Duration::from_secs(2), notices.next())
-                .await
-                .expect("a release notice")
-                .expect("the subscription");
-            announced.push(notice.get_payload::<String>().expect("an owner token"));
-        }
-        assert!(
-            announced.iter().any(|owner| owner.starts_with("holder:")),
-            "round {round}: the handed row was announced when deleted: {announced:?}"
-        );
+    handed_to_one_that_gave_up("db-unique", holder.clone(), other.clone()).await;
+    // Each round: the abandoned row's notice, and the other replica's release.
+    let mut announced = Vec::new();
+    while let Ok(Some(notice)) =
+        tokio::time::timeout(Duration::from_millis(500), notices.next()).await
+    {
+        announced.push(notice.get_payload::<String>().expect("an owner token"));
     }
+    let abandoned = announced
+        .iter()
+        .filter(|owner| owner.starts_with("holder:"))
+        .count();
+    assert_eq!(
+        abandoned, 3,
+        "each handed row was announced when deleted: {announced:?}"
+    );
     nothing_left(&cluster, &[&holder, &other]).await;
 }
 

@@ -2050,27 +2050,8 @@ async fn table_locks_exclude_across_replicas_under_real_concurrency() {
         "every notified replica held it: {per_replica:?}"
     );
     assert!(moves >= 10, "the lock went round: {moves} moves");
-
-    let mysql = cluster.mysql().await;
-    let started = Instant::now();
-    loop {
-        let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM distributed_locks")
-            .fetch_one(&mysql)
-            .await
-            .expect("lock rows");
-        let busy: usize = locks
-            .iter()
-            .map(|lock| lock.background_tasks() + lock.waiting())
-            .sum();
-        if rows == 0 && busy == 0 {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "left behind: {rows} rows, {busy} tasks, queues or registrations"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let locks: Vec<&TableLock> = locks.iter().map(|lock| &**lock).collect();
+    crate::lock_handover::nothing_left(&cluster, &locks).await;
 }
 
 /// Redis down: no notice is sent or heard, and the table lock works as it did by
