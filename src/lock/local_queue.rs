@@ -12,9 +12,9 @@
 //! with the queue; if nobody takes it (the request it was meant for gave up, and nobody
 //! else waits), it is `abandoned` once the last turn and waiter are gone, with a fresh
 //! turn on its name to hold while it releases the lock, so the replica's next request
-//! does not start against it. A run of handovers
-//! is bounded (`RUN_LIMIT`), so the other replicas wait a few holds more at most, and
-//! each hold of a run gets a fencing token of its own (`token_in_run`).
+//! does not start against it. A run of handovers is bounded (`RUN_LIMIT`), so the
+//! other replicas wait a few holds more at most, and each hold of a run gets a fencing
+//! token of its own (`token_in_run`).
 //!
 //! Tokio's mutex is fair (FIFO), and entries are weak so finished names leave nothing.
 
@@ -51,7 +51,8 @@ pub fn token_in_run(token: u64, run: u32) -> Option<u64> {
 /// What a turn can leave for the next.
 pub trait Passed: Sized {
     /// Nobody took it: it must release what it holds, keeping `turn` (a turn on its
-    /// name, `None` if another request of the replica got there first) until done.
+    /// name; `None` only if the map of queues is gone, or a value was replaced) until
+    /// done.
     fn abandoned(self, turn: Option<Turn<Self>>);
 }
 
