@@ -22,6 +22,7 @@ pub mod local_queue;
 pub mod notices;
 pub mod redis;
 pub mod redlock;
+pub mod replica_queue;
 pub mod signals;
 pub mod table;
 pub mod task;

@@ -11,6 +11,10 @@
 //! One pub/sub connection per node per lock service listens to a pattern; a message
 //! wakes one local waiter of its channel. Registrations are weak, so locks nobody
 //! waits for leave nothing behind.
+//!
+//! A notice's payload is the releaser's acquisition token, followed, where the lock
+//! keeps a queue of replicas (`replica_queue`), by a newline and the replica named to
+//! go next. The woken waiter reads that name from its `Wakeup`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,6 +24,7 @@ use std::time::Duration;
 use deadpool_redis::redis;
 use futures::StreamExt;
 use tokio::sync::Notify;
+use tokio::sync::futures::Notified;
 
 use super::task::AbortOnDrop;
 use super::token_owner;
@@ -67,7 +72,7 @@ impl ReleaseNotices {
     }
 
     /// The wake-up of `channel`'s local waiter: one `notify_one` per notice.
-    pub fn register(&self, channel: &str) -> Arc<Notify> {
+    pub fn register(&self, channel: &str) -> Arc<Wakeup> {
         self.waiters.register(channel)
     }
 
@@ -83,29 +88,63 @@ impl ReleaseNotices {
     }
 }
 
-/// Local waiters per lock channel. Each waiter holds an `Arc<Notify>`; the map keeps
+/// What wakes a channel's local waiter: the notices, and whom the last one named to go
+/// next.
+#[derive(Default)]
+pub struct Wakeup {
+    notify: Notify,
+    named: Mutex<Option<String>>,
+}
+
+impl Wakeup {
+    /// Completes on the next notice (or one stored since the last wake-up), as
+    /// `Notify::notified` does.
+    pub fn notified(&self) -> Notified<'_> {
+        self.notify.notified()
+    }
+
+    /// The replica the last notice named to go next, if it named one; read once.
+    pub fn take_named(&self) -> Option<String> {
+        self.named.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    fn wake(&self, named: Option<&str>) {
+        *self.named.lock().unwrap_or_else(|e| e.into_inner()) = named.map(str::to_owned);
+        self.notify.notify_one();
+    }
+}
+
+/// The releaser's token in a notice, and the replica it named to go next.
+fn read_notice(payload: &str) -> (&str, Option<&str>) {
+    match payload.split_once('\n') {
+        Some((token, named)) => (token, Some(named)),
+        None => (payload, None),
+    }
+}
+
+/// Local waiters per lock channel. Each waiter holds an `Arc<Wakeup>`; the map keeps
 /// only weak references so finished locks leave nothing behind.
 #[derive(Default)]
 struct Waiters {
-    by_channel: Mutex<HashMap<String, Weak<Notify>>>,
+    by_channel: Mutex<HashMap<String, Weak<Wakeup>>>,
 }
 
 impl Waiters {
-    fn register(&self, channel: &str) -> Arc<Notify> {
+    fn register(&self, channel: &str) -> Arc<Wakeup> {
         let mut map = self.by_channel.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(existing) = map.get(channel).and_then(Weak::upgrade) {
             return existing;
         }
         map.retain(|_, weak| weak.strong_count() > 0);
-        let notify = Arc::new(Notify::new());
-        map.insert(channel.to_owned(), Arc::downgrade(&notify));
-        notify
+        let wakeup = Arc::new(Wakeup::default());
+        map.insert(channel.to_owned(), Arc::downgrade(&wakeup));
+        wakeup
     }
 
-    fn wake_one(&self, channel: &str) {
+    fn wake_one(&self, channel: &str, named: Option<&str>) {
         let map = self.by_channel.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(notify) = map.get(channel).and_then(Weak::upgrade) {
-            notify.notify_one();
+        if let Some(wakeup) = map.get(channel).and_then(Weak::upgrade) {
+            wakeup.wake(named);
         }
     }
 
@@ -130,12 +169,15 @@ async fn listen_for_releases(
             self.0.fetch_sub(1, Ordering::SeqCst);
         }
     }
-    let own = |message: &redis::Msg| {
-        ignore_owner.as_deref().is_some_and(|ignored| {
-            message
-                .get_payload::<String>()
-                .is_ok_and(|token| token_owner(&token) == ignored)
-        })
+    let wake = |message: redis::Msg| {
+        let payload = message.get_payload::<String>().unwrap_or_default();
+        let (token, named) = read_notice(&payload);
+        let own = ignore_owner
+            .as_deref()
+            .is_some_and(|ignored| token_owner(token) == ignored);
+        if !own {
+            waiters.wake_one(message.get_channel_name(), named);
+        }
     };
     loop {
         match client.get_async_pubsub().await {
@@ -145,9 +187,7 @@ async fn listen_for_releases(
                     let _subscribed = Subscribed(subscribed.clone());
                     let mut messages = pubsub.on_message();
                     while let Some(message) = messages.next().await {
-                        if !own(&message) {
-                            waiters.wake_one(message.get_channel_name());
-                        }
+                        wake(message);
                     }
                     tracing::warn!("lock release subscription ended; reconnecting");
                 }

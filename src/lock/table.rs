@@ -101,16 +101,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use deadpool_redis::redis;
 use sqlx::MySql;
 use sqlx::mysql::{MySqlDatabaseError, MySqlPool};
 use sqlx::pool::PoolConnection;
-use tokio::sync::Notify;
+use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until, timeout_at};
 
 use super::lease::{LeaseGuard, LeaseHold};
-use super::local_queue::{LocalQueues, Passed, RUN_LIMIT, Turn, token_in_run};
-use super::notices::ReleaseNotices;
+use super::local_queue::{LocalQueues, Passed, Turn, token_in_run};
+use super::notices::{ReleaseNotices, Wakeup};
+use super::replica_queue::ReplicaQueue;
 use super::task::Tasks;
 use super::{
     DistributedLock, LockError, LockView, acquisition_token, jittered_backoff, token_owner,
@@ -127,15 +127,12 @@ const BACKOFF_BASE: Duration = Duration::from_millis(2);
 const BACKOFF_CAP: Duration = Duration::from_millis(50);
 /// Bound on one undo of a dropped INSERT.
 const UNDO_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long a replica's next attempt on a name waits after its own release of it, when
-/// that hold had to wait for other replicas: one tick of Tokio's timer, enough for a
-/// head woken by the notice to get its INSERT in first.
-const COURTESY: Duration = Duration::from_millis(1);
-/// An attempt this soon after the release owes the courtesy.
-const COURTESY_WINDOW: Duration = Duration::from_millis(5);
-/// Bound on publishing one notice: a hung Redis costs a release no more than the poll
-/// the notice would have saved.
-const NOTICE_TIMEOUT: Duration = BACKOFF_CAP;
+/// How long a head not named by a release waits before its INSERT (`replica_queue`):
+/// two ticks of Tokio's timer, enough for the named head, woken by the same notice, to
+/// get its INSERT in first.
+const HOLD_BACK: Duration = Duration::from_millis(5);
+/// A replica's attempt this soon after its own release that named another holds back.
+const HOLD_BACK_WINDOW: Duration = Duration::from_millis(5);
 
 const INSERT_ROW: &str = "INSERT INTO distributed_locks (lock_name, owner, expires_at)
      VALUES (?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)";
@@ -170,16 +167,11 @@ struct Rows {
     owner: String,
     lease: Duration,
     tasks: Tasks,
-    announcer: Option<Announcer>,
-    /// Names this service released within `COURTESY`, and when.
-    recent_releases: Mutex<HashMap<String, Instant>>,
-}
-
-/// Where release notices are published.
-struct Announcer {
-    redis: crate::redis_pool::Pool,
-    /// The channel of a lock is this followed by its name.
-    prefix: String,
+    /// Where releases are announced and waiting replicas queue; `None`: nowhere.
+    queue: Option<ReplicaQueue>,
+    /// Names whose release by this service lately named another replica: when, and
+    /// whom.
+    recent_releases: Mutex<HashMap<String, (Instant, String)>>,
 }
 
 /// What one INSERT attempt found.
@@ -214,7 +206,7 @@ impl TableLock {
                 owner: owner.to_owned(),
                 lease,
                 tasks: Tasks::default(),
-                announcer: None,
+                queue: None,
                 recent_releases: Mutex::default(),
             }),
             local_queues: LocalQueues::default(),
@@ -225,16 +217,15 @@ impl TableLock {
     /// Publishes a notice on `redis` after each release, and listens there for the
     /// other replicas' (one pub/sub connection), under `namespace`.
     pub fn with_release_notices(self, redis: crate::redis_pool::Pool, namespace: &str) -> Self {
-        let prefix = format!("{namespace}:lock-row-released:");
         let client = redis.manager().client().clone();
-        let pattern = format!("{prefix}*");
-        let notices = ReleaseNotices::listen([client], &pattern, Some(&self.rows.owner));
+        let queue = ReplicaQueue::new(redis, namespace);
+        let notices = ReleaseNotices::listen([client], &queue.channels(), Some(&self.rows.owner));
         let rows = Rows {
             pool: self.rows.pool.clone(),
             owner: self.rows.owner.clone(),
             lease: self.rows.lease,
             tasks: self.rows.tasks.clone(),
-            announcer: Some(Announcer { redis, prefix }),
+            queue: Some(queue),
             recent_releases: Mutex::default(),
         };
         TableLock {
@@ -427,6 +418,35 @@ impl TableLock {
             .map_err(|_| LockError::Timeout { waited: wait })?
     }
 
+    /// The replica the last notice named to go next, if not this one.
+    fn named_other(&self, wakeup: &Wakeup) -> Option<String> {
+        wakeup
+            .take_named()
+            .filter(|named| *named != self.rows.owner)
+    }
+
+    /// Waits while the head of `named`, another replica, goes first: for `HOLD_BACK`,
+    /// or until a release names this replica or nobody (the named head came and went;
+    /// a release naming another starts the wait again). Returns the replica last held
+    /// back for, if the wait ran out.
+    async fn hold_back(
+        &self,
+        wakeup: &Wakeup,
+        mut named: String,
+        deadline: Instant,
+    ) -> Option<String> {
+        loop {
+            let until = deadline.min(Instant::now() + HOLD_BACK);
+            tokio::select! {
+                () = sleep_until(until) => return Some(named),
+                () = wakeup.notified() => match self.named_other(wakeup) {
+                    Some(other) => named = other,
+                    None => return None,
+                },
+            }
+        }
+    }
+
     /// How long the head waits for a notice before it tries again anyway.
     fn poll_pause(&self, attempt: u32) -> Duration {
         // While notices are heard the poll only covers a lost one: at the cap at once.
@@ -455,18 +475,19 @@ impl DistributedLock for TableLock {
             return Ok(guard);
         }
         // Without notices, a wake-up nobody sends: the poll is all there is.
-        let wakeup = match (&self.notices, &self.rows.announcer) {
-            (Some(notices), Some(announcer)) => notices.register(&announcer.channel(name)),
-            _ => Arc::new(Notify::new()),
+        let wakeup = match (&self.notices, &self.rows.queue) {
+            (Some(notices), Some(queue)) => notices.register(&queue.channel(name)),
+            _ => Arc::new(Wakeup::default()),
         };
+        let mut place = Place::new(&self.rows, name, &turn);
+        // The replica a release named to go next, if not this one: our own release, of
+        // a hold that served us, woke the other heads too.
+        let mut named_other = self.rows.released_lately(name);
         // Whether the next attempt follows a release we know of (a notice, our own): a
         // row it meets was inserted since, so it is live and needs no look.
-        let mut after_release = false;
-        if self.rows.released_lately(name) {
-            // Our release woke the other replicas' heads: let one of them in first.
-            sleep_until(deadline.min(Instant::now() + COURTESY)).await;
-            after_release = true;
-        }
+        let mut after_release = named_other.is_some();
+        // After a poll: the replica first in the queue, if another.
+        let mut first_in_queue = None;
         let mut owner = acquisition_token(&self.rows.owner);
         // Each step against MySQL is bounded by the caller's wait, as the sleeps are: a
         // statement stalled inside MariaDB (behind a row lock, a slow commit) kept the
@@ -481,6 +502,12 @@ impl DistributedLock for TableLock {
         // `on_live_connection`, then a new one waits for MariaDB.
         let mut dead_connections = 0;
         loop {
+            let held_back_for = match (named_other.take(), first_in_queue.take()) {
+                (Some(named), _) => self.hold_back(&wakeup, named, deadline).await,
+                // Not a no-show: the first may be holding the lock right now.
+                (None, Some(first)) => self.hold_back(&wakeup, first, deadline).await.and(None),
+                (None, None) => None,
+            };
             // A deadline passed while the last step went on: no INSERT is sent after it.
             if Instant::now() >= deadline {
                 return Err(LockError::Timeout { waited: wait });
@@ -488,6 +515,7 @@ impl DistributedLock for TableLock {
             // A hold of ours dropped on the way here (born expired, say) may have
             // handed its row to our own turn.
             if let Some(guard) = self.take_handed(&turn, deadline, wait).await? {
+                place.served = true;
                 return Ok(guard);
             }
             // Listen before trying, so a release between the try and the wait is
@@ -510,7 +538,6 @@ impl DistributedLock for TableLock {
                         id,
                         name: name.to_owned(),
                         owner: std::mem::replace(&mut owner, acquisition_token(&self.rows.owner)),
-                        contended: attempt > 0,
                         run: 0,
                         turn: turn.clone(),
                     };
@@ -519,6 +546,18 @@ impl DistributedLock for TableLock {
                         .await
                         .map_err(timed_out)??;
                     if let Some(guard) = renewed {
+                        place.served = true;
+                        // The named head did not come in time: its replica is gone or
+                        // its last waiter gave up. Off the queue, or it would be named
+                        // (and cost a hold-back) at every release until pruned.
+                        if let Some(absent) = held_back_for {
+                            let (rows, name) = (self.rows.clone(), name.to_owned());
+                            self.rows.tasks.spawn_detached(async move {
+                                if let Some(queue) = &rows.queue {
+                                    queue.leave(&name, &absent).await;
+                                }
+                            });
+                        }
                         return Ok(guard);
                     }
                     // Born expired: the guard's drop deleted the row if it was still
@@ -545,6 +584,9 @@ impl DistributedLock for TableLock {
                 }
             };
             attempt += 1;
+            if !place.joined {
+                place.join(deadline).await;
+            }
             let mut row = None;
             if !after_release && live_until.is_none_or(|until| Instant::now() >= until) {
                 let looked = timeout_at(deadline, self.look(&mut conn, name)).await;
@@ -582,8 +624,15 @@ impl DistributedLock for TableLock {
                     // The row we knew is gone; whatever we meet next is newer.
                     live_until = None;
                     after_release = true;
+                    named_other = self.named_other(&wakeup);
                 }
-                () = sleep_until(retry_at) => after_release = false,
+                () = sleep_until(retry_at) => {
+                    after_release = false;
+                    // A poll covers a lost notice, and may come just after a release
+                    // like any notice: the replica first in the queue goes first. The
+                    // join regains a place lost to a late leave.
+                    first_in_queue = place.join(deadline).await;
+                }
             }
         }
     }
@@ -607,49 +656,40 @@ impl DistributedLock for TableLock {
 }
 
 impl Rows {
-    /// After one of this service's rows was deleted: tells the other replicas' waiting
-    /// heads, and remembers a release of a `contended` hold (for `released_lately`).
-    /// Best effort and bounded: the row is gone whatever happens here.
-    async fn released(&self, name: &str, owner: &str, contended: bool) {
-        let Some(announcer) = &self.announcer else {
+    /// After one of this service's rows, `owner`, was deleted: tells the other
+    /// replicas' waiting heads and names the one to go next (`replica_queue`), taking
+    /// this replica off the queue if the row `served` a request of it. Remembers a
+    /// release that named another replica (for `released_lately`). Best effort and
+    /// bounded: the row is gone whatever happens here.
+    async fn released(&self, name: &str, owner: &str, served: bool) {
+        let Some(queue) = &self.queue else {
             return;
         };
-        let publish = async {
-            let mut conn = announcer.redis.get().await.map_err(|e| e.to_string())?;
-            redis::cmd("PUBLISH")
-                .arg(announcer.channel(name))
-                .arg(owner)
-                .query_async::<i64>(&mut conn)
-                .await
-                .map_err(|e| e.to_string())
-        };
-        match tokio::time::timeout(NOTICE_TIMEOUT, publish).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(error)) => tracing::debug!(%error, lock = name, "release notice not sent"),
-            Err(_) => tracing::debug!(lock = name, "release notice timed out"),
-        }
+        let named = queue
+            .announce_release(name, owner, &self.owner, served)
+            .await;
         let now = Instant::now();
         let mut recent = self
             .recent_releases
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        recent.retain(|_, at| now.duration_since(*at) < COURTESY_WINDOW);
-        if contended {
-            recent.insert(name.to_owned(), now);
+        recent.retain(|_, (at, _)| now.duration_since(*at) < HOLD_BACK_WINDOW);
+        if let Some(named) = named.filter(|named| *named != self.owner) {
+            recent.insert(name.to_owned(), (now, named));
         }
     }
 
-    /// Whether this service released `name` within `COURTESY_WINDOW` after a hold that
-    /// had to wait for other replicas (with notices only: without them nobody else was
-    /// woken to compete).
-    fn released_lately(&self, name: &str) -> bool {
+    /// The replica this service's release of `name` named to go next, if that was
+    /// within `HOLD_BACK_WINDOW` and another replica.
+    fn released_lately(&self, name: &str) -> Option<String> {
         let recent = self
             .recent_releases
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         recent
             .get(name)
-            .is_some_and(|at| at.elapsed() < COURTESY_WINDOW)
+            .filter(|(at, _)| at.elapsed() < HOLD_BACK_WINDOW)
+            .map(|(_, named)| named.clone())
     }
 
     /// Deletes this service's row `owner` of `name` on `conn`; `true` if it was there.
@@ -682,12 +722,6 @@ impl Rows {
     }
 }
 
-impl Announcer {
-    fn channel(&self, name: &str) -> String {
-        format!("{}{name}", self.prefix)
-    }
-}
-
 /// One acquisition: the row's id and the owner token written in it.
 #[derive(Clone)]
 pub struct TableHold {
@@ -695,8 +729,6 @@ pub struct TableHold {
     id: u64,
     name: String,
     owner: String,
-    /// Whether its acquisition met another replica's row first.
-    contended: bool,
     /// How many holds before this one in a row the replica handed over to its own
     /// waiters (0: this one was INSERTed).
     run: u32,
@@ -704,6 +736,76 @@ pub struct TableHold {
     /// gone, that is after the row was deleted or handed over (or the background
     /// release gave up).
     turn: Arc<TableTurn>,
+}
+
+/// A waiting head's replica in the name's queue (`replica_queue`), joined at its first
+/// failed INSERT. A head that gets the lock leaves the replica queued until the
+/// release that served it takes it off; a head that gives up takes it off, keeping the
+/// replica's turn until the leave is done, so the next head's join comes after it (and
+/// queues at the back: the place was the head's).
+struct Place {
+    rows: Arc<Rows>,
+    name: String,
+    turn: Arc<TableTurn>,
+    joined: bool,
+    /// A join whose answer the head has not seen: the leave waits for it, or the join
+    /// could land after the leave.
+    unanswered: Option<JoinHandle<Option<String>>>,
+    served: bool,
+}
+
+impl Place {
+    fn new(rows: &Arc<Rows>, name: &str, turn: &Arc<TableTurn>) -> Place {
+        Place {
+            rows: rows.clone(),
+            name: name.to_owned(),
+            turn: turn.clone(),
+            joined: false,
+            unanswered: None,
+            served: false,
+        }
+    }
+
+    /// Joins the queue (nothing if the replica is there already), bounded by
+    /// `deadline`. Returns the replica first in it, if another.
+    async fn join(&mut self, deadline: Instant) -> Option<String> {
+        self.rows.queue.as_ref()?;
+        self.joined = true;
+        let (rows, name) = (self.rows.clone(), self.name.clone());
+        let join = self
+            .unanswered
+            .insert(self.rows.tasks.spawn_awaited(async move {
+                match &rows.queue {
+                    Some(queue) => queue.join(&name, &rows.owner).await,
+                    None => None,
+                }
+            }));
+        let first = timeout_at(deadline, join).await.ok()?;
+        self.unanswered = None;
+        first
+            .ok()
+            .flatten()
+            .filter(|first| *first != self.rows.owner)
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if !self.joined || self.served {
+            return;
+        }
+        let (rows, name, turn) = (self.rows.clone(), self.name.clone(), self.turn.clone());
+        let unanswered = self.unanswered.take();
+        self.rows.tasks.spawn_detached(async move {
+            let _turn = turn;
+            if let Some(join) = unanswered {
+                let _ = join.await;
+            }
+            if let Some(queue) = &rows.queue {
+                queue.leave(&name, &rows.owner).await;
+            }
+        });
+    }
 }
 
 /// A replica's turn on a lock name, which can carry a row handed over to the next.
@@ -734,7 +836,6 @@ struct HandedOver {
     /// When the UPDATE that gave it was sent: its lease runs from about then.
     sent: Instant,
     run: u32,
-    contended: bool,
     taken: bool,
     /// The turn its release is made under, if it was abandoned.
     cleanup_turn: Option<TableTurn>,
@@ -755,7 +856,6 @@ impl HandedOver {
             id: self.id,
             name: std::mem::take(&mut self.name),
             owner: std::mem::take(&mut self.owner),
-            contended: self.contended,
             run: self.run,
             turn: turn.clone(),
         }
@@ -773,7 +873,7 @@ impl Drop for HandedOver {
             let _turn = turn;
             let deleted = tokio::time::timeout(UNDO_TIMEOUT, rows.delete_own(&name, &owner)).await;
             match deleted {
-                Ok(Ok(true)) => rows.released(&name, &owner, false).await,
+                Ok(Ok(true)) => rows.released(&name, &owner, true).await,
                 Ok(Ok(false)) => {}
                 _ => tracing::warn!(lock = %name, "could not delete a lock row nobody took; its lease will expire"),
             }
@@ -864,9 +964,7 @@ impl LeaseHold for TableHold {
             deleted |= self.rows.delete_own(&self.name, owner).await?;
         }
         if deleted {
-            // A run cut short by its bound had other replicas waiting: let them in first.
-            let contended = self.contended || self.run >= RUN_LIMIT;
-            self.rows.released(&self.name, &self.owner, contended).await;
+            self.rows.released(&self.name, &self.owner, true).await;
         }
         Ok(deleted)
     }
@@ -936,7 +1034,6 @@ impl TableHold {
             owner,
             sent,
             run: self.run + 1,
-            contended: self.contended,
             taken: false,
             cleanup_turn: None,
         })

@@ -40,14 +40,25 @@ impl Tasks {
         }
     }
 
+    /// Spawns `work` to run to its end even if whoever awaits the handle is dropped
+    /// first, so that a cleanup can wait for it in turn; `work` must bound its own time.
+    pub fn spawn_awaited<T, F>(&self, work: F) -> JoinHandle<T>
+    where
+        T: Send + 'static,
+        F: Future<Output = T> + Send + 'static,
+    {
+        self.spawn(work)
+    }
+
     /// How many of this service's tasks are running now.
     pub fn live(&self) -> usize {
         self.live.load(Ordering::SeqCst)
     }
 
-    fn spawn<F>(&self, work: F) -> JoinHandle<()>
+    fn spawn<T, F>(&self, work: F) -> JoinHandle<T>
     where
-        F: Future<Output = ()> + Send + 'static,
+        T: Send + 'static,
+        F: Future<Output = T> + Send + 'static,
     {
         /// Counts the task out however it ends: finished, aborted or dropped.
         struct Live(Arc<AtomicUsize>);
@@ -60,7 +71,7 @@ impl Tasks {
         let live = Live(self.live.clone());
         tokio::spawn(async move {
             let _live = live;
-            work.await;
+            work.await
         })
     }
 }

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use deadpool_redis::redis;
 use flashsale::lock::etcd::EtcdLock;
 use flashsale::lock::redis::RedisLock;
 use flashsale::lock::redlock::Redlock;
@@ -18,7 +17,7 @@ use flashsale::lock::{DistributedLock, HeldLock};
 use futures::future::join_all;
 
 use crate::support::{
-    TestCluster, free_port, pool_for, redis_client, redis_pool, redlock_urls, zookeeper,
+    TestCluster, free_port, pool_for, redis_client, redis_keys, redis_pool, redlock_urls, zookeeper,
 };
 
 /// A lease far longer than the test: a hold nobody owns would block the patient
@@ -119,15 +118,6 @@ fn report(what: &str, acquired: usize, patient: Duration) {
     println!("{what}: {acquired} acquisitions in the storm; patient contender waited {patient:?}");
 }
 
-async fn redis_keys(pool: &flashsale::redis_pool::Pool, pattern: &str) -> Vec<String> {
-    let mut conn = pool.get().await.expect("redis");
-    redis::cmd("KEYS")
-        .arg(pattern)
-        .query_async(&mut conn)
-        .await
-        .expect("KEYS")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_lock_survives_cancelled_acquisitions() {
     let cluster = TestCluster::start(1, &[]).await;
@@ -213,12 +203,12 @@ async fn table_lock_survives_cancelled_acquisitions() {
 /// The table lock's acquisition cut at every quarter millisecond of its first 10 ms,
 /// wherever that lands: mid-INSERT on a free lock (the undo), in the local queue and
 /// waiting for a notice behind another replica's hold, in the retry a notice sets off,
-/// and in the tick a replica waits after releasing a contended hold. No cut may leave
-/// a row, a task, a queue or a registration, nor keep the lock from the next holder.
+/// and while a replica holds back after its release named another. No cut may leave a
+/// row, a task, a queue or a registration, nor keep the lock from the next holder.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
     let cluster = TestCluster::start(1, &[]).await;
-    let holder = table_lock(&cluster, "holder").await;
+    let holder = Arc::new(table_lock(&cluster, "holder").await);
     let cut = Arc::new(table_lock(&cluster, "cut").await);
     let started = Instant::now();
     while !(holder.hears_releases() && cut.hears_releases()) {
@@ -262,23 +252,30 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
         waiting.abort();
         got += usize::from(matches!(waiting.await, Ok(Ok(()))));
 
-        // Right after its own release of a hold it had to wait for: the next attempt
-        // waits a tick first.
+        // Right after its own release named another replica to go next: the next
+        // attempt holds back while that replica's head goes first.
         let held = holder.acquire("own", PATIENCE).await.expect("held");
         let contended = {
             let cut = cut.clone();
-            tokio::spawn(async move { cut.acquire("own", PATIENCE).await.map(|g| g.release()) })
+            tokio::spawn(async move { cut.acquire("own", PATIENCE).await })
         };
         tokio::time::sleep(Duration::from_millis(5)).await;
         held.release().await.expect("released");
-        contended
-            .await
-            .expect("contender")
-            .expect("handed over")
-            .await
-            .expect("released");
+        let cut_holds = contended.await.expect("contender").expect("handed over");
+        let named = {
+            let holder = holder.clone();
+            tokio::spawn(async move { holder.acquire("own", PATIENCE).await.map(drop) })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        cut_holds.release().await.expect("released");
         let attempt = tokio::time::timeout(after / 4, cut.acquire("own", LONG_LEASE)).await;
         got += usize::from(matches!(attempt, Ok(Ok(_))));
+        // Not named after all (its head was not queued yet), it may have the lock.
+        drop(attempt);
+        named
+            .await
+            .expect("named")
+            .expect("the named replica got the lock");
     }
     println!("db-unique: {got} of the cut acquisitions got the lock before their cut");
 
@@ -289,8 +286,14 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
         table_leftovers(&locks)
     })
     .await;
+    let redis = redis_pool();
+    let queues = format!("{}:lock-row-waiting:*", cluster.namespace);
+    settles("queues of replicas", || async {
+        redis_keys(&redis, &queues).await
+    })
+    .await;
     for name in ["free", "held", "woken", "own"] {
-        patient(&holder, name).await;
+        patient(&*holder, name).await;
     }
 }
 

@@ -15,7 +15,7 @@ use futures::StreamExt;
 use futures::future::join_all;
 
 use crate::lock_primitives::subscribed;
-use crate::support::{TestCluster, redis_client, redis_pool};
+use crate::support::{TestCluster, redis_client, redis_keys, redis_pool};
 
 /// Longer than any test here: a row left to its lease blocks the rest of the test.
 const LEASE: Duration = Duration::from_secs(30);
@@ -29,9 +29,12 @@ async fn replica(cluster: &TestCluster, owner: &str) -> Arc<TableLock> {
     )
 }
 
-/// Waits (at most 10 s) until no row is left and the locks run, keep and queue nothing.
+/// Waits (at most 10 s) until no row is left, the locks run, keep and queue nothing, and
+/// no replica is left in a queue of waiting replicas (`lock::replica_queue`).
 pub(crate) async fn nothing_left(cluster: &TestCluster, locks: &[&TableLock]) {
     let mysql = cluster.mysql().await;
+    let redis = redis_pool();
+    let queues = format!("{}:lock-row-waiting:*", cluster.namespace);
     let started = Instant::now();
     loop {
         let rows: Vec<(String, String)> =
@@ -43,12 +46,13 @@ pub(crate) async fn nothing_left(cluster: &TestCluster, locks: &[&TableLock]) {
             .iter()
             .map(|lock| lock.background_tasks() + lock.waiting())
             .sum();
-        if rows.is_empty() && busy == 0 {
+        let queued = redis_keys(&redis, &queues).await;
+        if rows.is_empty() && busy == 0 && queued.is_empty() {
             return;
         }
         assert!(
             started.elapsed() < Duration::from_secs(10),
-            "left behind: rows {rows:?}, {busy} tasks, queues or registrations"
+            "left behind: rows {rows:?}, {busy} tasks, queues or registrations, queues of replicas {queued:?}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -97,6 +101,58 @@ async fn db_unique_runs_of_handovers_are_bounded() {
     subscribed(&[&busy, &other]).await;
     runs_are_bounded("db-unique", busy.clone(), other.clone()).await;
     nothing_left(&cluster, &[&busy, &other]).await;
+}
+
+/// Replicas are served in the order they began waiting, whichever of their heads a
+/// release notice reaches first: the release names the replica waiting longest
+/// (`lock::replica_queue`) and the other heads hold back. Forty rounds, the two
+/// waiting replicas taking turns at waiting first, so a bias of the race (which
+/// subscriber Redis tells first, whose runtime wakes first) would win only half.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn db_unique_serves_replicas_in_the_order_they_began_waiting() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let holder = replica(&cluster, "holder").await;
+    let east = replica(&cluster, "east").await;
+    let west = replica(&cluster, "west").await;
+    subscribed(&[&holder, &east, &west]).await;
+    let served = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let waiter = |lock: &Arc<TableLock>, who: &'static str| {
+        let (lock, served) = (lock.clone(), served.clone());
+        tokio::spawn(async move {
+            let guard = lock.acquire("item", WAIT).await.expect("acquired");
+            served.lock().expect("served").push(who);
+            guard.release().await.expect("released");
+        })
+    };
+    let mut rounds = Vec::new();
+    for round in 0..40 {
+        let order = if round % 2 == 0 {
+            [(&east, "east"), (&west, "west")]
+        } else {
+            [(&west, "west"), (&east, "east")]
+        };
+        let held = holder.acquire("item", WAIT).await.expect("held");
+        let mut waiters = Vec::new();
+        for (lock, who) in order {
+            waiters.push(waiter(lock, who));
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        held.release().await.expect("released");
+        for waiter in join_all(waiters).await {
+            waiter.expect("waiter");
+        }
+        let served = std::mem::take(&mut *served.lock().expect("served"));
+        rounds.push(served == [order[0].1, order[1].1]);
+    }
+    let in_order = rounds.iter().filter(|in_order| **in_order).count();
+    println!("served in the order they waited in {in_order} rounds of 40");
+    // Not 40: on a loaded machine the named head can wake later than the others' hold
+    // back. Without the queue about half are in order (7 to 11 of 20 in three runs).
+    assert!(
+        in_order >= 28,
+        "served in the order they waited in {in_order} rounds of 40: {rounds:?}"
+    );
+    nothing_left(&cluster, &[&holder, &east, &west]).await;
 }
 
 /// The waiter a row was handed to gives up before it takes it (its request hung up

@@ -503,3 +503,13 @@ impl Drop for PartitionProxy {
         self.cut();
     }
 }
+
+/// The keys of the test Redis matching `pattern`.
+pub async fn redis_keys(pool: &flashsale::redis_pool::Pool, pattern: &str) -> Vec<String> {
+    let mut conn = pool.get().await.expect("redis");
+    deadpool_redis::redis::cmd("KEYS")
+        .arg(pattern)
+        .query_async(&mut conn)
+        .await
+        .expect("KEYS")
+}
