@@ -39,17 +39,20 @@
 //!   bounded by 50 ms, so a hung Redis delays a release by no more than that. The
 //!   notice goes out after the DELETE, not beside it: a head whose INSERT reached
 //!   MySQL before the DELETE would fail and wait for a notice already spent.
-//! - **Fairness**: a replica's own notices wake nobody there: its releases hand the
-//!   turn to its next waiter themselves. But that waiter is ready before any other
-//!   replica has heard the notice, and would win nearly every time (before this
-//!   change a `lockbench` contender, polling, retook the lock it had just released in
-//!   one half to three quarters of its cycles). So when the released hold had met another replica's row, the
-//!   replica's next attempt on the name waits one tick of Tokio's timer (1 ms) and the
-//!   woken heads go first; an uncontended replica pays nothing. Woken heads get no
-//!   jitter: Tokio's timer cannot sleep less than a millisecond, which is longer than
-//!   the whole handoff. Heads that collide cost each other a duplicate key or a
-//!   deadlock error (InnoDB's duplicate check on the just-deleted record); one of them
-//!   goes through. Should all lose (no row, so no notice), the poll picks it up.
+//! - **Fairness between replicas**: a replica's own notices wake nobody there: its
+//!   releases hand the turn to its next waiter themselves. Left at that, that waiter,
+//!   ready before any other replica has heard the notice, would win nearly every time,
+//!   and the woken heads of the others would race, the same replica winning again and
+//!   again (the first to hear, the least busy). So the replicas queue in Redis
+//!   (`replica_queue`): a head joins at its first failed INSERT, the release names the
+//!   replica waiting longest in its notice, and every other head, the releaser's own
+//!   next one included, holds back for `HOLD_BACK` (5 ms) unless a release names it
+//!   meanwhile. A poll, which may come just after a release as a notice does, asks the
+//!   queue first (its join answers who is first). A named replica that does not come
+//!   within the hold-back (it crashed, its last waiter gave up) is taken off by the
+//!   head that got the lock instead; then they race as they did before. An
+//!   uncontended replica pays nothing: with nobody queued, nobody is named. The queue
+//!   is a hint, like the notice: it decides who tries first, never who holds.
 //! - **Handed over within a replica**: a holder whose own replica has requests queued
 //!   for the name gives them the row instead of deleting it: one `UPDATE ... SET owner`
 //!   (`WHERE id = ? AND owner = ?`, so only while it is still ours) with a whole lease,
@@ -59,7 +62,7 @@
 //!   it took db-unique from 0.46 to 0.68 of the bare order's rate (`BENCHMARKS.md`).
 //!   The other replicas' heads see the row stay taken, as they would see a fresh one.
 //!   A run of handovers is bounded (`local_queue::RUN_LIMIT`); then the row is deleted and
-//!   announced as usual, with the courtesy below, so the other replicas wait a few
+//!   announced as usual, naming the replica waiting longest, so the others wait a few
 //!   holds more at most (lock cohorting, as NUMA-aware locks do it). The row keeps its
 //!   id, so a fencing token is the id shifted left by 16 bits plus the place in the run:
 //!   still greater for every hold than for the one before. A row handed to a request
@@ -83,9 +86,11 @@
 //!   holds the connection it sent the INSERT on and, if dropped, deletes its row (by
 //!   its unique owner token) on that same connection, which answers the INSERT first.
 //!   That undo keeps the replica's turn until it is done, and announces the release
-//!   like any other. A drop anywhere else (in the local queue, in the courtesy tick,
-//!   waiting for a notice or a poll, looking at the row) has sent nothing that needs undoing; its
-//!   place in the queue and its registration for notices go with it.
+//!   like any other. A drop anywhere else (in the local queue, holding back, waiting
+//!   for a notice or a poll, looking at the row) has sent nothing that needs undoing:
+//!   its place in the local queue and its registration for notices go with it, and a
+//!   background leave takes its replica off the queue of replicas, keeping the turn
+//!   until then so that the replica's next head joins after it.
 //! - **A MariaDB restart**: the pool hands out recently used connections unpinged
 //!   (`mysql_pool`), so the first statements after a crash meet dead ones. The
 //!   releases, renewals, takeovers and reads go again on another connection; an

@@ -17,7 +17,10 @@ pub fn explanation() -> Explanation {
                   taken over once expired, by deleting exactly that row by its id. Within \
                   a replica, requests for one SKU queue locally and only the first sends \
                   INSERTs; it retries when a notice arrives, and polls every 25-50 ms in \
-                  case one was lost. A holder whose own replica has requests queued hands \
+                  case one was lost. The replicas whose heads wait queue in Redis by the \
+                  time they began: a release names the one waiting longest in its notice \
+                  and the others hold back 5 ms, so no replica is left out however the \
+                  race between their heads would go. A holder whose own replica has requests queued hands \
                   the row to the next of them with one UPDATE of the owner instead of \
                   deleting it (one statement where a release and an INSERT took two), at \
                   most 8 times in a row; then it releases the row to every replica.",
@@ -27,7 +30,8 @@ pub fn explanation() -> Explanation {
              if expired: DELETE FROM distributed_locks WHERE id = ? AND expires_at < UTC_TIMESTAMP(6)",
             "renew (every lease/3): UPDATE distributed_locks SET expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND WHERE id = ? AND owner = ?",
             "last check before the commit: SELECT TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) FROM distributed_locks WHERE id = ? AND owner = ? (renew if under lease/3)",
-            "release: DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?; PUBLISH <ns>:lock-row-released:<sku> <owner>",
+            "waiting head, at its first failed INSERT: ZADD <ns>:lock-row-waiting:<sku> NX <Redis TIME> <replica> (a script)",
+            "release: DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?; then one script: ZREM <ns>:lock-row-waiting:<sku> <replica>; ZRANGE … 0 0 (the replica waiting longest); PUBLISH <ns>:lock-row-released:<sku> '<owner>\\n<that replica>'",
             "hand over to this replica's next request (at most 8 in a row): UPDATE distributed_locks SET owner = ?, acquired_at = UTC_TIMESTAMP(6), expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND WHERE id = ? AND owner = ?",
         ],
         failure_mode: "A crashed holder's row blocks everyone until it expires. The release \
