@@ -1,4 +1,4 @@
-//! The order in which replicas started waiting for a lock-table name, kept in Redis
+//! The order in which replicas began waiting for a lock-table name, kept in Redis
 //! beside the release notices, so that a release can name the replica to go next.
 //!
 //! The row in MySQL decides who holds the lock, not who gets it next. A release wakes
@@ -8,28 +8,26 @@
 //! a run of up to nine holds. On a loaded machine one replica of three sold nothing
 //! of a 50-unit sale (a full test run in seven).
 //!
-//! So a replica's waiting head joins a sorted set per name, scored by Redis's clock
-//! when its replica started waiting (`ZADD NX`: the replica's next head, after one gave
-//! up, keeps the place). A release, in the script that publishes its notice, takes its
-//! own replica off (it was served) and names the one waiting longest in the notice;
-//! the heads of the other replicas, and the releaser's own next one, hold back a
-//! moment before their INSERT, so the named head's gets there first. It is the idea
-//! of Redisson's fair lock (a queue beside the lock, in the lock's own store) for a
-//! lock whose truth is in another store, and so it stays a hint, as the notice is: a
-//! named head that does not come (its replica died, its last waiter just gave up)
-//! costs the others the hold-back, after which they race as before. A member nobody
-//! takes off (a crashed replica, a join cut off mid-flight that landed after its
-//! leave) is pruned after `PRUNE_AFTER`, and the set of a name nobody waits for
-//! expires.
+//! So a replica's waiting head joins a sorted set per name at its first failed INSERT,
+//! scored by Redis's clock (`ZADD NX`; it joins again after every failed INSERT and
+//! every poll, which changes nothing while it is in). A release, in the script that
+//! publishes its notice, takes its own replica off (it was served) and names the
+//! first in the notice; the heads of the other replicas, and the releaser's own next
+//! one, hold back a moment before their INSERT, so the named head's gets there first.
+//! It is the idea of Redisson's fair lock (a queue beside the lock, in the lock's own
+//! store) for a lock whose truth is in another store, and so it stays a hint, as the
+//! notice is. A named head that does not come within the hold-back (its replica died,
+//! or it is slow) is taken off by the head that got the lock instead; a slow one joins
+//! again, at the back, with its next failed INSERT. A head that gives up takes its
+//! replica off, and the replica's next head joins at the back. Nothing else removes a
+//! member: the first is named at every release until it comes or is taken off, and
+//! the set of a name nobody waits for expires.
 
 use std::sync::LazyLock;
 use std::time::Duration;
 
 use deadpool_redis::redis::{self, Script};
 
-/// How long a replica may stay in a queue without being served or leaving: far longer
-/// than a run of holds, so only members left behind are pruned.
-const PRUNE_AFTER: Duration = Duration::from_secs(30);
 /// How long a queue lives after its last join.
 const QUEUE_TTL: Duration = Duration::from_secs(60);
 /// Bound on one call to Redis: a hung Redis delays a release or a waiting head no more
@@ -51,24 +49,22 @@ return redis.call('ZRANGE', KEYS[1], 0, 0)[1] or false
 });
 
 /// A release of `ARGV[2]` (an acquisition token): takes replica `ARGV[3]` off queue
-/// `KEYS[1]` if it was served (`ARGV[4]` = '1'), prunes members older than `ARGV[5]`
-/// seconds, and publishes on channel `ARGV[1]` the token, followed by a newline and the
-/// replica waiting longest, if any (as `notices` reads it). Returns that replica.
+/// `KEYS[1]` if it was served (`ARGV[4]` = '1'), and publishes on channel `ARGV[1]` the
+/// token, followed by a newline and the queue's first, if any (as `notices` reads
+/// it). Returns that replica.
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if ARGV[4] == '1' then
   redis.call('ZREM', KEYS[1], ARGV[3])
 end
-local now = redis.call('TIME')
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now[1] - tonumber(ARGV[5])) .. '000000')
-local next = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+local first = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
 local notice = ARGV[2]
-if next then
-  notice = notice .. '\n' .. next
+if first then
+  notice = notice .. '\n' .. first
 end
 redis.call('PUBLISH', ARGV[1], notice)
-return next or false
+return first or false
 ",
     )
 });
@@ -130,8 +126,9 @@ impl ReplicaQueue {
         }
     }
 
-    /// Takes `replica` off `name`'s queue: its waiting head gave up, or it was named
-    /// and did not come. Best effort: a member left behind is pruned later.
+    /// Takes `replica` off `name`'s queue: its waiting head gave up, it was served
+    /// without a release notice, or it was named and did not come. Best effort: a
+    /// member left behind is named, does not come, and is taken off then.
     pub async fn leave(&self, name: &str, replica: &str) {
         let leave = async {
             let mut conn = self.redis.get().await.map_err(|e| e.to_string())?;
@@ -161,8 +158,7 @@ impl ReplicaQueue {
             .arg(self.channel(name))
             .arg(token)
             .arg(replica)
-            .arg(if served { "1" } else { "0" })
-            .arg(PRUNE_AFTER.as_secs());
+            .arg(if served { "1" } else { "0" });
         let announce = async {
             let mut conn = self.redis.get().await.map_err(|e| e.to_string())?;
             release

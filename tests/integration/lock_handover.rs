@@ -155,6 +155,134 @@ async fn db_unique_serves_replicas_in_the_order_they_began_waiting() {
     nothing_left(&cluster, &[&holder, &east, &west]).await;
 }
 
+/// The members of a queue of replicas, first first.
+async fn queued(redis: &flashsale::redis_pool::Pool, queue: &str) -> Vec<String> {
+    let mut conn = redis.get().await.expect("redis");
+    deadpool_redis::redis::cmd("ZRANGE")
+        .arg(queue)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut conn)
+        .await
+        .expect("ZRANGE")
+}
+
+/// A replica named to go next that never comes (it crashed while queued) costs the
+/// others one hold-back: the head that gets the lock instead takes it off the queue,
+/// or it would be named at every release for as long as the queue lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn db_unique_named_replica_that_never_comes_is_taken_off_the_queue() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let holder = replica(&cluster, "holder").await;
+    let waiter = replica(&cluster, "waiter").await;
+    subscribed(&[&holder, &waiter]).await;
+    let redis = redis_pool();
+    let queue = format!("{}:lock-row-waiting:item", cluster.namespace);
+    let held = holder.acquire("item", WAIT).await.expect("held");
+    // A replica that joined long ago and crashed.
+    let mut conn = redis.get().await.expect("redis");
+    let () = deadpool_redis::redis::cmd("ZADD")
+        .arg(&queue)
+        .arg(1)
+        .arg("ghost")
+        .query_async(&mut conn)
+        .await
+        .map(|_: i64| ())
+        .expect("ZADD");
+    let waiting = tokio::spawn({
+        let waiter = waiter.clone();
+        async move { waiter.acquire("item", WAIT).await.expect("acquired") }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(queued(&redis, &queue).await, ["ghost", "waiter"]);
+    held.release().await.expect("released");
+    let guard = waiting.await.expect("waiter");
+    let started = Instant::now();
+    // The waiter stays queued until its release.
+    while queued(&redis, &queue).await != ["waiter"] {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the ghost stays queued: {:?}",
+            queued(&redis, &queue).await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    guard.release().await.expect("released");
+    nothing_left(&cluster, &[&holder, &waiter]).await;
+}
+
+/// A waiting replica taken off the queue (named, it did not come in time: it was
+/// busy) joins again with its next failed INSERT, also while notices come too often
+/// for it to ever poll: here a release notice every 10 ms naming another replica, for
+/// 300 ms, while the lock stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn db_unique_replica_taken_off_the_queue_joins_again() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let holder = replica(&cluster, "holder").await;
+    let waiter = replica(&cluster, "waiter").await;
+    subscribed(&[&holder, &waiter]).await;
+    let redis = redis_pool();
+    let queue = format!("{}:lock-row-waiting:item", cluster.namespace);
+    let channel = format!("{}:lock-row-released:item", cluster.namespace);
+    let held = holder.acquire("item", WAIT).await.expect("held");
+    let waiting = tokio::spawn({
+        let waiter = waiter.clone();
+        async move { waiter.acquire("item", WAIT).await.map(drop) }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(queued(&redis, &queue).await, ["waiter"]);
+    let mut conn = redis.get().await.expect("redis");
+    let () = deadpool_redis::redis::cmd("ZREM")
+        .arg(&queue)
+        .arg("waiter")
+        .query_async(&mut conn)
+        .await
+        .map(|_: i64| ())
+        .expect("ZREM");
+    for _ in 0..30 {
+        let () = deadpool_redis::redis::cmd("PUBLISH")
+            .arg(&channel)
+            .arg("elsewhere:token\nelsewhere")
+            .query_async(&mut conn)
+            .await
+            .map(|_: i64| ())
+            .expect("PUBLISH");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(queued(&redis, &queue).await, ["waiter"], "joined again");
+    held.release().await.expect("released");
+    waiting.await.expect("waiter").expect("acquired");
+    nothing_left(&cluster, &[&holder, &waiter]).await;
+}
+
+/// A hold whose row was gone at its release (its lease ran out and another replica
+/// took it over, or an operator deleted it) sends no notice, but its replica was
+/// served all the same: it leaves the queue, or it would be named first again.
+#[tokio::test]
+async fn db_unique_hold_released_without_its_row_leaves_the_queue() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let holder = replica(&cluster, "holder").await;
+    let waiter = replica(&cluster, "waiter").await;
+    subscribed(&[&holder, &waiter]).await;
+    let redis = redis_pool();
+    let queue = format!("{}:lock-row-waiting:item", cluster.namespace);
+    let held = holder.acquire("item", WAIT).await.expect("held");
+    let waiting = tokio::spawn({
+        let waiter = waiter.clone();
+        async move { waiter.acquire("item", WAIT).await.expect("acquired") }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    held.release().await.expect("released");
+    let guard = waiting.await.expect("waiter");
+    assert_eq!(queued(&redis, &queue).await, ["waiter"]);
+    sqlx::query("DELETE FROM distributed_locks WHERE lock_name = 'item'")
+        .execute(&cluster.mysql().await)
+        .await
+        .expect("row deleted by hand");
+    let _lost = guard.release().await;
+    nothing_left(&cluster, &[&holder, &waiter]).await;
+}
+
 /// The waiter a row was handed to gives up before it takes it (its request hung up
 /// while the UPDATE was on its way), and nobody else on that replica waits. The row is
 /// nobody's now: it is deleted and announced at once (a release notice under the
