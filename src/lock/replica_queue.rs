@@ -16,20 +16,30 @@
 //! one, hold back a moment before their INSERT, so the named head's gets there first.
 //! It is the idea of Redisson's fair lock (a queue beside the lock, in the lock's own
 //! store) for a lock whose truth is in another store, and so it stays a hint, as the
-//! notice is. A named head that does not come within the hold-back (its replica died,
-//! or it is slow) is taken off by the head that got the lock instead; a slow one joins
-//! again, at the back, with its next failed INSERT. A head that gives up takes its
-//! replica off, and the replica's next head joins at the back. Nothing else removes a
-//! member: the first is named at every release until it comes or is taken off, and
-//! the set of a name nobody waits for expires.
+//! notice is.
+//!
+//! The script also keeps whom it named. A release by another replica means the named
+//! one was not served in between (it died, it is slow, or a head that was not queued
+//! got in first): a miss. At `MISSES_ALLOWED` misses in a row it is taken off, and a
+//! live one joins again, at the back, with its next failed INSERT; so a dead replica
+//! costs the others a few hold-backs, not one at every release. A head that gives up
+//! takes its replica off, and so does a hold whose release found its row gone (no
+//! notice was sent). Nothing else removes a member, and the keys of a name nobody
+//! waits for expire. A replica whose head answers notices later than the hold-back
+//! every time is served no better than without the queue.
 
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use deadpool_redis::redis::{self, Script};
+use deadpool_redis::redis::Script;
 
-/// How long a queue lives after its last join.
+/// How long a queue lives after its last join, and its record of whom it named after
+/// the last release.
 const QUEUE_TTL: Duration = Duration::from_secs(60);
+/// Releases a replica may be named at without coming before it is taken off the queue:
+/// more than one, so that a head slow once (a busy runtime, a notice that came late)
+/// keeps its place; few, since each costs the others a hold-back.
+const MISSES_ALLOWED: u32 = 3;
 /// Bound on one call to Redis: a hung Redis delays a release or a waiting head no more
 /// than the poll that covers a lost notice.
 const REDIS_TIMEOUT: Duration = Duration::from_millis(50);
@@ -48,23 +58,55 @@ return redis.call('ZRANGE', KEYS[1], 0, 0)[1] or false
     )
 });
 
-/// A release of `ARGV[2]` (an acquisition token): takes replica `ARGV[3]` off queue
-/// `KEYS[1]` if it was served (`ARGV[4]` = '1'), and publishes on channel `ARGV[1]` the
-/// token, followed by a newline and the queue's first, if any (as `notices` reads
-/// it). Returns that replica.
+/// A release of `ARGV[2]` (an acquisition token) by replica `ARGV[3]`, which it served
+/// if `ARGV[4]` = '1': takes that replica off queue `KEYS[1]`; counts a miss for the
+/// replica the last release named (hash `KEYS[2]`, field `named`) if it is another,
+/// since it was not served in between, and takes it off at `ARGV[5]` misses; names
+/// the queue's first; publishes on channel `ARGV[1]` the token, followed by a newline
+/// and that replica, if any (as `notices` reads it). Returns that replica.
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if ARGV[4] == '1' then
   redis.call('ZREM', KEYS[1], ARGV[3])
+  redis.call('HDEL', KEYS[2], 'misses:' .. ARGV[3])
+  local named = redis.call('HGET', KEYS[2], 'named')
+  if named and named ~= ARGV[3] then
+    if redis.call('HINCRBY', KEYS[2], 'misses:' .. named, 1) >= tonumber(ARGV[5]) then
+      redis.call('ZREM', KEYS[1], named)
+      redis.call('HDEL', KEYS[2], 'misses:' .. named)
+    end
+  end
 end
 local first = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
 local notice = ARGV[2]
 if first then
   notice = notice .. '\n' .. first
+  redis.call('HSET', KEYS[2], 'named', first)
+  redis.call('PEXPIRE', KEYS[2], ARGV[6])
+else
+  redis.call('DEL', KEYS[2])
 end
 redis.call('PUBLISH', ARGV[1], notice)
 return first or false
+",
+    )
+});
+
+/// Takes replica `ARGV[1]` off queue `KEYS[1]`, with its misses and its naming in
+/// `KEYS[2]`.
+static LEAVE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], 'misses:' .. ARGV[1])
+if redis.call('HGET', KEYS[2], 'named') == ARGV[1] then
+  redis.call('HDEL', KEYS[2], 'named')
+end
+if redis.call('ZCARD', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[2])
+end
+return 1
 ",
     )
 });
@@ -75,6 +117,7 @@ pub struct ReplicaQueue {
     /// Keys and channels of a name are these followed by the name.
     channel_prefix: String,
     queue_prefix: String,
+    named_prefix: String,
 }
 
 impl ReplicaQueue {
@@ -83,6 +126,7 @@ impl ReplicaQueue {
             redis,
             channel_prefix: format!("{namespace}:lock-row-released:"),
             queue_prefix: format!("{namespace}:lock-row-waiting:"),
+            named_prefix: format!("{namespace}:lock-row-named:"),
         }
     }
 
@@ -99,6 +143,11 @@ impl ReplicaQueue {
     /// The Redis key of `name`'s queue.
     pub fn key(&self, name: &str) -> String {
         format!("{}{name}", self.queue_prefix)
+    }
+
+    /// The Redis key of whom `name`'s last release named, and of the misses counted.
+    fn named_key(&self, name: &str) -> String {
+        format!("{}{name}", self.named_prefix)
     }
 
     /// Puts `replica` in `name`'s queue unless it is there already, and returns the
@@ -126,16 +175,16 @@ impl ReplicaQueue {
         }
     }
 
-    /// Takes `replica` off `name`'s queue: its waiting head gave up, it was served
-    /// without a release notice, or it was named and did not come. Best effort: a
-    /// member left behind is named, does not come, and is taken off then.
+    /// Takes `replica` off `name`'s queue: its waiting head gave up, or it was served
+    /// without a release notice. Best effort: a member left behind is named, does not
+    /// come, and is taken off then.
     pub async fn leave(&self, name: &str, replica: &str) {
+        let mut leave = LEAVE.key(self.key(name));
+        leave.key(self.named_key(name)).arg(replica);
         let leave = async {
             let mut conn = self.redis.get().await.map_err(|e| e.to_string())?;
-            redis::cmd("ZREM")
-                .arg(self.key(name))
-                .arg(replica)
-                .query_async::<i64>(&mut conn)
+            leave
+                .invoke_async::<i64>(&mut conn)
                 .await
                 .map_err(|e| e.to_string())
         };
@@ -155,10 +204,13 @@ impl ReplicaQueue {
     ) -> Option<String> {
         let mut release = RELEASE.key(self.key(name));
         release
+            .key(self.named_key(name))
             .arg(self.channel(name))
             .arg(token)
             .arg(replica)
-            .arg(if served { "1" } else { "0" });
+            .arg(if served { "1" } else { "0" })
+            .arg(MISSES_ALLOWED)
+            .arg(millis(QUEUE_TTL));
         let announce = async {
             let mut conn = self.redis.get().await.map_err(|e| e.to_string())?;
             release

@@ -49,11 +49,11 @@
 //!   other head, the releaser's own next one included, holds back for `HOLD_BACK`
 //!   (5 ms) unless a release names it meanwhile. A poll, which may come just after a
 //!   release as a notice does, asks the queue first (its join answers who is first).
-//!   A named replica that does not come within the hold-back (it crashed, or is slow)
-//!   is taken off by the head that got the lock instead, and comes back at the back
-//!   with its next failed INSERT. An uncontended replica pays nothing: with nobody
-//!   queued, nobody is named. The queue is a hint, like the notice: it decides who
-//!   tries first, never who holds.
+//!   A named replica that is not served before the next release (it crashed, or is
+//!   slow) misses its turn; at the third miss the release script takes it off, and a
+//!   live one comes back at the back with its next failed INSERT. An uncontended
+//!   replica pays nothing: with nobody queued, nobody is named. The queue is a hint,
+//!   like the notice: it decides who tries first, never who holds.
 //! - **Handed over within a replica**: a holder whose own replica has requests queued
 //!   for the name gives them the row instead of deleting it: one `UPDATE ... SET owner`
 //!   (`WHERE id = ? AND owner = ?`, so only while it is still ours) with a whole lease,
@@ -177,9 +177,8 @@ struct Rows {
     tasks: Tasks,
     /// Where releases are announced and waiting replicas queue; `None`: nowhere.
     queue: Option<ReplicaQueue>,
-    /// Names whose release by this service lately named another replica: when, and
-    /// whom.
-    recent_releases: Mutex<HashMap<String, (Instant, String)>>,
+    /// Names whose release by this service lately named another replica, and when.
+    recent_releases: Mutex<HashMap<String, Instant>>,
 }
 
 /// What one INSERT attempt found.
@@ -427,29 +426,23 @@ impl TableLock {
     }
 
     /// The replica the last notice named to go next, if not this one.
-    fn named_other(&self, wakeup: &Wakeup) -> Option<String> {
+    fn named_other(&self, wakeup: &Wakeup) -> bool {
         wakeup
             .take_named()
-            .filter(|named| *named != self.rows.owner)
+            .is_some_and(|named| named != self.rows.owner)
     }
 
     /// Waits while the head of `named`, another replica, goes first: for `HOLD_BACK`,
     /// or until a release names this replica or nobody (the named head came and went;
-    /// a release naming another starts the wait again). Returns the replica last held
-    /// back for, if the wait ran out.
-    async fn hold_back(
-        &self,
-        wakeup: &Wakeup,
-        mut named: String,
-        deadline: Instant,
-    ) -> Option<String> {
+    /// a release naming another starts the wait again). Whether the named head came
+    /// is the release script's to count (`replica_queue`), not ours.
+    async fn hold_back(&self, wakeup: &Wakeup, deadline: Instant) {
         loop {
             let until = deadline.min(Instant::now() + HOLD_BACK);
             tokio::select! {
-                () = sleep_until(until) => return Some(named),
-                () = wakeup.notified() => match self.named_other(wakeup) {
-                    Some(other) => named = other,
-                    None => return None,
+                () = sleep_until(until) => return,
+                () = wakeup.notified() => if !self.named_other(wakeup) {
+                    return;
                 },
             }
         }
@@ -488,14 +481,12 @@ impl DistributedLock for TableLock {
             _ => Arc::new(Wakeup::default()),
         };
         let mut place = Place::new(&self.rows, name, &turn);
-        // The replica a release named to go next, if not this one: our own release, of
-        // a hold that served us, woke the other heads too.
-        let mut named_other = self.rows.released_lately(name);
+        // Whether another replica's head goes first: named by a release (our own, of a
+        // hold that served us, woke the other heads too), or first in the queue.
+        let mut others_first = self.rows.released_lately(name);
         // Whether the next attempt follows a release we know of (a notice, our own): a
         // row it meets was inserted since, so it is live and needs no look.
-        let mut after_release = named_other.is_some();
-        // After a poll: the replica first in the queue, if another.
-        let mut first_in_queue = None;
+        let mut after_release = others_first;
         let mut owner = acquisition_token(&self.rows.owner);
         // Each step against MySQL is bounded by the caller's wait, as the sleeps are: a
         // statement stalled inside MariaDB (behind a row lock, a slow commit) kept the
@@ -510,12 +501,11 @@ impl DistributedLock for TableLock {
         // `on_live_connection`, then a new one waits for MariaDB.
         let mut dead_connections = 0;
         loop {
-            let held_back_for = match (named_other.take(), first_in_queue.take()) {
-                (Some(named), _) => self.hold_back(&wakeup, named, deadline).await,
-                // Not a no-show: the first may be holding the lock right now.
-                (None, Some(first)) => self.hold_back(&wakeup, first, deadline).await.and(None),
-                (None, None) => None,
-            };
+            // Another replica goes first: named by a release, or first in the queue
+            // when a poll asked.
+            if std::mem::take(&mut others_first) {
+                self.hold_back(&wakeup, deadline).await;
+            }
             // A deadline passed while the last step went on: no INSERT is sent after it.
             if Instant::now() >= deadline {
                 return Err(LockError::Timeout { waited: wait });
@@ -523,6 +513,7 @@ impl DistributedLock for TableLock {
             // A hold of ours dropped on the way here (born expired, say) may have
             // handed its row to our own turn.
             if let Some(guard) = self.take_handed(&turn, deadline, wait).await? {
+                place.settled().await;
                 place.served = true;
                 return Ok(guard);
             }
@@ -554,18 +545,10 @@ impl DistributedLock for TableLock {
                         .await
                         .map_err(timed_out)??;
                     if let Some(guard) = renewed {
+                        // A join still on its way could land after this hold's
+                        // release and queue the replica again: let it land first.
+                        place.settled().await;
                         place.served = true;
-                        // The named head did not come in time: its replica is gone or
-                        // its last waiter gave up. Off the queue, or it would be named
-                        // (and cost a hold-back) at every release until pruned.
-                        if let Some(absent) = held_back_for {
-                            let (rows, name) = (self.rows.clone(), name.to_owned());
-                            self.rows.tasks.spawn_detached(async move {
-                                if let Some(queue) = &rows.queue {
-                                    queue.leave(&name, &absent).await;
-                                }
-                            });
-                        }
                         return Ok(guard);
                     }
                     // Born expired: the guard's drop deleted the row if it was still
@@ -630,14 +613,14 @@ impl DistributedLock for TableLock {
                     // The row we knew is gone; whatever we meet next is newer.
                     live_until = None;
                     after_release = true;
-                    named_other = self.named_other(&wakeup);
+                    others_first = self.named_other(&wakeup);
                 }
                 () = sleep_until(retry_at) => {
                     after_release = false;
                     // A poll covers a lost notice, and may come just after a release
                     // like any notice: the replica first in the queue goes first. The
                     // join regains a place lost to a late leave.
-                    first_in_queue = place.first_in_queue(deadline).await;
+                    others_first = place.another_first(deadline).await;
                 }
             }
         }
@@ -679,23 +662,22 @@ impl Rows {
             .recent_releases
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        recent.retain(|_, (at, _)| now.duration_since(*at) < HOLD_BACK_WINDOW);
-        if let Some(named) = named.filter(|named| *named != self.owner) {
-            recent.insert(name.to_owned(), (now, named));
+        recent.retain(|_, at| now.duration_since(*at) < HOLD_BACK_WINDOW);
+        if named.is_some_and(|named| named != self.owner) {
+            recent.insert(name.to_owned(), now);
         }
     }
 
-    /// The replica this service's release of `name` named to go next, if that was
-    /// within `HOLD_BACK_WINDOW` and another replica.
-    fn released_lately(&self, name: &str) -> Option<String> {
+    /// Whether this service released `name` within `HOLD_BACK_WINDOW` and named
+    /// another replica to go next.
+    fn released_lately(&self, name: &str) -> bool {
         let recent = self
             .recent_releases
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         recent
             .get(name)
-            .filter(|(at, _)| at.elapsed() < HOLD_BACK_WINDOW)
-            .map(|(_, named)| named.clone())
+            .is_some_and(|at| at.elapsed() < HOLD_BACK_WINDOW)
     }
 
     /// Deletes this service's row `owner` of `name` on `conn`; `true` if it was there.
@@ -780,19 +762,30 @@ impl Place {
         }
     }
 
-    /// Joins the queue and returns the replica first in it, if another; bounded by
+    /// Joins the queue and says whether another replica is first in it; bounded by
     /// `deadline`.
-    async fn first_in_queue(&mut self, deadline: Instant) -> Option<String> {
+    async fn another_first(&mut self, deadline: Instant) -> bool {
         if !self.joining() {
             self.send_join();
         }
-        let join = self.last_join.as_mut()?;
-        let first = timeout_at(deadline, join).await.ok()?;
+        let Some(join) = self.last_join.as_mut() else {
+            return false;
+        };
+        let Ok(first) = timeout_at(deadline, join).await else {
+            return false;
+        };
         self.last_join = None;
         first
             .ok()
             .flatten()
-            .filter(|first| *first != self.rows.owner)
+            .is_some_and(|first| first != self.rows.owner)
+    }
+
+    /// Waits for the last join to land (it is bounded; almost always it has).
+    async fn settled(&mut self) {
+        if let Some(join) = self.last_join.take() {
+            let _ = join.await;
+        }
     }
 
     fn joining(&self) -> bool {

@@ -20,8 +20,8 @@ pub fn explanation() -> Explanation {
                   case one was lost. The replicas whose heads wait queue in Redis in the \
                   order they began: a release names the first in its notice and the \
                   others hold back 5 ms, so replicas are served in turn rather than by \
-                  who wins the race between their heads (one named that does not come \
-                  in time goes to the back). A holder whose own replica has requests queued hands \
+                  who wins the race between their heads (one named at three releases \
+                  without being served goes to the back). A holder whose own replica has requests queued hands \
                   the row to the next of them with one UPDATE of the owner instead of \
                   deleting it (one statement where a release and an INSERT took two), at \
                   most 8 times in a row; then it releases the row to every replica.",
@@ -32,7 +32,7 @@ pub fn explanation() -> Explanation {
             "renew (every lease/3): UPDATE distributed_locks SET expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND WHERE id = ? AND owner = ?",
             "last check before the commit: SELECT TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) FROM distributed_locks WHERE id = ? AND owner = ? (renew if under lease/3)",
             "waiting head, after each failed INSERT and each poll, one script: ZADD <ns>:lock-row-waiting:<sku> NX <Redis TIME> <replica>; PEXPIRE; ZRANGE … 0 0 (who is first)",
-            "release: DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?; then one script: ZREM <ns>:lock-row-waiting:<sku> <replica>; ZRANGE … 0 0 (the replica waiting longest); PUBLISH <ns>:lock-row-released:<sku> '<owner>\\n<that replica>'",
+            "release: DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?; then one script: ZREM <ns>:lock-row-waiting:<sku> <replica>; a miss for the replica the last release named if another (taken off at the third); ZRANGE … 0 0 (the first); HSET <ns>:lock-row-named:<sku> named <it>; PUBLISH <ns>:lock-row-released:<sku> '<owner>\\n<that replica>'",
             "hand over to this replica's next request (at most 8 in a row): UPDATE distributed_locks SET owner = ?, acquired_at = UTC_TIMESTAMP(6), expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND WHERE id = ? AND owner = ?",
         ],
         failure_mode: "A crashed holder's row blocks everyone until it expires. The release \

@@ -287,7 +287,7 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
     })
     .await;
     let redis = redis_pool();
-    let queues = format!("{}:lock-row-waiting:*", cluster.namespace);
+    let queues = format!("{}:lock-row-[wn]a*:*", cluster.namespace);
     settles("queues of replicas", || async {
         redis_keys(&redis, &queues).await
     })
