@@ -31,7 +31,7 @@
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use deadpool_redis::redis::Script;
+use deadpool_redis::redis::{FromRedisValue, Script, ScriptInvocation};
 
 /// How long a queue lives after its last join, and its record of whom it named after
 /// the last release.
@@ -156,23 +156,9 @@ impl ReplicaQueue {
     pub async fn join(&self, name: &str, replica: &str) -> Option<String> {
         let mut join = JOIN.key(self.key(name));
         join.arg(replica).arg(millis(QUEUE_TTL));
-        let joined = async {
-            let mut conn = self.redis.get().await.map_err(|e| e.to_string())?;
-            join.invoke_async::<Option<String>>(&mut conn)
-                .await
-                .map_err(|e| e.to_string())
-        };
-        match tokio::time::timeout(REDIS_TIMEOUT, joined).await {
-            Ok(Ok(first)) => first,
-            Ok(Err(error)) => {
-                tracing::debug!(%error, lock = name, "queue not joined");
-                None
-            }
-            Err(_) => {
-                tracing::debug!(lock = name, "joining the queue timed out");
-                None
-            }
-        }
+        self.run::<Option<String>>(&join, name, "joining the queue")
+            .await
+            .flatten()
     }
 
     /// Takes `replica` off `name`'s queue: its waiting head gave up, or it was served
@@ -181,16 +167,7 @@ impl ReplicaQueue {
     pub async fn leave(&self, name: &str, replica: &str) {
         let mut leave = LEAVE.key(self.key(name));
         leave.key(self.named_key(name)).arg(replica);
-        let leave = async {
-            let mut conn = self.redis.get().await.map_err(|e| e.to_string())?;
-            leave
-                .invoke_async::<i64>(&mut conn)
-                .await
-                .map_err(|e| e.to_string())
-        };
-        if let Ok(Err(error)) = tokio::time::timeout(REDIS_TIMEOUT, leave).await {
-            tracing::debug!(%error, lock = name, "queue not left; pruned later");
-        }
+        self.run::<i64>(&leave, name, "leaving the queue").await;
     }
 
     /// Announces that `token`'s row of `name` is gone, taking `replica` off the queue
@@ -211,21 +188,34 @@ impl ReplicaQueue {
             .arg(if served { "1" } else { "0" })
             .arg(MISSES_ALLOWED)
             .arg(millis(QUEUE_TTL));
-        let announce = async {
+        self.run::<Option<String>>(&release, name, "announcing a release")
+            .await
+            .flatten()
+    }
+
+    /// Runs `script` for lock `name`, bounded by `REDIS_TIMEOUT`; `None` if it failed
+    /// (logged as `what`).
+    async fn run<T: FromRedisValue>(
+        &self,
+        script: &ScriptInvocation<'_>,
+        name: &str,
+        what: &str,
+    ) -> Option<T> {
+        let run = async {
             let mut conn = self.redis.get().await.map_err(|e| e.to_string())?;
-            release
-                .invoke_async::<Option<String>>(&mut conn)
+            script
+                .invoke_async::<T>(&mut conn)
                 .await
                 .map_err(|e| e.to_string())
         };
-        match tokio::time::timeout(REDIS_TIMEOUT, announce).await {
-            Ok(Ok(next)) => next,
+        match tokio::time::timeout(REDIS_TIMEOUT, run).await {
+            Ok(Ok(answer)) => Some(answer),
             Ok(Err(error)) => {
-                tracing::debug!(%error, lock = name, "release notice not sent");
+                tracing::debug!(%error, lock = name, "{what} failed");
                 None
             }
             Err(_) => {
-                tracing::debug!(lock = name, "release notice timed out");
+                tracing::debug!(lock = name, "{what} timed out");
                 None
             }
         }

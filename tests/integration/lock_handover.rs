@@ -156,6 +156,20 @@ async fn db_unique_serves_replicas_in_the_order_they_began_waiting() {
     nothing_left(&cluster, &[&holder, &east, &west]).await;
 }
 
+/// Two replicas hearing each other's release notices.
+async fn holder_and_waiter(cluster: &TestCluster) -> (Arc<TableLock>, Arc<TableLock>) {
+    let holder = replica(cluster, "holder").await;
+    let waiter = replica(cluster, "waiter").await;
+    subscribed(&[&holder, &waiter]).await;
+    (holder, waiter)
+}
+
+/// `lock`'s acquisition of `item`, waiting in a task of its own.
+fn wait_for_item(lock: &Arc<TableLock>) -> tokio::task::JoinHandle<impl HeldLock + use<>> {
+    let lock = lock.clone();
+    tokio::spawn(async move { lock.acquire("item", WAIT).await.expect("acquired") })
+}
+
 /// The members of a queue of replicas, first first.
 async fn queued(redis: &flashsale::redis_pool::Pool, queue: &str) -> Vec<String> {
     let mut conn = redis.get().await.expect("redis");
@@ -176,9 +190,7 @@ async fn queued(redis: &flashsale::redis_pool::Pool, queue: &str) -> Vec<String>
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn db_unique_named_replica_that_never_comes_is_taken_off_the_queue() {
     let cluster = TestCluster::start(1, &[]).await;
-    let holder = replica(&cluster, "holder").await;
-    let waiter = replica(&cluster, "waiter").await;
-    subscribed(&[&holder, &waiter]).await;
+    let (holder, waiter) = holder_and_waiter(&cluster).await;
     let redis = redis_pool();
     let queue = format!("{}:lock-row-waiting:item", cluster.namespace);
     // A replica that joined long ago and crashed.
@@ -193,10 +205,7 @@ async fn db_unique_named_replica_that_never_comes_is_taken_off_the_queue() {
         .expect("ZADD");
     for round in 0..2 {
         let held = holder.acquire("item", WAIT).await.expect("held");
-        let waiting = tokio::spawn({
-            let waiter = waiter.clone();
-            async move { waiter.acquire("item", WAIT).await.expect("acquired") }
-        });
+        let waiting = wait_for_item(&waiter);
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(
             queued(&redis, &queue).await,
@@ -221,9 +230,7 @@ async fn db_unique_named_replica_that_never_comes_is_taken_off_the_queue() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn db_unique_replica_taken_off_the_queue_joins_again() {
     let cluster = TestCluster::start(1, &[]).await;
-    let holder = replica(&cluster, "holder").await;
-    let waiter = replica(&cluster, "waiter").await;
-    subscribed(&[&holder, &waiter]).await;
+    let (holder, waiter) = holder_and_waiter(&cluster).await;
     let redis = redis_pool();
     let queue = format!("{}:lock-row-waiting:item", cluster.namespace);
     let channel = format!("{}:lock-row-released:item", cluster.namespace);
@@ -264,16 +271,11 @@ async fn db_unique_replica_taken_off_the_queue_joins_again() {
 #[tokio::test]
 async fn db_unique_hold_released_without_its_row_leaves_the_queue() {
     let cluster = TestCluster::start(1, &[]).await;
-    let holder = replica(&cluster, "holder").await;
-    let waiter = replica(&cluster, "waiter").await;
-    subscribed(&[&holder, &waiter]).await;
+    let (holder, waiter) = holder_and_waiter(&cluster).await;
     let redis = redis_pool();
     let queue = format!("{}:lock-row-waiting:item", cluster.namespace);
     let held = holder.acquire("item", WAIT).await.expect("held");
-    let waiting = tokio::spawn({
-        let waiter = waiter.clone();
-        async move { waiter.acquire("item", WAIT).await.expect("acquired") }
-    });
+    let waiting = wait_for_item(&waiter);
     tokio::time::sleep(Duration::from_millis(50)).await;
     held.release().await.expect("released");
     let guard = waiting.await.expect("waiter");
