@@ -18,8 +18,8 @@
 //! store) for a lock whose truth is in another store, and so it stays a hint, as the
 //! notice is.
 //!
-//! The script also keeps whom it named. A release by another replica means the named
-//! one was not served in between (it died, it is slow, or a head that was not queued
+//! The script also keeps whom it named. A served release by another replica means the
+//! named one was not served in between (it died, it is slow, or a head that was not queued
 //! got in first): a miss. At `MISSES_ALLOWED` misses in a row it is taken off, and a
 //! live one joins again, at the back, with its next failed INSERT; so a dead replica
 //! costs the others a few hold-backs, not one at every release. A head that gives up
@@ -163,7 +163,7 @@ impl ReplicaQueue {
 
     /// Takes `replica` off `name`'s queue: its waiting head gave up, or it was served
     /// without a release notice. Best effort: a member left behind is named, does not
-    /// come, and is taken off then.
+    /// come, and is taken off at its third miss.
     pub async fn leave(&self, name: &str, replica: &str) {
         let mut leave = LEAVE.key(self.key(name));
         leave.key(self.named_key(name)).arg(replica);

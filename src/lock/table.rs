@@ -49,9 +49,10 @@
 //!   other head, the releaser's own next one included, holds back for `HOLD_BACK`
 //!   (5 ms) unless a release names it meanwhile. A poll, which may come just after a
 //!   release as a notice does, asks the queue first (its join answers who is first).
-//!   A named replica that is not served before the next release (it crashed, or is
-//!   slow) misses its turn; at the third miss the release script takes it off, and a
-//!   live one comes back at the back with its next failed INSERT. An uncontended
+//!   A named replica that another replica's served release finds still unserved (it
+//!   crashed, it is slow, or a head that was not queued got in first) missed its
+//!   turn; at the third miss in a row the release script takes it off, and a live one
+//!   comes back at the back with its next failed INSERT. An uncontended
 //!   replica pays nothing: with nobody queued, nobody is named. The queue is a hint,
 //!   like the notice: it decides who tries first, never who holds.
 //! - **Handed over within a replica**: a holder whose own replica has requests queued
@@ -425,7 +426,7 @@ impl TableLock {
             .map_err(|_| LockError::Timeout { waited: wait })?
     }
 
-    /// The replica the last notice named to go next, if not this one.
+    /// Whether the last notice named another replica to go next.
     fn named_other(&self, wakeup: &Wakeup) -> bool {
         wakeup
             .take_named()
@@ -781,11 +782,13 @@ impl Place {
             .is_some_and(|first| first != self.rows.owner)
     }
 
-    /// Waits for the last join to land (it is bounded; almost always it has).
+    /// Waits for the last join to land (it is bounded; almost always it has). Cut off
+    /// meanwhile, the handle stays for the leave to wait for.
     async fn settled(&mut self) {
-        if let Some(join) = self.last_join.take() {
+        if let Some(join) = self.last_join.as_mut() {
             let _ = join.await;
         }
+        self.last_join = None;
     }
 
     fn joining(&self) -> bool {
