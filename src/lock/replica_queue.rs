@@ -141,7 +141,7 @@ impl ReplicaQueue {
     }
 
     /// The Redis key of `name`'s queue.
-    pub fn key(&self, name: &str) -> String {
+    fn key(&self, name: &str) -> String {
         format!("{}{name}", self.queue_prefix)
     }
 

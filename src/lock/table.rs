@@ -619,8 +619,7 @@ impl DistributedLock for TableLock {
                 () = sleep_until(retry_at) => {
                     after_release = false;
                     // A poll covers a lost notice, and may come just after a release
-                    // like any notice: the replica first in the queue goes first. The
-                    // join regains a place lost to a late leave.
+                    // like any notice: the replica first in the queue goes first.
                     others_first = place.another_first(deadline).await;
                 }
             }
@@ -766,9 +765,7 @@ impl Place {
     /// Joins the queue and says whether another replica is first in it; bounded by
     /// `deadline`.
     async fn another_first(&mut self, deadline: Instant) -> bool {
-        if !self.joining() {
-            self.send_join();
-        }
+        self.join();
         let Some(join) = self.last_join.as_mut() else {
             return false;
         };

@@ -97,9 +97,7 @@ async fn db_unique_hands_its_row_to_the_replicas_next_waiter() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn db_unique_runs_of_handovers_are_bounded() {
     let cluster = TestCluster::start(1, &[]).await;
-    let busy = replica(&cluster, "busy").await;
-    let other = replica(&cluster, "other").await;
-    subscribed(&[&busy, &other]).await;
+    let (busy, other) = two_replicas(&cluster, "busy", "other").await;
     runs_are_bounded("db-unique", busy.clone(), other.clone()).await;
     nothing_left(&cluster, &[&busy, &other]).await;
 }
@@ -157,11 +155,15 @@ async fn db_unique_serves_replicas_in_the_order_they_began_waiting() {
 }
 
 /// Two replicas hearing each other's release notices.
-async fn holder_and_waiter(cluster: &TestCluster) -> (Arc<TableLock>, Arc<TableLock>) {
-    let holder = replica(cluster, "holder").await;
-    let waiter = replica(cluster, "waiter").await;
-    subscribed(&[&holder, &waiter]).await;
-    (holder, waiter)
+async fn two_replicas(
+    cluster: &TestCluster,
+    first: &str,
+    second: &str,
+) -> (Arc<TableLock>, Arc<TableLock>) {
+    let first = replica(cluster, first).await;
+    let second = replica(cluster, second).await;
+    subscribed(&[&first, &second]).await;
+    (first, second)
 }
 
 /// `lock`'s acquisition of `item`, waiting in a task of its own.
@@ -190,7 +192,7 @@ async fn queued(redis: &flashsale::redis_pool::Pool, queue: &str) -> Vec<String>
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn db_unique_named_replica_that_never_comes_is_taken_off_the_queue() {
     let cluster = TestCluster::start(1, &[]).await;
-    let (holder, waiter) = holder_and_waiter(&cluster).await;
+    let (holder, waiter) = two_replicas(&cluster, "holder", "waiter").await;
     let redis = redis_pool();
     let queue = format!("{}:lock-row-waiting:item", cluster.namespace);
     // A replica that joined long ago and crashed.
@@ -230,7 +232,7 @@ async fn db_unique_named_replica_that_never_comes_is_taken_off_the_queue() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn db_unique_replica_taken_off_the_queue_joins_again() {
     let cluster = TestCluster::start(1, &[]).await;
-    let (holder, waiter) = holder_and_waiter(&cluster).await;
+    let (holder, waiter) = two_replicas(&cluster, "holder", "waiter").await;
     let redis = redis_pool();
     let queue = format!("{}:lock-row-waiting:item", cluster.namespace);
     let channel = format!("{}:lock-row-released:item", cluster.namespace);
@@ -271,7 +273,7 @@ async fn db_unique_replica_taken_off_the_queue_joins_again() {
 #[tokio::test]
 async fn db_unique_hold_released_without_its_row_leaves_the_queue() {
     let cluster = TestCluster::start(1, &[]).await;
-    let (holder, waiter) = holder_and_waiter(&cluster).await;
+    let (holder, waiter) = two_replicas(&cluster, "holder", "waiter").await;
     let redis = redis_pool();
     let queue = format!("{}:lock-row-waiting:item", cluster.namespace);
     let held = holder.acquire("item", WAIT).await.expect("held");
@@ -297,9 +299,7 @@ async fn db_unique_hold_released_without_its_row_leaves_the_queue() {
 #[tokio::test(flavor = "current_thread")]
 async fn db_unique_row_handed_to_a_waiter_that_gave_up_is_freed_at_once() {
     let cluster = TestCluster::start(1, &[]).await;
-    let holder = replica(&cluster, "holder").await;
-    let other = replica(&cluster, "other").await;
-    subscribed(&[&holder, &other]).await;
+    let (holder, other) = two_replicas(&cluster, "holder", "other").await;
     let mut notices = redis_client()
         .get_async_pubsub()
         .await
@@ -336,9 +336,7 @@ async fn db_unique_row_handed_to_a_waiter_that_gave_up_is_freed_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn db_unique_releases_cut_at_every_point_leave_the_lock_to_the_waiters() {
     let cluster = TestCluster::start(1, &[]).await;
-    let holder = replica(&cluster, "holder").await;
-    let other = replica(&cluster, "other").await;
-    subscribed(&[&holder, &other]).await;
+    let (holder, other) = two_replicas(&cluster, "holder", "other").await;
     let inside = Arc::new(AtomicUsize::new(0));
     for step in 0..40 {
         let after = Duration::from_micros(50 * step);
