@@ -271,6 +271,7 @@ pub fn registry(backends: &Backends) -> Registry {
         }),
         Arc::new(optimistic::OptimisticStrategy {
             max_attempts: backends.optimistic_attempts,
+            contenders: Default::default(),
         }),
         Arc::new(LockStrategy {
             explanation: zookeeper::explanation(),

@@ -1,6 +1,8 @@
 //! `optimistic`: no lock. Read the stock and the row's version, then write only if the
 //! version is unchanged; on a conflict, back off and retry, a bounded number of times.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -10,16 +12,21 @@ use crate::lock::jittered_backoff;
 use crate::model::{NewOrder, Order, Sku};
 use crate::store::{ClusterEvent, Refusal, StockWrite};
 
-/// The first wait after a conflict: 4–8 ms, several winners' read-to-commit times. A
-/// loser that comes back sooner mostly reads the version the next winner is about to
-/// change and conflicts again, costing the database a read, an update and a rollback;
-/// 8 ms sold 1.12× the orders of 2 ms at 30 connections (BENCHMARKS.md, item 15).
-const BACKOFF_BASE: Duration = Duration::from_millis(8);
+/// The first wait after a conflict, per buyer of this replica contending for the SKU:
+/// a loser should come back about when the others have had their turn, and each turn
+/// is one winner's read-to-commit time (about 1 ms here) on each of the replicas
+/// selling. A fixed first wait is too short when many contend, so they conflict again
+/// and the database spends a read, an update and a rollback on each, and too long for
+/// a buyer alone. At 30 connections (10 a replica) 3 ms per contender sold 1.11× the
+/// orders of a fixed 8 ms and halved the conflicts (BENCHMARKS.md, item 21).
+const BACKOFF_PER_CONTENDER: Duration = Duration::from_millis(3);
 const BACKOFF_CAP: Duration = Duration::from_millis(100);
 
 pub struct OptimisticStrategy {
     /// Attempts before answering 503 (the first try included).
     pub max_attempts: u32,
+    /// This replica's buyers in `buy`, per SKU: what each conflict's backoff scales with.
+    pub contenders: Contenders,
 }
 
 #[async_trait]
@@ -36,7 +43,8 @@ impl Strategy for OptimisticStrategy {
                       checks the stock, does its work, then updates the row only if the version \
                       is still the one it read, inserting the order in the same transaction. If \
                       another writer got there first, zero rows change: the replica backs off \
-                      with jitter and tries again, up to a bound. Redis is updated only with a \
+                      with jitter, longer the more of its buyers contend for the product, \
+                      and tries again, up to a bound. Redis is updated only with a \
                       newer version, so a late writer never restores an older stock.",
             commands: vec![
                 "SELECT p.stock, p.version, e.value FROM products p \
@@ -46,7 +54,8 @@ impl Strategy for OptimisticStrategy {
                  WHERE p.sku = ? AND e.value = <epoch> AND p.version = ? AND p.stock >= ?; \
                  INSERT INTO orders ...; COMMIT",
                 "0 rows updated: ROLLBACK at once (the refused UPDATE holds the row's lock), \
-                 sleep (jittered, growing), read again, retry",
+                 sleep (jittered; 3 ms per buyer of this replica contending, doubling with \
+                 each conflict, at most 100 ms), read again, retry",
                 "Lua: if version > cached version then SET <ns>:stock:<sku>, SET <ns>:stock-version:<sku>",
             ],
             failure_mode: "Retry storm: under heavy contention on one row most attempts conflict, \
@@ -90,6 +99,7 @@ impl OptimisticStrategy {
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
         let store = &flow.store;
+        let contending = self.contenders.enter(&order.sku);
         let mut attempts = 0;
         loop {
             // Read first, also after the last conflict: a write refused because the
@@ -129,7 +139,8 @@ impl OptimisticStrategy {
                 .cluster
                 .count(self.name(), ClusterEvent::OptimisticConflict)
                 .await;
-            tokio::time::sleep(jittered_backoff(attempts, BACKOFF_BASE, BACKOFF_CAP)).await;
+            let base = backoff_base(contending.count());
+            tokio::time::sleep(jittered_backoff(attempts, base, BACKOFF_CAP)).await;
             attempts += 1;
         }
         store
@@ -140,5 +151,104 @@ impl OptimisticStrategy {
             "{} optimistic attempts all conflicted with other writers; try again",
             self.max_attempts
         )))
+    }
+}
+
+/// The first backoff for `contenders` buyers (the one backing off included).
+fn backoff_base(contenders: usize) -> Duration {
+    let contenders = u32::try_from(contenders.max(1)).unwrap_or(u32::MAX);
+    BACKOFF_PER_CONTENDER.saturating_mul(contenders)
+}
+
+/// How many of this replica's buyers are contending for each SKU. Only a hint for
+/// the backoff: nobody waits for anybody here, so optimistic stays lock-free.
+#[derive(Default)]
+pub struct Contenders {
+    by_sku: Mutex<HashMap<Sku, usize>>,
+}
+
+/// One buyer counted among its SKU's contenders until dropped: a buyer whose
+/// request is cut mid-attempt stops counting there too.
+struct Contending<'a> {
+    contenders: &'a Contenders,
+    sku: &'a Sku,
+}
+
+impl Contenders {
+    fn enter<'a>(&'a self, sku: &'a Sku) -> Contending<'a> {
+        *self.counts().entry(sku.clone()).or_insert(0) += 1;
+        Contending {
+            contenders: self,
+            sku,
+        }
+    }
+
+    fn counts(&self) -> std::sync::MutexGuard<'_, HashMap<Sku, usize>> {
+        self.by_sku.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Contending<'_> {
+    fn count(&self) -> usize {
+        self.contenders.counts().get(self.sku).copied().unwrap_or(1)
+    }
+}
+
+impl Drop for Contending<'_> {
+    fn drop(&mut self) {
+        let mut counts = self.contenders.counts();
+        if let Some(count) = counts.get_mut(self.sku) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(self.sku);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sku(name: &str) -> Sku {
+        Sku::try_from(name.to_owned()).unwrap()
+    }
+
+    #[test]
+    fn contenders_are_counted_per_sku_until_they_leave() {
+        let contenders = Contenders::default();
+        let (hot, cold) = (sku("hot"), sku("cold"));
+        let first = contenders.enter(&hot);
+        let second = contenders.enter(&hot);
+        let other = contenders.enter(&cold);
+        assert_eq!((first.count(), other.count()), (2, 1));
+        drop(second);
+        assert_eq!(first.count(), 1);
+        drop((first, other));
+        assert!(
+            contenders.counts().is_empty(),
+            "no SKU is kept once nobody contends"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_buyer_cut_while_backing_off_stops_counting() {
+        let contenders = Contenders::default();
+        let hot = sku("hot");
+        let backing_off = async {
+            let _contending = contenders.enter(&hot);
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        };
+        let cut = tokio::time::timeout(Duration::from_millis(10), backing_off).await;
+        assert!(cut.is_err());
+        assert!(contenders.counts().is_empty());
+    }
+
+    #[test]
+    fn the_backoff_grows_with_the_contenders() {
+        assert_eq!(backoff_base(0), BACKOFF_PER_CONTENDER);
+        assert_eq!(backoff_base(1), BACKOFF_PER_CONTENDER);
+        assert_eq!(backoff_base(10), BACKOFF_PER_CONTENDER * 10);
+        assert_eq!(backoff_base(usize::MAX), BACKOFF_PER_CONTENDER * u32::MAX);
     }
 }
