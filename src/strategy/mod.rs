@@ -269,10 +269,9 @@ pub fn registry(backends: &Backends) -> Registry {
             lock: TableLock::new(backends.mysql.clone(), owner, backends.lease)
                 .with_release_notices(backends.redis_pool.clone(), &backends.namespace),
         }),
-        Arc::new(optimistic::OptimisticStrategy {
-            max_attempts: backends.optimistic_attempts,
-            contenders: Default::default(),
-        }),
+        Arc::new(optimistic::OptimisticStrategy::new(
+            backends.optimistic_attempts,
+        )),
         Arc::new(LockStrategy {
             explanation: zookeeper::explanation(),
             lock: ZooKeeperLock::new(

@@ -13,6 +13,8 @@
 //! most shoppers hang up after 1-8 ms. After either, once the replicas are quiet,
 //! patient shoppers must be able to buy exactly what is left, and the records agree.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
@@ -244,6 +246,72 @@ async fn queued_shoppers_who_hang_up_leave_the_queue(strategy: &str) {
         (stats["orders"].as_i64(), stats["consistent"].as_bool()),
         (Some(3), Some(true)),
         "{strategy}: {stats}"
+    );
+}
+
+/// An optimistic shopper who hangs up while conflicting is not retried for: nothing is
+/// held between attempts, so the replica stops at the next backoff. A rival bumps the
+/// row's version faster than the shopper's 100 ms of work, so every attempt conflicts;
+/// without the stop, the shopper's order kept conflicting for its 500 attempts after
+/// the hang-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn optimistic_shopper_who_hangs_up_is_not_retried_for() {
+    let cluster =
+        TestCluster::start(1, &["--work-ms", "100", "--optimistic-attempts", "500"]).await;
+    cluster.set_strategy("optimistic").await;
+    let sku = "hang-up-backoff";
+    cluster.reset(sku, 10).await;
+    let mysql = cluster.mysql().await;
+    // Stopped by the flag, not aborted: a query dropped mid-flight can leave its
+    // connection half-used.
+    let stop = Arc::new(AtomicBool::new(false));
+    let rival = {
+        let (mysql, sku, stop) = (mysql.clone(), sku.to_owned(), stop.clone());
+        tokio::spawn(async move {
+            let started = Instant::now();
+            while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(10) {
+                sqlx::query("UPDATE products SET version = version + 1 WHERE sku = ?")
+                    .bind(&sku)
+                    .execute(&mysql)
+                    .await
+                    .expect("rival's write");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let conflicts = || async {
+        let stats = cluster.get_json(0, "/api/stats").await;
+        stats["counters"]["optimistic.conflicts"]
+            .as_i64()
+            .unwrap_or(0)
+    };
+    let answer = cluster
+        .http
+        .post(cluster.url(0, "/api/orders"))
+        .json(&json!({ "sku": sku, "user_id": "leaves", "quantity": 1 }))
+        .timeout(Duration::from_millis(600))
+        .send()
+        .await;
+    assert!(answer.is_err(), "the shopper was answered: {answer:?}");
+    let at_hang_up = conflicts().await;
+    assert!(at_hang_up >= 2, "the shopper conflicted: {at_hang_up}");
+    // Six more attempts' time: the one under way at the hang-up may still conflict.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let later = conflicts().await;
+    stop.store(true, Ordering::Relaxed);
+    rival.await.expect("rival");
+    assert!(
+        later <= at_hang_up + 1,
+        "retried after the hang-up: {at_hang_up} conflicts, then {later}"
+    );
+    assert_eq!(cluster.count_orders(sku).await, 0);
+    let status = buy_patiently(&cluster, sku, "stays").await;
+    assert_eq!(status, StatusCode::CREATED, "the stock is still sellable");
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        (stats["orders"].as_i64(), stats["consistent"].as_bool()),
+        (Some(1), Some(true)),
+        "{stats}"
     );
 }
 
