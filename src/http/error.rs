@@ -235,7 +235,9 @@ fn order_message(error: &OrderError) -> String {
         OrderError::SaleChanged => "the sale changed (strategy, fencing, reset or \
              reconcile) while the order was under way; nothing was written, try again"
             .into(),
-        OrderError::Abandoned => "the request ended before the order began".into(),
+        OrderError::Abandoned => {
+            "the shopper left before the order was placed; nothing was written".into()
+        }
         OrderError::LockBackend { backend, .. } => {
             format!("{backend} is unavailable; try again shortly")
         }

@@ -124,8 +124,9 @@ pub enum OrderError {
     /// optimistic: every attempt conflicted with another writer.
     #[error("{0}")]
     GaveUp(String),
-    /// The shopper's request ended before the order began; nothing was done.
-    #[error("the request ended before the order began")]
+    /// The shopper's request ended before the order was placed; nothing was written
+    /// (a lock wait left, or optimistic's retries stopped).
+    #[error("the shopper left before the order was placed; nothing was written")]
     Abandoned,
     #[error("{backend}: {detail}")]
     LockBackend {
@@ -155,7 +156,7 @@ pub enum Outcome {
     /// Redis lost the SKU's stock; an admin must reconcile.
     Unavailable,
     BackendUnavailable,
-    /// The shopper was gone before the order began (nobody receives this answer).
+    /// The shopper was gone before the order was placed (nobody receives this answer).
     Abandoned,
     Internal,
 }

@@ -94,6 +94,7 @@ impl Strategy for OptimisticStrategy {
 
 impl OptimisticStrategy {
     pub fn new(max_attempts: u32) -> Self {
+        debug_assert!(max_attempts > 0, "the configuration allows 1 to 1000");
         Self {
             max_attempts,
             contenders: Contenders::default(),
@@ -153,10 +154,12 @@ impl OptimisticStrategy {
             if attempts + 1 < self.max_attempts {
                 let wait = conflict_wait(attempts, contending.count());
                 tokio::select! {
-                    () = tokio::time::sleep(wait) => {}
+                    // A shopper who left wins over a sleep that ended too.
+                    biased;
                     // Nothing is held between attempts, so a shopper who left (hung
                     // up, timed out) leaves nothing behind and is not retried for.
                     () = options.client_gone.cancelled() => return Err(OrderError::Abandoned),
+                    () = tokio::time::sleep(wait) => {}
                 }
             }
             attempts += 1;
@@ -291,7 +294,7 @@ mod tests {
         within(2, 10, 50, 100);
         within(0, 40, 50, 100);
         // Past u32's contenders the base saturates rather than wrapping to nothing.
-        within(0, u32::MAX as usize + 1, 50, 100);
+        within(0, (u32::MAX as usize).saturating_add(1), 50, 100);
     }
 
     fn ms(millis: u64) -> Duration {

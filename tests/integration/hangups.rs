@@ -275,7 +275,7 @@ async fn optimistic_shopper_who_hangs_up_is_not_retried_for() {
                     .execute(&mysql)
                     .await
                     .expect("rival's write");
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
         })
     };
@@ -295,7 +295,7 @@ async fn optimistic_shopper_who_hangs_up_is_not_retried_for() {
     assert!(answer.is_err(), "the shopper was answered: {answer:?}");
     let at_hang_up = conflicts().await;
     assert!(at_hang_up >= 2, "the shopper conflicted: {at_hang_up}");
-    // Six more attempts' time: the one under way at the hang-up may still conflict.
+    // Three attempts' time or more: the one under way at the hang-up may still conflict.
     tokio::time::sleep(Duration::from_millis(700)).await;
     let later = conflicts().await;
     stop.store(true, Ordering::Relaxed);
