@@ -757,9 +757,18 @@ impl Place {
     /// Joins the queue (nothing if the replica is in it already) without waiting for
     /// the answer, unless a join is on its way already.
     fn join(&mut self) {
-        if !self.joining() {
-            self.send_join();
+        let on_its_way = self.last_join.as_ref().is_some_and(|j| !j.is_finished());
+        if on_its_way || self.rows.queue.is_none() {
+            return;
         }
+        self.joined = true;
+        let (rows, name) = (self.rows.clone(), self.name.clone());
+        self.last_join = Some(self.rows.tasks.spawn_awaited(async move {
+            match &rows.queue {
+                Some(queue) => queue.join(&name, &rows.owner).await,
+                None => None,
+            }
+        }));
     }
 
     /// Joins the queue and says whether another replica is first in it; bounded by
@@ -786,26 +795,6 @@ impl Place {
             let _ = join.await;
         }
         self.last_join = None;
-    }
-
-    fn joining(&self) -> bool {
-        self.last_join
-            .as_ref()
-            .is_some_and(|join| !join.is_finished())
-    }
-
-    fn send_join(&mut self) {
-        if self.rows.queue.is_none() {
-            return;
-        }
-        self.joined = true;
-        let (rows, name) = (self.rows.clone(), self.name.clone());
-        self.last_join = Some(self.rows.tasks.spawn_awaited(async move {
-            match &rows.queue {
-                Some(queue) => queue.join(&name, &rows.owner).await,
-                None => None,
-            }
-        }));
     }
 }
 

@@ -21,8 +21,9 @@ pub fn explanation() -> Explanation {
                   order they began: a release names the first in its notice and the \
                   others hold back 5 ms, so replicas are served in turn rather than by \
                   who wins the race between their heads (one named at three releases \
-                  without being served goes to the back). A holder whose own replica has requests queued hands \
-                  the row to the next of them with one UPDATE of the owner instead of \
+                  without being served goes to the back). A holder whose own replica \
+                  has requests queued hands the row to the next of them with one UPDATE \
+                  of the owner instead of \
                   deleting it (one statement where a release and an INSERT took two), at \
                   most 8 times in a row; then it releases the row to every replica.",
         commands: vec![
