@@ -28,7 +28,9 @@
 #   FLASHSALE_LOCK_LEASE_MS and FLASHSALE_ZK_SESSION_MS as for `flashsale serve`;
 #   BENCH_ORDER_SECONDS (5), BENCH_CONNECTIONS (10 per replica), BENCH_PORT (8181,
 #   the first of the three replicas this script starts and stops), BENCH_STRATEGIES
-#   (space-separated, default all), BENCH_BINARY (default target/release/flashsale),
+#   (space-separated, default all), BENCH_BIN_DIR (default target/release: the
+#   binaries measured; any other folder is used as it is, without a build: scripts/test.sh
+#   points it at the debug build its tests made, so the workspace is not built twice),
 #   BENCH_STACK_DIR (the services' pidfiles, for the CPU table; default .stack);
 #   BENCH_DOC, the document written (default BENCHMARKS.md; scripts/test.sh runs a
 #   small lockbench section into a scratch file, so the pipeline cannot rot).
@@ -84,8 +86,13 @@ MARIADB_VERSION=$(version mariadb --version || true)
 ETCD_VERSION=$(version etcd --version || true)
 ZK_VERSION=$(ls /usr/share/java/zookeeper-[0-9]*.jar 2>/dev/null | grep -oE '[0-9]+\.[0-9]+\.[0-9]+' | head -n1 || true)
 
-log "building (release)"
-cargo build --release --workspace --quiet
+BIN_DIR=${BENCH_BIN_DIR:-target/release}
+if [ "$BIN_DIR" = target/release ]; then
+  log "building (release)"
+  cargo build --release --workspace --quiet
+fi
+[ -x "$BIN_DIR/lockbench" ] && [ -x "$BIN_DIR/flashsale" ] || die "no lockbench and flashsale in $BIN_DIR"
+export BENCH_BINARY=$BIN_DIR/flashsale
 
 # Replaces the block between <!-- $1:begin --> and <!-- $1:end -->
 # in the document ($DOC) with the file $2 (markers included in it), or appends it if
@@ -146,7 +153,7 @@ installed from PyPI"
             --lease-ms "${FLASHSALE_LOCK_LEASE_MS:-10000}" \
             --zk-session-ms "${FLASHSALE_ZK_SESSION_MS:-4000}") || out="" ;;
         *)
-          out=$(timeout "$bound" target/release/lockbench --lock "$lock" \
+          out=$(timeout "$bound" "$BIN_DIR/lockbench" --lock "$lock" \
             --contenders "$CONTENDERS" --seconds "$SECONDS_PER_RUN") || out="" ;;
       esac
       # Both exit non-zero when a run failed, which empties out.
@@ -158,7 +165,7 @@ installed from PyPI"
       fi
     done
   done
-  target/release/lockbench --table "$results" >"$WORK/lockbench-table.md"
+  "$BIN_DIR/lockbench" --table "$results" >"$WORK/lockbench-table.md"
   local against
   if [ -n "$peers" ]; then
     against="The libraries people use instead are the rows below ours, measured in the
@@ -191,7 +198,7 @@ section, release* on one lock name for $SECONDS_PER_RUN s; every lock run $REPEA
 
     target/release/lockbench --lock NAME --contenders $CONTENDERS --seconds $SECONDS_PER_RUN
 
-- Commit \`$COMMIT\`, release build.
+- Commit \`$COMMIT\`, binaries from \`$BIN_DIR\`.
 - Machine: $CORES cores (${CPU:-unknown CPU}), $MEMORY GiB memory; load average
   $load as the runs began. Contenders, services and whatever else runs share
   the cores: compare the locks with each other, not with other machines.

@@ -48,14 +48,23 @@ fi
 
 ./scripts/check-deploy.sh  # docker-compose.yml, Prometheus and Grafana configuration
 
+# cargo-nextest runs the suite: a process per test, many at once, each bounded in
+# time, the CPU-heavy ones in turns (.config/nextest.toml). Installed from crates.io
+# when missing (a few minutes, once).
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "[test] installing cargo-nextest from crates.io" >&2
+  cargo install --locked --quiet cargo-nextest
+fi
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-# Every test binary runs even after one fails (--no-fail-fast), and the totals are
-# printed whatever the outcome; the script fails when cargo or the bench check did.
+started=$SECONDS
+# Every test runs even after one fails (--no-fail-fast), and the totals are printed
+# whatever the outcome; the script fails when a test or the bench check did.
 set +e
-cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$log"
+cargo nextest run --workspace --no-fail-fast "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
+echo "[test] the tests took $((SECONDS - started)) s" >&2
 # The benchmark pipeline (lockbench, the peers' libraries from PyPI, the goals table;
 # the orders under two strategies with their ratio, time and CPU tables) once, small,
 # into a scratch document: it runs rarely by hand and must not rot between runs.
@@ -65,9 +74,11 @@ if [ $# = 0 ]; then
   bench_doc=$(mktemp)
   trap 'rm -f "$log" "$bench_doc"' EXIT
   bench_status=0
-  BENCH_DOC=$bench_doc BENCH_REPEAT=1 BENCH_SECONDS=1 BENCH_CONTENDERS=2 \
+  bench_started=$SECONDS
+  BENCH_DOC=$bench_doc BENCH_BIN_DIR=target/debug BENCH_REPEAT=1 BENCH_SECONDS=1 BENCH_CONTENDERS=2 \
     BENCH_ORDER_SECONDS=1 BENCH_STRATEGIES="none redis-lock" \
     ./scripts/bench.sh --no-stack lockbench orders || bench_status=$?
+  echo "[test] the bench check took $((SECONDS - bench_started)) s" >&2
   measured=$(grep -c '^| [a-z0-9-]* | 1/1 |' "$bench_doc" || true)
   orders=$(sed -n '/^<!-- orders:begin -->$/,/^<!-- orders:end -->$/p' "$bench_doc")
   order_rows=$(grep -cE '^\| (none, 1 connection \(the base\)|redis-lock) \| [0-9]' <<<"$orders" || true)
@@ -84,19 +95,26 @@ if [ $# = 0 ]; then
   fi
 fi
 
-# cargo prints one summary line per test binary; the totals add them up. A binary
-# that crashed, or a build that failed, prints none: the status says so.
-awk -v status="$status" '/^test result:/ { passed += $4; failed += $6 }
+# nextest's summary line ("277 tests run: 275 passed, 2 failed, 0 skipped") in the
+# plain form CI reads; none at all means the build failed or nextest could not start.
+awk -v status="$status" '/^ *Summary \[/ && / tests? run: / {
+       for (i = 1; i <= NF; i++) {
+         if ($(i + 1) ~ /^passed/) passed = $i + 0
+         if ($(i + 1) ~ /^failed/) failed = $i + 0
+         if ($(i + 1) ~ /^timed/) failed += $i + 0
+       }
+       seen = 1
+     }
      END {
        printf "tests: %d passed, %d failed\n", passed, failed
-       if (status != 0 && failed == 0) print "tests: cargo failed without a failing test (a build error or a crashed test binary): see above"
+       if (!seen || (status != 0 && failed == 0)) print "tests: nextest failed without a failing test (a build error?): see above"
      }' "$log"
 
 # CI keeps only the end of the output, and a failing test's panic sits far above it
-# (behind other binaries' results): repeat each panic here, without its backtrace.
-awk '/^---- .* stdout ----$/ { test = $2; panic = 0; next }
-     /^thread .* panicked at / && test != "" {
-       sub(/.* panicked at /, ""); print "panicked: " test " at " $0; shown = 0; panic = 1; next }
-     panic && (/^stack backtrace:/ || /^note: / || /^---- / || /^failures:$/) { panic = 0; next }
+# (behind its logs): repeat each panic here, without its backtrace.
+awk '/^ *thread .* panicked at / {
+       line = $0; sub(/^ *thread /, "", line); test = line; sub(/ .*/, "", test)
+       sub(/.* panicked at /, "", line); print "panicked: " test " at " line; shown = 0; panic = 1; next }
+     panic && (/^ *stack backtrace:/ || /^ *note: / || /^ *[0-9]+: / || /^ *─/) { panic = 0; next }
      panic && shown < 15 { print "  " $0; shown++ }' "$log"
 exit "$status"

@@ -234,7 +234,7 @@ section_orders() {
     echo
     echo "    wrk -t1 -c$CONNECTIONS -d${ORDER_SECONDS}s -s scripts/bench/order.lua http://127.0.0.1:PORT   # per replica"
     echo
-    echo "- Commit \`$COMMIT\`, release build; $CORES cores (${CPU:-unknown CPU}), $MEMORY GiB;"
+    echo "- Commit \`$COMMIT\`, binaries from \`$(dirname "$BINARY")\`; $CORES cores (${CPU:-unknown CPU}), $MEMORY GiB;"
     echo "  load average $load as the runs began. wrk, the replicas and every service"
     echo "  share the cores."
     echo "- Lease ${FLASHSALE_LOCK_LEASE_MS:-10000} ms, lock wait 5 s, 16 MySQL connections per replica."
