@@ -61,14 +61,36 @@ impl CommitCutter {
     }
 }
 
-/// Relays both ways; when armed and a COMMIT goes by, forwards it, lets the server
-/// work, and drops both sockets.
+/// Relays both ways; when armed and a COMMIT goes by, forwards it, waits for the
+/// server's answer (so MySQL has committed), swallows it and drops both sockets.
+///
+/// Waiting for the answer, not for a while: the proxy once slept 300 ms instead, and on
+/// a loaded machine dropped the sockets before MariaDB had read the COMMIT, which then
+/// never happened (0 orders where the test expects 1).
 async fn relay(client: TcpStream, server: TcpStream, armed: Arc<AtomicBool>) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
-    let answers = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
-    });
+    // Set before a cut COMMIT goes out: the next answer is the COMMIT's, kept back.
+    let swallow = Arc::new(AtomicBool::new(false));
+    let (answered, mut commit_answered) = tokio::sync::oneshot::channel::<()>();
+    let answers = {
+        let swallow = swallow.clone();
+        tokio::spawn(async move {
+            let mut buffer = vec![0u8; 64 * 1024];
+            while let Ok(read) = server_read.read(&mut buffer).await {
+                if read == 0 {
+                    break;
+                }
+                if swallow.load(Ordering::SeqCst) {
+                    let _ = answered.send(());
+                    return;
+                }
+                if client_write.write_all(&buffer[..read]).await.is_err() {
+                    break;
+                }
+            }
+        })
+    };
     let mut buffer = vec![0u8; 64 * 1024];
     while let Ok(read) = client_read.read(&mut buffer).await {
         if read == 0 {
@@ -78,9 +100,11 @@ async fn relay(client: TcpStream, server: TcpStream, armed: Arc<AtomicBool>) {
         // COM_QUERY (0x03) followed by the statement text.
         let is_commit = chunk.windows(7).any(|w| w == b"\x03COMMIT");
         if is_commit && armed.swap(false, Ordering::SeqCst) {
-            answers.abort();
+            swallow.store(true, Ordering::SeqCst);
             let _ = server_write.write_all(chunk).await;
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // Bounded: a server that never answers fails the test's assertions.
+            let _ = tokio::time::timeout(Duration::from_secs(10), &mut commit_answered).await;
+            answers.abort();
             return; // both sockets drop: the client never hears the outcome
         }
         if server_write.write_all(chunk).await.is_err() {
