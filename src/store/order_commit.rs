@@ -182,7 +182,7 @@ impl Records {
         wait: Duration,
     ) -> Result<Result<LockedProduct, Refusal>, StoreError> {
         let mut tx = self.begin().await?;
-        let seconds = wait.as_secs().max(1) + u64::from(wait.subsec_nanos() > 0);
+        let seconds = innodb_wait_seconds(wait);
         // The number is ours, not input; MariaDB takes no placeholder in SET STATEMENT.
         let bounded = |statement: &str| {
             sqlx::AssertSqlSafe(format!(
@@ -209,6 +209,13 @@ impl Records {
             .map(|stock| LockedProduct { tx, stock })
             .ok_or(Refusal::UnknownSku))
     }
+}
+
+/// `innodb_lock_wait_timeout` for a wait: InnoDB counts whole seconds, at least one, so
+/// the wait is rounded up and a shopper is never refused before it has passed.
+fn innodb_wait_seconds(wait: Duration) -> u64 {
+    let whole = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    whole.max(1)
 }
 
 /// A lock wait that ran out is its own error (the order answers `lock_timeout`).
@@ -612,5 +619,19 @@ mod tests {
             judge(StockWrite::DecrementAtVersion { version: 3 }, 1, 1, &row),
             Ok(0)
         );
+    }
+
+    /// Found by cargo-mutants (TESTING.md): a wait rounded down (1.5 s becoming 1 s)
+    /// survived the whole suite. Sub-second waits were rounded to 2 s before.
+    #[test]
+    fn row_lock_waits_round_up_to_whole_seconds() {
+        let cases = [(0, 1), (200, 1), (1000, 1), (1001, 2), (1500, 2), (3000, 3)];
+        for (millis, seconds) in cases {
+            assert_eq!(
+                innodb_wait_seconds(Duration::from_millis(millis)),
+                seconds,
+                "{millis} ms"
+            );
+        }
     }
 }
