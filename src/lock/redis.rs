@@ -159,6 +159,8 @@ pub(super) struct SignalKeys {
     /// Present while a try that will wait found the lock held lately (`ACQUIRE`).
     waiting: String,
     ttl_ms: u64,
+    /// How long a release keeps the turn (`RESERVED_FOR`).
+    reserved_ms: u64,
 }
 
 /// How long a waiter sleeps when the lock exists but has no TTL (set by hand?) or
@@ -183,6 +185,8 @@ pub struct RedisLock {
     lease: Duration,
     signals: ReleaseSignals,
     fence_floor: Option<Arc<dyn FenceFloor>>,
+    /// How long this service's releases keep the turn for the waiter they wake.
+    reserved_for: Duration,
     tasks: Tasks,
 }
 
@@ -214,8 +218,17 @@ impl RedisLock {
             lease,
             signals,
             fence_floor: None,
+            reserved_for: RESERVED_FOR,
             tasks,
         }
+    }
+
+    /// Releases keep the turn for the woken waiter for `kept` instead of `RESERVED_FOR`.
+    /// For tests: a try sent right after a release meets the kept turn however late a
+    /// loaded machine sends it (50 ms is a short window there).
+    pub fn with_kept_turn(mut self, kept: Duration) -> RedisLock {
+        self.reserved_for = kept;
+        self
     }
 
     /// Where a lost fencing counter restarts: above `floor`'s answer for the lock name.
@@ -247,6 +260,7 @@ impl RedisLock {
             reserved: format!("{ns}:lock-reserved:{name}"),
             waiting: format!("{ns}:lock-waiting:{name}"),
             ttl_ms: millis(self.lease),
+            reserved_ms: millis(self.reserved_for),
         }
     }
 
@@ -567,7 +581,7 @@ pub(super) async fn release_with(
             .key(&keys.waiting)
             .arg("signal")
             .arg(keys.ttl_ms)
-            .arg(millis(RESERVED_FOR)),
+            .arg(keys.reserved_ms),
     };
     let deleted: i64 = release.invoke_async(conn).await.map_err(redis_error)?;
     Ok(deleted == 1)

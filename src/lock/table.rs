@@ -167,6 +167,8 @@ pub struct TableLock {
     /// This replica's waiting heads, woken by other replicas' releases; `None`: they
     /// poll.
     notices: Option<ReleaseNotices>,
+    /// The longest pause between a waiting head's polls (`BACKOFF_CAP`).
+    poll_cap: Duration,
 }
 
 /// What the lock service shares with its holds and cleanups: the table, and what the
@@ -219,7 +221,16 @@ impl TableLock {
             }),
             local_queues: LocalQueues::default(),
             notices: None,
+            poll_cap: BACKOFF_CAP,
         }
+    }
+
+    /// Waiting heads poll at most every `cap` instead of `BACKOFF_CAP`. For tests: with
+    /// a cap far above their waits, a head gets the lock only from a release notice,
+    /// which 25-50 ms polls make impossible to tell apart by timing.
+    pub fn with_poll_cap(mut self, cap: Duration) -> Self {
+        self.poll_cap = cap;
+        self
     }
 
     /// Publishes a notice on `redis` after each release, and listens there for the
@@ -240,6 +251,7 @@ impl TableLock {
             rows: Arc::new(rows),
             local_queues: self.local_queues,
             notices: Some(notices),
+            poll_cap: self.poll_cap,
         }
     }
 
@@ -457,7 +469,7 @@ impl TableLock {
         } else {
             attempt
         };
-        jittered_backoff(attempt, BACKOFF_BASE, BACKOFF_CAP)
+        jittered_backoff(attempt, BACKOFF_BASE, self.poll_cap)
     }
 }
 

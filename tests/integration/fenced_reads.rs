@@ -17,6 +17,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
+use crate::lock_primitives::within;
 use crate::support::TestCluster;
 
 const POINTS: [&str; 4] = ["before_read", "after_read", "before_commit", "after_commit"];
@@ -71,7 +72,12 @@ async fn every_interleaving_is_fenced(strategy: &str, timing: Timing) {
             ("wakes-last", timing.wakes_last()),
         ] {
             let sku = format!("{point}-{order}");
-            let outcome = stalled_holder_and_rival(&cluster, &sku, point, pause).await;
+            let outcome = within(
+                Duration::from_secs(120),
+                &sku,
+                stalled_holder_and_rival(&cluster, &sku, point, pause),
+            )
+            .await;
             if let Err(failure) = outcome {
                 failures.push(format!("{strategy} {sku}: {failure}"));
             }

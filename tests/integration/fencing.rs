@@ -7,6 +7,9 @@
 use reqwest::StatusCode;
 use serde_json::json;
 
+use std::time::Duration;
+
+use crate::lock_primitives::{bounded, within};
 use crate::support::TestCluster;
 
 /// Runs the scenario and returns the stalled holder's and the rival's statuses.
@@ -27,14 +30,17 @@ async fn paused_holder(strategy: &str, fencing: bool) -> (TestCluster, StatusCod
         .expect("arm the fault");
     assert_eq!(armed.status(), StatusCode::OK);
 
-    let (stalled, rival) = tokio::join!(cluster.order(0, sku, "stalled", 1), async {
-        // The rival comes once the first buyer holds the lock and has claimed the pause.
-        assert!(
-            cluster.wait_until_pause_claimed().await,
-            "{strategy}: the first buyer never claimed the pause"
-        );
-        cluster.order(1, sku, "rival", 1).await
-    });
+    let both = async {
+        tokio::join!(cluster.order(0, sku, "stalled", 1), async {
+            // The rival comes once the first buyer holds the lock and has claimed the pause.
+            assert!(
+                cluster.wait_until_pause_claimed().await,
+                "{strategy}: the first buyer never claimed the pause"
+            );
+            cluster.order(1, sku, "rival", 1).await
+        })
+    };
+    let (stalled, rival) = within(Duration::from_secs(60), "the two orders", both).await;
     let (stalled, rival) = (stalled.status(), rival.status());
     (cluster, stalled, rival)
 }
@@ -119,13 +125,12 @@ async fn fencing_admits_the_first_holder_of_every_lock() {
         cluster.reset(&sku, 5).await;
         cluster.set_strategy(strategy).await;
         for buyer in 0..3 {
-            let placed = cluster
+            let order = cluster
                 .http
                 .post(cluster.url(0, "/api/orders"))
                 .json(&json!({ "sku": sku, "user_id": format!("b{buyer}"), "quantity": 1 }))
-                .send()
-                .await
-                .expect("order");
+                .send();
+            let placed = bounded("an order", order).await.expect("order");
             assert_eq!(
                 placed.status(),
                 StatusCode::CREATED,

@@ -5,6 +5,7 @@
 //! their bounds leave room for a loaded 2-core machine.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use deadpool_redis::redis::AsyncCommands;
@@ -31,6 +32,38 @@ trait LockFactory: Send + Sync + 'static {
     fn lease_left(lock: &Self::Lock, name: &str) -> impl Future<Output = Option<i64>> + Send;
     /// The lock service's background tasks running now.
     fn tasks(lock: &Self::Lock) -> usize;
+    /// Whether a request of `lock` waits for `name` now, as the backend or the lock
+    /// service shows it.
+    fn waits(lock: &Self::Lock, name: &str) -> impl Future<Output = bool> + Send;
+}
+
+/// Waits (at most 10 s, looking every 5 ms) until `condition` holds: the event a test
+/// needs (a waiter queued, a reader up, a row expired), not a guess at how long it takes.
+pub(crate) async fn until<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let started = Instant::now();
+    while !condition().await {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "still not the case after 10 s: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// `future`'s output, which must come within 30 s: no wait of a test is unbounded.
+pub(crate) async fn bounded<T>(what: &str, future: impl Future<Output = T>) -> T {
+    within(Duration::from_secs(30), what, future).await
+}
+
+/// `future`'s output, which must come within `limit` (`what` it is, for the panic).
+pub(crate) async fn within<T>(limit: Duration, what: &str, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("still waiting after {limit:?}: {what}"))
 }
 
 /// Waits (at most 5 s) until `lock` runs no background task.
@@ -63,6 +96,10 @@ impl LockFactory for Redis {
     fn tasks(lock: &RedisLock) -> usize {
         lock.background_tasks()
     }
+    /// Its reader of release signals is up.
+    async fn waits(lock: &RedisLock, _name: &str) -> bool {
+        lock.signal_readers() > 0
+    }
 }
 
 /// Lock tables as the service builds them: release notices on the stack's Redis.
@@ -88,6 +125,10 @@ impl LockFactory for Table {
     fn tasks(lock: &TableLock) -> usize {
         lock.background_tasks()
     }
+    /// A request holds the replica's turn or waits for a notice.
+    async fn waits(lock: &TableLock, _name: &str) -> bool {
+        lock.waiting() > 0
+    }
 }
 
 struct ZooKeeper {
@@ -107,6 +148,10 @@ impl LockFactory for ZooKeeper {
     fn tasks(lock: &ZooKeeperLock) -> usize {
         lock.background_tasks()
     }
+    /// A node queued behind the holder's.
+    async fn waits(lock: &ZooKeeperLock, name: &str) -> bool {
+        lock.inspect(name).await.expect("inspect").len() > 1
+    }
 }
 
 struct Etcd {
@@ -124,6 +169,10 @@ impl LockFactory for Etcd {
     }
     fn tasks(lock: &EtcdLock) -> usize {
         lock.background_tasks()
+    }
+    /// A key queued behind the holder's.
+    async fn waits(lock: &EtcdLock, name: &str) -> bool {
+        lock.inspect(name).await.expect("inspect").0.len() > 1
     }
 }
 
@@ -373,31 +422,25 @@ where
 }
 
 /// How long after a release a waiting contender holds the lock. The holder keeps the
-/// lock for `hold` after the waiter started waiting.
+/// lock for `hold` after the waiter is seen waiting (`LockFactory::waits`).
 async fn wake_after_release<F: LockFactory>(factory: F, what: &str, hold: Duration) -> Duration {
     let holder = factory.make("holder", LONG).await;
     let waiter = Arc::new(factory.make("waiter", LONG).await);
     let guard = holder.acquire("item", LONG).await.expect("acquired");
-    let (started_tx, started) = tokio::sync::oneshot::channel();
-    let waiting = {
-        let waiter = waiter.clone();
-        tokio::spawn(async move {
-            let _ = started_tx.send(());
-            let guard = waiter
-                .acquire("item", LONG)
-                .await
-                .expect("acquired after release");
-            let acquired_at = Instant::now();
-            guard.release().await.expect("released");
-            acquired_at
-        })
-    };
-    started.await.expect("waiter started");
+    let waiting = acquired_at_in_background(waiter.clone());
+    let waits_of = &*waiter;
+    until("the waiter waits", || async move {
+        F::waits(waits_of, "item").await
+    })
+    .await;
+    // The hold itself.
     tokio::time::sleep(hold).await;
     assert!(!waiting.is_finished(), "{what}: the waiter got a held lock");
     let released_at = Instant::now();
     guard.release().await.expect("released");
-    let acquired_at = waiting.await.expect("waiter finished");
+    let acquired_at = bounded("the waiter", waiting)
+        .await
+        .expect("waiter finished");
     let wake = acquired_at.duration_since(released_at);
     println!("{what}: waiter held the lock {wake:?} after the release");
     wake
@@ -429,22 +472,62 @@ async fn table_lock_lease_behaviour() {
     abandoned_hold_expires(factory).await;
 }
 
-/// The waiter is woken by the release's publish, not by the 30 s lease running out.
+/// How long a redis-lock signal reader blocks before it wakes a waiter without a signal
+/// (`lock::signals`: a signal lost with the process that took it is made up for after
+/// a whole quiet block). The reader begins blocking after its first waiter began
+/// waiting, so a waiter served within `SIGNAL_BLOCK * 3 / 4` of that was woken by a
+/// signal, however loaded the machine: the fallback can only come later than 2 s.
+const SIGNAL_BLOCK: Duration = Duration::from_secs(2);
+
+/// The waiter is woken by the release's signal: not by its reader's fallback (a whole
+/// 2 s block without a signal), nor by the 30 s lease running out. The holder releases
+/// as soon as the waiter waits on signals, and the waiter must hold the lock within
+/// 1.5 s of when it began waiting. Without the release's signal (the RPUSH in
+/// `lock::redis`' RELEASE) the fallback served it, 2 s after it began: the test fails.
 #[tokio::test]
 async fn redis_lock_waiter_wakes_on_release() {
-    let (_cluster, factory) = redis_factory().await;
-    let wake = wake_after_release(factory, "redis-lock", Duration::from_secs(1)).await;
+    let (cluster, _factory) = redis_factory().await;
+    let make = |owner: &str| {
+        RedisLock::new(
+            redis_client(),
+            redis_pool(),
+            &cluster.namespace,
+            owner,
+            LONG,
+        )
+    };
+    let holder = make("holder");
+    let waiter = Arc::new(make("waiter"));
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    let began = Instant::now();
+    let waiting = acquired_at_in_background(waiter.clone());
+    let reader_of = &waiter;
+    until("the waiter waits on release signals", || async move {
+        reader_of.signal_readers() == 1
+    })
+    .await;
+    assert!(!waiting.is_finished(), "the waiter got a held lock");
+    let released_at = Instant::now();
+    guard.release().await.expect("released");
+    let acquired_at = bounded("the waiter", waiting).await.expect("waiter task");
+    let since_began = acquired_at.duration_since(began);
+    println!(
+        "redis-lock: waiter held the lock {:?} after the release, {since_began:?} after it began waiting",
+        acquired_at.duration_since(released_at)
+    );
     assert!(
-        wake < Duration::from_secs(5),
-        "woken by pub/sub, not the TTL: {wake:?}"
+        since_began < SIGNAL_BLOCK * 3 / 4,
+        "woken by the release's signal, not a reader's fallback: {since_began:?} after it began waiting"
     );
 }
 
-/// The waiter is woken by its predecessor's deletion, not the session timeout.
+/// The waiter is woken by its predecessor's deletion, not the session timeout. It has
+/// no other way: without the watch (`check_and_watch_stat`'s watcher, `lock::zookeeper`)
+/// it slept through its 30 s wait.
 #[tokio::test]
 async fn zookeeper_lock_waiter_wakes_on_release() {
     let (_cluster, factory) = zookeeper_factory().await;
-    let wake = wake_after_release(factory, "zookeeper", Duration::from_secs(1)).await;
+    let wake = wake_after_release(factory, "zookeeper", Duration::ZERO).await;
     assert!(
         wake < Duration::from_secs(3),
         "woken by the watch: {wake:?}"
@@ -453,7 +536,10 @@ async fn zookeeper_lock_waiter_wakes_on_release() {
 
 /// After a 3 s hold, a waiter of the table lock still gets it soon after the release:
 /// woken by the notice, or at worst by its poll, capped at 50 ms (an uncapped doubling
-/// backoff would be sleeping for seconds by then).
+/// backoff would be sleeping for seconds by then). The two cover for each other, so
+/// removing one leaves this passing: the notice alone is checked by
+/// `table_lock_waiters_are_woken_by_releases`, the poll alone by
+/// `table_lock_hands_over_by_polling_with_redis_down` and `..._hung`.
 #[tokio::test]
 async fn table_lock_waiter_notices_release() {
     let (_cluster, factory) = table_factory().await;
@@ -692,15 +778,19 @@ async fn holder_outlived_by_its_session(
 
 /// A release signal wakes one waiter of a replica. When that waiter is dropped (its
 /// shopper hung up) before its try answers, the wake-up must pass to the replica's
-/// next waiter: otherwise that one sleeps until its deadline (the holder's TTL is
-/// longer) while the lock is free.
+/// next waiter: otherwise that one sleeps until its reader's fallback (a whole 2 s
+/// block without a signal) or its deadline, while the lock is free. Without the
+/// passing on (`Waiting`'s drop in `lock::signals` waking the next local waiter) the
+/// next waiter was not served within the test's 1.5 s (only the fallback, at 2 s, would
+/// have served it).
 #[tokio::test]
 async fn redis_lock_wake_up_of_a_dropped_waiter_passes_on() {
     dropped_woken_waiter_passes_on(NextWaiter::SameReplica).await;
 }
 
 /// The same when the woken waiter was its replica's only one: the signal must go back
-/// to Redis for another replica's waiter.
+/// to Redis for another replica's waiter. Without the give-back (`Waiting`'s drop
+/// calling `give_back`) that waiter was not served within the 1.5 s.
 #[tokio::test]
 async fn redis_lock_signal_a_dropped_waiter_was_woken_by_goes_to_another_replica() {
     dropped_woken_waiter_passes_on(NextWaiter::OtherReplica).await;
@@ -711,54 +801,126 @@ enum NextWaiter {
     OtherReplica,
 }
 
+/// Lines of Redis' `CLIENT LIST` that contain `matching` (a ` db=N ` or ` name=... `
+/// field with its spaces) and whose client is blocked (a `BLPOP`).
+async fn blocked_clients(matching: &str) -> usize {
+    let mut conn = redis_pool().get().await.expect("redis");
+    let clients: String = deadpool_redis::redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut conn)
+        .await
+        .expect("CLIENT LIST");
+    clients
+        .lines()
+        .map(|line| format!(" {line} "))
+        .filter(|line| line.contains(matching))
+        .filter(|line| {
+            line.split(' ')
+                .any(|field| field.starts_with("flags=") && field.contains('b'))
+        })
+        .count()
+}
+
+/// The test's own waited-for mark on a lock (`mark`), with a TTL (100 s) longer than
+/// any try sets (its wait plus 1 s): `until_a_try_marked` then sees the next try that
+/// was refused and will wait, which marks it again.
+async fn mark_before_a_try(conn: &mut flashsale::redis_pool::Connection, mark: &str) {
+    let () = conn.pset_ex(mark, "test", 100_000).await.expect("SET");
+}
+
+/// Until a try has marked `mark` again since `mark_before_a_try` (its TTL fell under
+/// 60 s).
+async fn until_a_try_marked(conn: &mut flashsale::redis_pool::Connection, mark: &str) {
+    let started = Instant::now();
+    loop {
+        let left: i64 = conn.pttl(mark).await.expect("PTTL");
+        if (0..60_000).contains(&left) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no try marked {mark} within 10 s ({left} ms left)"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// A holder releases while two waiters wait; the first, woken, is held in its try by
 /// its replica's pool (one connection that the test keeps busy) and dropped there.
 /// The first waiter began waiting first, so its replica's reader is first in line for
-/// the signal and it is first in line for the wake-up.
+/// the signal and it is first in line for the wake-up. The test's locks use a Redis
+/// database of their own, where it sees its readers block. The runtime has one thread:
+/// a waiter registers in the same step as its try answers, so once the test has the
+/// pool's connection back, the second waiter is registered.
 async fn dropped_woken_waiter_passes_on(next: NextWaiter) {
     let (cluster, _factory) = redis_factory().await;
+    let db = match next {
+        NextWaiter::SameReplica => 8,
+        NextWaiter::OtherReplica => 9,
+    };
+    let url = format!("{}/{db}", redis_url());
+    let in_db = format!(" db={db} ");
     let make = |owner: &str, pool: flashsale::redis_pool::Pool| {
         Arc::new(RedisLock::new(
-            redis_client(),
+            deadpool_redis::redis::Client::open(url.as_str()).expect("URL"),
             pool,
             &cluster.namespace,
             owner,
             LONG,
         ))
     };
-    let holder = make("holder", redis_pool());
-    let pool = flashsale::redis_pool::pool(&redis_url(), 1).expect("pool");
+    let holder = make("holder", pool_for(&url));
+    let pool = flashsale::redis_pool::pool(&url, 1).expect("pool");
     let first_replica = make("first", pool.clone());
     let next_replica = match next {
         NextWaiter::SameReplica => first_replica.clone(),
-        NextWaiter::OtherReplica => make("other", redis_pool()),
+        NextWaiter::OtherReplica => make("other", pool_for(&url)),
     };
     let guard = holder.acquire("item", LONG).await.expect("acquired");
     let wait = Duration::from_secs(10);
     let waiter =
         |replica: Arc<RedisLock>| tokio::spawn(async move { replica.acquire("item", wait).await });
     let first = waiter(first_replica);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let in_db = in_db.as_str();
+    until("the first waiter's reader blocks", || async move {
+        blocked_clients(in_db).await == 1
+    })
+    .await;
+    let mark = format!("{}:lock-waiting:item", cluster.namespace);
+    let mut conn = pool_for(&url).get().await.expect("redis");
+    mark_before_a_try(&mut conn, &mark).await;
+    let began = Instant::now();
     let second = waiter(next_replica);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!first.is_finished() && !second.is_finished(), "both wait");
-    let busy = pool
-        .get()
+    match next {
+        NextWaiter::SameReplica => until_a_try_marked(&mut conn, &mark).await,
+        NextWaiter::OtherReplica => {
+            until("the other replica's reader blocks behind", || async move {
+                blocked_clients(in_db).await == 2
+            })
+            .await;
+        }
+    }
+    let busy = bounded("the first replica's only connection", pool.get())
         .await
         .expect("the first replica's only connection");
     guard.release().await.expect("released");
     // The first waiter, woken, now waits for the connection; its shopper leaves.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pool_of = &pool;
+    until("the woken waiter waits for the connection", || async move {
+        pool_of.status().waiting == 1
+    })
+    .await;
     assert!(!second.is_finished(), "the signal woke the first waiter");
     first.abort();
     assert!(
-        first.await.is_err_and(|e| e.is_cancelled()),
+        bounded("the dropped waiter", first)
+            .await
+            .is_err_and(|e| e.is_cancelled()),
         "dropped while trying"
     );
     drop(busy);
-    let left_at = Instant::now();
-    let second = served_soon(second, "the second waiter was woken").await;
-    println!("redis-lock: second waiter in {:?}", left_at.elapsed());
+    let second = served_before_the_fallback(second, began, "the second waiter was woken").await;
+    println!("redis-lock: second waiter in {:?}", began.elapsed());
     second.release().await.expect("released");
 }
 
@@ -774,17 +936,31 @@ fn acquired_at_in_background<L: DistributedLock + 'static>(
     })
 }
 
-/// What `waiter` acquired, which it must have within 5 s: `what` happened.
-async fn served_soon<G>(waiter: tokio::task::JoinHandle<Result<G, LockError>>, what: &str) -> G {
-    match tokio::time::timeout(Duration::from_secs(5), waiter).await {
+/// What `waiter` acquired, which it must have within 1.5 s of `began` (`what`
+/// happened): its reader began blocking after `began`, so its fallback could not have
+/// served it yet (`SIGNAL_BLOCK`).
+async fn served_before_the_fallback<G>(
+    waiter: tokio::task::JoinHandle<Result<G, LockError>>,
+    began: Instant,
+    what: &str,
+) -> G {
+    let bound = SIGNAL_BLOCK * 3 / 4;
+    match tokio::time::timeout(bound.saturating_sub(began.elapsed()), waiter).await {
         Ok(joined) => joined.expect("waiter task").expect("acquired"),
-        Err(_) => panic!("not served within 5 s: {what}, instead of its 10 s deadline"),
+        Err(_) => panic!(
+            "not served within {bound:?} of when it began waiting: {what}; \
+             only a reader's fallback would serve it later"
+        ),
     }
 }
 
 /// A replica's reader may take a signal just after its last waiter left (it was
 /// blocked for it already). That signal must go back to Redis for another replica's
-/// waiter, or that one sleeps until its deadline while the lock is free.
+/// waiter, or that one sleeps until its reader's fallback or its deadline while the
+/// lock is free. The release comes before the first reader's block ends, and the other
+/// replica must be served within 1.5 s of when it began waiting. Without the give-back
+/// (`Shared::hand_over` giving a signal back when no waiter is left) it was not served
+/// within the 1.5 s.
 #[tokio::test]
 async fn redis_lock_signal_taken_after_the_last_waiter_left_goes_to_another_replica() {
     let (cluster, _factory) = redis_factory().await;
@@ -806,11 +982,17 @@ async fn redis_lock_signal_taken_after_the_last_waiter_left_goes_to_another_repl
         "gave up: {:?}",
         gave_up.err()
     );
+    let began = Instant::now();
     let next = {
         let other = other.clone();
         tokio::spawn(async move { other.acquire("item", Duration::from_secs(10)).await })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let reader_of = &other;
+    until(
+        "the other replica waits on release signals",
+        || async move { reader_of.signal_readers() == 1 },
+    )
+    .await;
     assert_eq!(
         gone.signal_readers(),
         1,
@@ -818,75 +1000,110 @@ async fn redis_lock_signal_taken_after_the_last_waiter_left_goes_to_another_repl
     );
     guard.release().await.expect("released");
     let released_at = Instant::now();
-    let next = served_soon(next, "the waiting replica got the signal back").await;
+    let next =
+        served_before_the_fallback(next, began, "the waiting replica got the signal back").await;
     println!("redis-lock: waiting replica in {:?}", released_at.elapsed());
     next.release().await.expect("released");
 }
 
-/// A release hands the lock to the waiter its signal woke: the releaser's own next
-/// try, sent sooner than the woken waiter's, does not take it back. Without that, a
+/// A release hands the lock to the waiter its signal woke: a try that the releaser's
+/// replica sends at once, sooner than the woken waiter's, is refused. Without that, a
 /// releaser that asks again at once keeps the lock round after round (eight lockbench
-/// contenders' shares differed by 3.4 to 1).
+/// contenders' shares differed by 3.4 to 1). Without the kept turn (`RELEASE` setting
+/// the reserved key, `lock::redis`) the releaser's replica took the lock at once in
+/// every round.
 #[tokio::test]
 async fn redis_lock_release_hands_over_to_the_woken_waiter() {
-    let handed_over = handovers(10, Duration::from_millis(100)).await;
-    assert!(
-        handed_over >= 8,
-        "the releaser took the lock back in {} of 10 rounds",
-        10 - handed_over
-    );
+    handovers(10, Duration::ZERO).await;
 }
 
 /// The same after holds longer than the "waited for lately" mark (1 s): the waiter
-/// sleeps through the hold without trying again, and the mark must last as long.
+/// sleeps through the hold without trying again, and the mark must last as long (it
+/// runs until the waiter's next try plus 1 s). With the mark's TTL cut to 1 s the
+/// release kept no turn and the releaser's replica took the lock.
 #[tokio::test]
 async fn redis_lock_release_hands_over_after_a_long_hold() {
-    let handed_over = handovers(2, Duration::from_millis(1500)).await;
-    assert_eq!(handed_over, 2, "the releaser took the lock back");
+    handovers(2, Duration::from_millis(1500)).await;
 }
 
-/// Rounds of: the releaser holds for `hold` while a waiter of another replica waits,
-/// releases and asks again at once; the woken waiter's try is held back 20 ms by its
-/// replica's pool, one connection the test keeps busy, so that the releaser's try comes
-/// first. Returns in how many rounds the waiter got the lock first.
-async fn handovers(rounds: usize, hold: Duration) -> usize {
+/// Rounds of: the releaser holds for `hold` after a waiter of another replica began
+/// waiting, releases, and its replica asks again at once (a lock service of its own
+/// each round, connected beforehand, so that the test sees it wait: its reader
+/// starts). The woken waiter's try is held back by its replica's pool, one connection
+/// the test keeps busy until the releaser's replica waits. Every round, its try must
+/// have been refused (the turn was kept for the waiter), and the waiter held first. The runtime has one thread: once the test has had the
+/// pool's connection back after the waiter's try, the waiter is registered.
+async fn handovers(rounds: usize, hold: Duration) {
     let (cluster, _factory) = redis_factory().await;
-    let releaser = RedisLock::new(
-        redis_client(),
-        redis_pool(),
-        &cluster.namespace,
-        "releaser",
-        LONG,
-    );
+    let ns = &cluster.namespace;
+    // Its releases keep the turn 5 s: the try that follows must meet it however late
+    // a loaded machine sends it (how briefly a turn is kept by default is
+    // `redis_lock_turn_kept_for_a_waiter_that_never_tries_is_free_soon`'s).
+    let releaser = RedisLock::new(redis_client(), redis_pool(), ns, "releaser", LONG)
+        .with_kept_turn(Duration::from_secs(5));
     let pool = flashsale::redis_pool::pool(&redis_url(), 1).expect("pool");
     let waiter = Arc::new(RedisLock::new(
         redis_client(),
         pool.clone(),
-        &cluster.namespace,
+        ns,
         "waiter",
         LONG,
     ));
-    let mut handed_over = 0;
-    for _ in 0..rounds {
+    let mark = format!("{ns}:lock-waiting:item");
+    let mut conn = redis_pool().get().await.expect("redis");
+    for round in 0..rounds {
         let guard = releaser.acquire("item", LONG).await.expect("acquired");
+        mark_before_a_try(&mut conn, &mark).await;
         let waiting = acquired_at_in_background(waiter.clone());
+        until_a_try_marked(&mut conn, &mark).await;
+        drop(
+            bounded("the waiter's try", pool.get())
+                .await
+                .expect("connection"),
+        );
+        // The hold itself.
         tokio::time::sleep(hold).await;
-        let busy = pool.get().await.expect("the waiter's only connection");
+        let busy = bounded("the waiter's only connection", pool.get())
+            .await
+            .expect("the waiter's only connection");
+        let again = Arc::new(RedisLock::new(
+            redis_client(),
+            redis_pool(),
+            ns,
+            "releaser",
+            LONG,
+        ));
+        // Connected before the release, so that its try follows the release at once.
+        again.inspect("item").await.expect("inspect");
+        // The waiter's connection comes back once the releaser's replica waits, or got
+        // the lock.
+        let granted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let freeing = {
+            let (again, granted) = (again.clone(), granted.clone());
+            tokio::spawn(async move {
+                while again.signal_readers() == 0 && !granted.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                drop(busy);
+            })
+        };
         guard.release().await.expect("released");
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            drop(busy);
-        });
-        let again = releaser.acquire("item", LONG).await.expect("again");
+        let taken_again = again.acquire("item", LONG).await.expect("again");
         let again_at = Instant::now();
-        again.release().await.expect("released");
-        let waiter_at = waiting.await.expect("waiter task");
-        handed_over += usize::from(waiter_at < again_at);
+        granted.store(true, Ordering::SeqCst);
+        // It waited if it started a reader of release signals (which stays a while).
+        let refused = again.signal_readers() > 0;
+        taken_again.release().await.expect("released");
+        bounded("the waiter's connection", freeing)
+            .await
+            .expect("freed");
+        let waiter_at = bounded("the waiter", waiting).await.expect("waiter task");
+        assert!(
+            refused && waiter_at < again_at,
+            "round {round}: the releaser's replica took the lock back after a {hold:?} hold"
+        );
     }
-    println!(
-        "redis-lock: {handed_over} of {rounds} releases after {hold:?} holds went to the waiter"
-    );
-    handed_over
+    println!("redis-lock: {rounds} releases after {hold:?} holds went to the waiter");
 }
 
 /// A release keeps its turn for the waiter it woke only briefly: if the process that
@@ -930,7 +1147,8 @@ async fn redis_lock_turn_kept_for_a_waiter_that_never_tries_is_free_soon() {
 /// takes it itself, having blocked on the list before the waiter's reader, so Redis
 /// serves it first) leaves the other processes' waiters without a wake-up. They try
 /// anyway once their reader has found no signal for a whole block (2 s), rather than
-/// when the holder's TTL would have run out (30 s here, past the wait).
+/// when the holder's TTL would have run out (30 s here, past the wait). Without that
+/// fallback (`Signal::quiet_block` waking nobody) the waiter gave up after its 8 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_lock_signal_lost_with_its_taker_is_made_up_for_within_a_block() {
     let (cluster, _factory) = redis_factory().await;
@@ -945,28 +1163,47 @@ async fn redis_lock_signal_lost_with_its_taker_is_made_up_for_within_a_block() {
     ));
     let guard = holder.acquire("item", LONG).await.expect("acquired");
     let list = format!("{ns}:lock-signal:item");
-    let thief = tokio::spawn(async move {
-        let blocking = deadpool_redis::redis::AsyncConnectionConfig::new()
-            .set_response_timeout(Some(Duration::from_secs(15)));
-        let mut conn = redis_client()
-            .get_multiplexed_async_connection_with_config(&blocking)
-            .await
-            .expect("redis");
-        let taken: Option<(String, String)> = conn.blpop(list, 10.0).await.expect("BLPOP");
-        taken
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let thief_name = format!("thief-{ns}");
+    let thief = {
+        let thief_name = thief_name.clone();
+        tokio::spawn(async move {
+            let blocking = deadpool_redis::redis::AsyncConnectionConfig::new()
+                .set_response_timeout(Some(Duration::from_secs(15)));
+            let mut conn = redis_client()
+                .get_multiplexed_async_connection_with_config(&blocking)
+                .await
+                .expect("redis");
+            let () = deadpool_redis::redis::cmd("CLIENT")
+                .arg("SETNAME")
+                .arg(thief_name)
+                .query_async(&mut conn)
+                .await
+                .expect("CLIENT SETNAME");
+            let taken: Option<(String, String)> = conn.blpop(list, 10.0).await.expect("BLPOP");
+            taken
+        })
+    };
+    let named = format!(" name={thief_name} ");
+    let named = named.as_str();
+    until("the thief blocks on the signal list", || async move {
+        blocked_clients(named).await == 1
+    })
+    .await;
     let waiting = {
         let waiter = waiter.clone();
         tokio::spawn(async move { waiter.acquire("item", Duration::from_secs(8)).await })
     };
-    // The waiter's first try, and its reader blocked behind the thief.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The waiter's first try was refused, and its reader blocks behind the thief.
+    let reader_of = &waiter;
+    until("the waiter waits on release signals", || async move {
+        reader_of.signal_readers() == 1
+    })
+    .await;
     let released = Instant::now();
     guard.release().await.expect("released");
-    let stolen = thief.await.expect("joined");
+    let stolen = bounded("the thief", thief).await.expect("joined");
     assert!(stolen.is_some(), "the thief took the release's signal");
-    let taken = waiting
+    let taken = bounded("the waiter", waiting)
         .await
         .expect("joined")
         .expect("the waiter got the lock without a signal");
@@ -1585,55 +1822,81 @@ async fn etcd_stalled_keep_alive_is_noticed() {
 }
 
 /// A waiter hears its predecessor's deletion as etcd applies it. etcd's own Lock
-/// service watched the predecessor from the revision of its read, a watcher etcd files
-/// as unsynced and catches up every 100 ms: a release soon after a waiter queued woke
-/// it at etcd's next catch-up, 0-100 ms later. Here the holder releases as soon as the
-/// waiter's key is queued, 9 times: the median wake-up is well under 25 ms (with the
-/// catch-up it would be under 25 ms one time in 20).
+/// service watches the predecessor from the revision of its read, a watcher etcd files
+/// as unsynced and catches up every 100 ms: its waiters hear of a release at etcd's
+/// next catch-up, 0-100 ms later (a release 200 ms after the waiter queued finds its
+/// watcher synced by then, and both are quick). Only a comparison says "as etcd
+/// applies it" on a loaded machine, so the test runs both in the same rounds, taking
+/// turns at going first: a waiter of this lock and one of etcd's Lock service each
+/// queue behind a holder, which releases as soon as it sees the waiter's key. This
+/// lock's median wake-up must be under half the Lock service's. With this lock's
+/// watch started at the revision of its read, as the Lock service's is, and without
+/// its looks, the two were alike and the test failed.
 #[tokio::test]
 async fn etcd_lock_waiter_wakes_at_once_on_release() {
+    use etcd_client::{Client, LockOptions};
     let namespace = format!("wake-{:x}", rand::random::<u32>());
     let holder = EtcdLock::new(&etcd_endpoints(), &namespace, LONG);
     let waiter = Arc::new(EtcdLock::new(&etcd_endpoints(), &namespace, LONG));
-    let mut wakes = Vec::new();
-    for _ in 0..9 {
+    let client = Client::connect([etcd_endpoints()], None)
+        .await
+        .expect("etcd");
+    let name = holder.lock_name("item");
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    for round in 0..24 {
+        let service = (round % 4) / 2 == 1;
         let guard = holder.acquire("item", LONG).await.expect("acquired");
-        let waiting = {
-            let waiter = waiter.clone();
+        let waiting = if service {
+            let (mut client, name) = (client.clone(), name.clone());
             tokio::spawn(async move {
-                let guard = waiter.acquire("item", LONG).await.expect("acquired");
+                let lease = client.lease_grant(30, None).await.expect("lease").id();
+                let options = LockOptions::new().with_lease(lease);
+                let granted = client.lock(name, Some(options)).await.expect("granted");
                 let acquired_at = Instant::now();
-                guard.release().await.expect("released");
+                client
+                    .unlock(granted.key().to_vec())
+                    .await
+                    .expect("unlocked");
+                client.lease_revoke(lease).await.expect("revoked");
                 acquired_at
             })
+        } else {
+            acquired_at_in_background(waiter.clone())
         };
-        let started = Instant::now();
-        while holder.inspect("item").await.expect("keys").0.len() < 2 {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "the waiter queued"
-            );
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        let queued_in = &holder;
+        until("the waiter queued", || async move {
+            queued_in.inspect("item").await.expect("keys").0.len() == 2
+        })
+        .await;
         let released_at = Instant::now();
         guard.release().await.expect("released");
-        let acquired_at = waiting.await.expect("waiter finished");
-        wakes.push(acquired_at.duration_since(released_at));
+        let acquired_at = bounded("the waiter", waiting)
+            .await
+            .expect("waiter finished");
+        let wake = acquired_at.duration_since(released_at);
+        if service { &mut theirs } else { &mut ours }.push(wake);
     }
-    wakes.sort();
-    println!("etcd: waiter held the lock after the release: {wakes:?}");
+    ours.sort();
+    theirs.sort();
+    let median = |wakes: &[Duration]| wakes[wakes.len() / 2];
+    println!(
+        "etcd: wake-ups after the release, this lock {ours:?}, etcd's Lock service {theirs:?}"
+    );
     assert!(
-        wakes[wakes.len() / 2] < Duration::from_millis(25),
-        "woken by a synced watch, not etcd's 100 ms catch-up: {wakes:?}"
+        median(&ours) * 2 < median(&theirs),
+        "woken by a synced watch, not etcd's 100 ms catch-up: this lock's median {:?}, the Lock service's {:?}",
+        median(&ours),
+        median(&theirs)
     );
 }
 
 /// Four replicas (lock services with etcd clients of their own), three contenders
 /// each, on one lock for 2 s. Checked by the test itself, not by the lock: never two
-/// holders at once (a counter of holders the lock knows nothing of); holds served in
-/// queue order (each hold's token, the revision at which it found its turn, above the
-/// previous hold's); and every contender served about as often as the others (a contender that
-/// releases queues again behind everyone already waiting).
+/// holders at once (a counter of holders the lock knows nothing of); tokens growing in
+/// hold order (each hold's token, the revision at which it found its turn, above the
+/// previous hold's); and every contender served. How evenly they were served is
+/// printed, not asserted: on a loaded machine a contender whose task runs late queues
+/// late. Queue order itself is `etcd_lock_serves_waiters_in_the_order_they_queued`'s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_lock_serves_contenders_one_at_a_time_in_queue_order() {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -1677,14 +1940,53 @@ async fn etcd_lock_serves_contenders_one_at_a_time_in_queue_order() {
         tokens.windows(2).all(|pair| pair[0].1 < pair[1].1),
         "held in queue order, tokens growing: {tokens:?}"
     );
-    let fewest = holds.iter().copied().min().unwrap_or(0);
-    let most = holds.iter().copied().max().unwrap_or(0);
     assert!(
-        fewest > 0 && most <= 2 * fewest,
-        "every contender served in its turn: {holds:?}"
+        holds.iter().all(|&held| held > 0),
+        "every contender served: {holds:?}"
     );
     let (keys, _) = replicas[0].inspect("fifo").await.expect("keys");
     assert!(keys.is_empty(), "every key released: {keys:?}");
+}
+
+/// Waiters are served in the order their keys queued, and one that releases and asks
+/// again queues behind everyone already waiting: this replaces the ratio of most to
+/// fewest holds that the test above asserted, a speed on a loaded machine. Four
+/// replicas queue one after the other behind a holder (each seen queued before the
+/// next asks); the first, once served, asks again at once. Served: 0, 1, 2, 3, then 0.
+/// The order is the recipe's own (a key is served once no key created before it is
+/// left), so no single guard removed breaks it: each waiter watching the first key
+/// instead of the one just before its own still passed (they all woke at each
+/// release, and all but one waited again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_lock_serves_waiters_in_the_order_they_queued() {
+    let namespace = format!("order-{:x}", rand::random::<u32>());
+    let holder = EtcdLock::new(&etcd_endpoints(), &namespace, LONG);
+    let served = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    for who in 0..4 {
+        let lock = EtcdLock::new(&etcd_endpoints(), &namespace, LONG);
+        let served = served.clone();
+        waiters.push(tokio::spawn(async move {
+            let rounds = if who == 0 { 2 } else { 1 };
+            for _ in 0..rounds {
+                let guard = lock.acquire("item", LONG).await.expect("acquired");
+                served.lock().expect("served").push(who);
+                guard.release().await.expect("released");
+            }
+        }));
+        let queued_in = &holder;
+        until("the waiter queued", || async move {
+            queued_in.inspect("item").await.expect("keys").0.len() == who + 2
+        })
+        .await;
+    }
+    guard.release().await.expect("released");
+    for waiter in waiters {
+        bounded("a waiter", waiter).await.expect("waiter");
+    }
+    let served = served.lock().expect("served").clone();
+    assert_eq!(served, [0, 1, 2, 3, 0], "served in queue order");
 }
 
 /// A release that races the waiter's watch. The waiter's traffic goes through a proxy
@@ -1949,50 +2251,67 @@ async fn table_lock_via(cluster: &TestCluster, url: &str, owner: &str) -> TableL
 }
 
 /// Handoffs to another replica's waiting head come from the release notice, not the
-/// poll. With its subscription up the head polls only every 25-50 ms, so a handoff
-/// within 12 ms of the release is a woken one; polling alone makes about a third of
-/// them that fast. Counted over many handoffs and asserted generously: a loaded
-/// machine delays some.
+/// poll: here the waiter polls at most once a minute (`TableLock::with_poll_cap`), so
+/// only a notice can hand it the lock within its 10 s wait. (With its usual 25-50 ms
+/// poll no timing on a loaded machine tells the two apart.) Each round the holder
+/// releases once the waiter's first INSERT failed (it joined the queue of replicas).
+/// Without the notice (`Rows::released` publishing nothing) the first round's waiter
+/// gave up after its 10 s.
 #[tokio::test]
 async fn table_lock_waiters_are_woken_by_releases() {
     const HANDOFFS: usize = 24;
-    let (_cluster, factory) = table_factory().await;
+    let (cluster, factory) = table_factory().await;
     let holder = factory.make("holder", LONG).await;
-    let waiter = Arc::new(factory.make("waiter", LONG).await);
+    let waiter = Arc::new(
+        TableLock::new(cluster.mysql().await, "waiter", LONG)
+            .with_poll_cap(Duration::from_secs(60))
+            .with_release_notices(redis_pool(), &cluster.namespace),
+    );
     subscribed(&[&holder, &waiter]).await;
+    let redis = redis_pool();
+    let queue = format!("{}:lock-row-waiting:item", cluster.namespace);
     let mut handoffs = Vec::with_capacity(HANDOFFS);
-    for _ in 0..HANDOFFS {
+    for round in 0..HANDOFFS {
         let guard = holder.acquire("item", LONG).await.expect("acquired");
-        let waiting = acquired_at_in_background(waiter.clone());
-        // Long past the waiter's first INSERT: it is waiting on a notice or a poll.
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        let waiting = {
+            let waiter = waiter.clone();
+            tokio::spawn(async move {
+                let guard = waiter.acquire("item", Duration::from_secs(10)).await;
+                let acquired_at = Instant::now();
+                let guard = guard.unwrap_or_else(|error| {
+                    panic!("round {round}: no notice handed the lock over: {error}")
+                });
+                guard.release().await.expect("released");
+                acquired_at
+            })
+        };
+        let (redis, queue) = (&redis, queue.as_str());
+        until("the waiter's first INSERT failed", || async move {
+            crate::lock_handover::queued(redis, queue).await == ["waiter"]
+        })
+        .await;
         assert!(!waiting.is_finished(), "the waiter got a held lock");
         let released_at = Instant::now();
         guard.release().await.expect("released");
-        let acquired_at = waiting.await.expect("waiter finished");
+        let acquired_at = bounded("the waiter", waiting)
+            .await
+            .expect("waiter finished");
         handoffs.push(acquired_at.duration_since(released_at));
     }
     handoffs.sort();
-    let woken = handoffs
-        .iter()
-        .filter(|handoff| **handoff < Duration::from_millis(12))
-        .count();
     println!(
-        "db-unique: {woken} of {HANDOFFS} handoffs within 12 ms; median {:?}, slowest {:?}",
+        "db-unique: {HANDOFFS} handoffs by notice; median {:?}, slowest {:?}",
         handoffs[HANDOFFS / 2],
         handoffs[HANDOFFS - 1]
-    );
-    assert!(
-        woken >= HANDOFFS * 3 / 4,
-        "woken by the release notice: {woken} of {HANDOFFS} within 12 ms ({handoffs:?})"
     );
 }
 
 /// Several replicas (each its own MySQL pool and Redis subscription, one of them
 /// without notices: it polls) and several requests on each contend for one name for
 /// two seconds, holding it for a moment each time. Never two holders at once, as
-/// counted by the test itself; the lock goes round the replicas; and afterwards
-/// nothing is left: no row, no task, no queue or registration.
+/// counted by the test itself; every notified replica holds it; and afterwards nothing
+/// is left: no row, no task, no queue or registration. How often it moved between
+/// replicas is printed, not asserted (4 moves in 2 s once, on a loaded machine).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn table_locks_exclude_across_replicas_under_real_concurrency() {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -2049,14 +2368,14 @@ async fn table_locks_exclude_across_replicas_under_real_concurrency() {
         per_replica[..3].iter().all(|&holds| holds > 0),
         "every notified replica held it: {per_replica:?}"
     );
-    assert!(moves >= 10, "the lock went round: {moves} moves");
     let locks: Vec<&TableLock> = locks.iter().map(|lock| &**lock).collect();
     crate::lock_handover::nothing_left(&cluster, &locks).await;
 }
 
 /// Redis down: no notice is sent or heard, and the table lock works as it did by
 /// polling alone. A release is not held up by the notice it cannot send, and a waiter
-/// still gets the lock within a poll.
+/// still gets the lock within a poll. With the poll paused 60 s (`poll_pause`) the
+/// waiter waited out its 30 s, here and with Redis hung.
 #[tokio::test]
 async fn table_lock_hands_over_by_polling_with_redis_down() {
     let (cluster, _factory) = table_factory().await;
@@ -2090,20 +2409,19 @@ async fn table_lock_hands_over_by_polling_with_redis_hung() {
     proxy.stall(false);
 }
 
+/// `holder` holds while `waiter` waits (seen waiting, then 300 ms of polls: the hold),
+/// then releases.
 async fn hand_over_without_notices(holder: &TableLock, waiter: Arc<TableLock>, what: &str) {
     let guard = holder.acquire("item", LONG).await.expect("acquired");
-    let waiting = tokio::spawn(async move {
-        let guard = waiter.acquire("item", LONG).await.expect("handed over");
-        let acquired_at = Instant::now();
-        guard.release().await.expect("released");
-        acquired_at
-    });
+    let waiting = acquired_at_in_background(waiter.clone());
+    let waits_of = &*waiter;
+    until("the waiter waits", || async move { waits_of.waiting() > 0 }).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!waiting.is_finished(), "{what}: the waiter got a held lock");
     let released_at = Instant::now();
     guard.release().await.expect("released");
     let releasing = released_at.elapsed();
-    let handoff = waiting
+    let handoff = bounded("the waiter", waiting)
         .await
         .expect("waiter finished")
         .duration_since(released_at);

@@ -15,7 +15,7 @@ use flashsale::lock::table::TableLock;
 use flashsale::lock::{DistributedLock, HeldLock, LockError};
 use sqlx::Connection;
 
-use crate::lock_primitives::subscribed;
+use crate::lock_primitives::{bounded, subscribed, until};
 use crate::support::{TestCluster, free_port, pool_for, redis_client, redis_pool, redlock_urls};
 
 const LONG: Duration = Duration::from_secs(30);
@@ -52,53 +52,100 @@ async fn row_locked(cluster: &TestCluster) -> sqlx::MySqlConnection {
     .await
 }
 
-/// A holder's release stalls inside MariaDB (another session holds the lock row) past
-/// the row's lease, with two requests of its replica queued: the row it hands over is
-/// expired by the time the first waiter takes it. Both waiters still get the lock, one
-/// after the other. (A review traced how this could fail: the first waiter, unable to
-/// confirm the row, handed it on into its own turn and then met it as a stranger's.
-/// Two guards close that, an expired row is never handed over and a turn takes what
-/// was handed to it at every attempt, but this test passed without them too: the
-/// first waiter's takeover of the expired row usually wins the race.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn table_lock_handover_stalled_past_its_lease_leaves_the_lock_to_the_waiters() {
+/// Until a statement of the test's database that starts with `statement` is running
+/// inside MariaDB (waiting there for a row lock): the event, not a guess at how long
+/// the client takes to send it.
+async fn until_running(cluster: &TestCluster, statement: &str) {
+    let mysql = cluster.mysql().await;
+    let database = cluster
+        .database_url
+        .rsplit('/')
+        .next()
+        .expect("a database name")
+        .to_owned();
+    let (mysql, database) = (&mysql, database.as_str());
+    let pattern = format!("{statement}%");
+    let pattern = pattern.as_str();
+    until(statement, || async move {
+        let running: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = ? AND INFO LIKE ?",
+        )
+        .bind(database)
+        .bind(pattern)
+        .fetch_one(mysql)
+        .await
+        .expect("PROCESSLIST");
+        running > 0
+    })
+    .await;
+    mysql.close().await;
+}
+
+/// A hold that outlived its lease (its holder paused: renewals stopped, the row
+/// expired) has nothing to hand over: its release deletes the row instead of giving it,
+/// with a fresh lease, to the replica's next request, which then INSERTs a row of its
+/// own (a new id, run 0 in its token). Without the expiry check in the handover's
+/// UPDATE (`HAND_OVER_ROW`, `lock::table`) the waiter was handed the expired row: the
+/// same id, run 1.
+///
+/// This replaces a test of a handover stalled inside MariaDB past the lease, which
+/// passed without the check and could not be made to fail: a stalled UPDATE reads
+/// `UTC_TIMESTAMP(6)` as of its start, when the row was still live, so the check does
+/// not refuse it there. The row it hands over is born expired, and the taker's renewal
+/// (`with_lease_ahead`) refuses it; the turn that takes a row handed to it at every
+/// attempt covers what follows, and either guard alone kept that test passing.
+#[tokio::test]
+async fn table_lock_hold_past_its_lease_is_not_handed_over() {
     let lease = Duration::from_millis(600);
     let cluster = TestCluster::start(1, &[]).await;
     let lock = Arc::new(table_lock(&cluster, "replica", lease).await);
     let held = lock.acquire("item", LONG).await.expect("held");
-    let waiters: Vec<_> = (0..2)
-        .map(|_| {
-            let lock = lock.clone();
-            tokio::spawn(async move {
-                let guard = lock
-                    .acquire("item", Duration::from_secs(5))
-                    .await
-                    .expect("the lock came");
-                guard.release().await.expect("released");
-            })
+    let (id, _, _) = lock.inspect("item").await.expect("inspect").expect("a row");
+    held.suspend_renewal();
+    // The runtime has one thread: the waiter queues behind the hold at the test's
+    // first wait below.
+    let waiter = {
+        let lock = lock.clone();
+        tokio::spawn(async move {
+            let guard = lock
+                .acquire("item", Duration::from_secs(10))
+                .await
+                .expect("the lock came");
+            let token = guard.fencing_token().expect("a token");
+            guard.release().await.expect("released");
+            token
         })
-        .collect();
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let mut session = row_locked(&cluster).await;
-    let release = tokio::spawn(held.release());
-    tokio::time::sleep(lease * 3 / 2).await;
-    sqlx::query("COMMIT")
-        .execute(&mut session)
-        .await
-        .expect("commit");
-    // Lost, or released: the hold outlived its lease either way.
-    let _ = release.await.expect("release finished");
-    for waiter in waiters {
-        waiter.await.expect("waiter");
-    }
+    };
+    let lock_of = &lock;
+    until("the hold's lease ran out", || async move {
+        lock_of
+            .inspect("item")
+            .await
+            .expect("inspect")
+            .is_some_and(|(_, _, left_ms)| left_ms < 0)
+    })
+    .await;
+    // Lost or released: the hold outlived its lease either way.
+    let _ = held.release().await;
+    let token = bounded("the waiter", waiter).await.expect("waiter");
+    let (next_id, run) = (token >> 16, token & 0xffff);
+    println!(
+        "table lock: after an expired hold the waiter held row {next_id}, run {run} (the expired row was {id})"
+    );
+    assert!(
+        run == 0 && i64::try_from(next_id).ok() != Some(id),
+        "the expired row {id} was handed over: the waiter held row {next_id}, run {run}"
+    );
 }
 
 /// A replica's waiting head is dropped (its shopper left) while its INSERT waits
 /// inside MariaDB; the INSERT then fails with a duplicate key, the ordinary end of a
 /// head's try. The undo must give the replica's turn back at once: it took the
 /// INSERT's error, which sqlx hands to the next statement, for a broken connection and
-/// slept 500 ms holding the turn, while the lock was free (without the fix: the
-/// replica's 300 ms acquisition of the free lock timed out).
+/// slept 500 ms holding the turn, while the lock was free (without the fix, treating
+/// that error as a broken connection: the replica's acquisition of the free lock timed
+/// out). Its wait, 450 ms, is a bound on time: under the 500 ms the undo slept, and
+/// 300 ms once proved too short on a loaded machine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_lock_undo_of_a_failed_insert_gives_the_turn_back_at_once() {
     let cluster = TestCluster::start(1, &[]).await;
@@ -112,13 +159,16 @@ async fn table_lock_undo_of_a_failed_insert_gives_the_turn_back_at_once() {
         let cut = cut.clone();
         tokio::spawn(async move { cut.acquire("item", LONG).await.map(drop) })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_running(&cluster, "INSERT INTO distributed_locks").await;
     assert!(
         !head.is_finished(),
         "the head's INSERT waits inside MariaDB"
     );
     head.abort();
-    assert!(head.await.is_err(), "the head was dropped mid-INSERT");
+    assert!(
+        bounded("the dropped head", head).await.is_err(),
+        "the head was dropped mid-INSERT"
+    );
     // The INSERT now fails with 1062 (the row is there), then the lock is released.
     sqlx::query("COMMIT")
         .execute(&mut session)
@@ -127,7 +177,7 @@ async fn table_lock_undo_of_a_failed_insert_gives_the_turn_back_at_once() {
     held.release().await.expect("released");
 
     let started = Instant::now();
-    let attempt = cut.acquire("item", Duration::from_millis(300)).await;
+    let attempt = cut.acquire("item", Duration::from_millis(450)).await;
     println!(
         "table lock: the replica whose head was dropped took the free lock: {:?} after {:?}",
         attempt.as_ref().map(|_| ()),
@@ -141,7 +191,9 @@ async fn table_lock_undo_of_a_failed_insert_gives_the_turn_back_at_once() {
 }
 
 /// `acquire(name, wait)` waits at most `wait`, also while its INSERT waits inside
-/// MariaDB (without the fix: 3 s, as long as the row stayed locked).
+/// MariaDB: here the row stays locked until the attempt has answered, or for 3 s.
+/// Without the fix (the INSERT not bounded by the wait) the 200 ms attempt was still
+/// waiting after those 3 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_lock_waits_no_longer_than_asked_while_mariadb_holds_its_insert() {
     let cluster = TestCluster::start(1, &[]).await;
@@ -151,15 +203,19 @@ async fn table_lock_waits_no_longer_than_asked_while_mariadb_holds_its_insert() 
     let mut session = row_locked(&cluster).await;
 
     let started = Instant::now();
-    let attempt = waiter.acquire("item", Duration::from_millis(200)).await;
+    let attempt = tokio::time::timeout(
+        Duration::from_secs(3),
+        waiter.acquire("item", Duration::from_millis(200)),
+    )
+    .await;
     let took = started.elapsed();
     println!("table lock: a 200 ms wait behind a stalled INSERT ended after {took:?}");
+    let attempt = attempt.unwrap_or_else(|_| panic!("waited {took:?} for a 200 ms wait"));
     assert!(attempt.is_err(), "the lock is held");
     assert!(
         took < Duration::from_millis(1500),
         "waited {took:?} for a 200 ms wait"
     );
-    tokio::time::sleep(Duration::from_millis(1500)).await;
     sqlx::query("COMMIT")
         .execute(&mut session)
         .await

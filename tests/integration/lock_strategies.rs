@@ -14,6 +14,7 @@ use flashsale::lock::table::TableLock;
 use flashsale::lock::zookeeper::ZooKeeperLock;
 use flashsale::lock::{DistributedLock, HeldLock};
 
+use crate::lock_primitives::{bounded, within};
 use crate::support::{
     TestCluster, etcd_endpoints, pool_for, redis_client, redis_pool, redlock_urls, zookeeper,
 };
@@ -37,7 +38,12 @@ async fn sells_exactly_the_stock(strategy: &str) {
     let sku = "hot-item";
     cluster.reset(sku, 50).await;
 
-    let statuses = cluster.crowd(sku, 300).await;
+    let statuses = within(
+        Duration::from_secs(180),
+        "the crowd",
+        cluster.crowd(sku, 300),
+    )
+    .await;
     let created = statuses
         .iter()
         .filter(|s| **s == StatusCode::CREATED)
@@ -299,13 +305,12 @@ async fn killed_holder_frees_the_lock(strategy: &str) {
     doomed.child.wait().await.expect("reaped");
     let killed_at = Instant::now();
 
-    let response = cluster
+    let order = cluster
         .http
         .post(cluster.url(0, "/api/orders"))
         .json(&json!({ "sku": sku, "user_id": "survivor", "quantity": 1 }))
-        .send()
-        .await
-        .expect("order");
+        .send();
+    let response = bounded("the survivor's order", order).await.expect("order");
     let recovery = killed_at.elapsed();
     let bound = recovery_bound(strategy);
     println!(
@@ -403,7 +408,9 @@ async fn etcd_waits_as_long_as_the_lock_wait() {
     // The hold itself is the scenario: longer than one etcd call may last.
     tokio::time::sleep(Duration::from_secs(7)).await;
     guard.release().await.expect("released");
-    let (status, body, took) = order.await.expect("order task");
+    let (status, body, took) = bounded("the patient order", order)
+        .await
+        .expect("order task");
     assert_eq!(
         status,
         StatusCode::CREATED,
@@ -421,13 +428,12 @@ async fn lock_wait_is_bounded<L: DistributedLock>(cluster: &TestCluster, strateg
         .acquire(sku, Duration::from_secs(5))
         .await
         .expect("held by the test");
-    let response = cluster
+    let order = cluster
         .http
         .post(cluster.url(0, "/api/orders"))
         .json(&json!({ "sku": sku, "user_id": "patient", "quantity": 1 }))
-        .send()
-        .await
-        .expect("order");
+        .send();
+    let response = bounded("the patient order", order).await.expect("order");
     assert_eq!(
         response.status(),
         StatusCode::SERVICE_UNAVAILABLE,
@@ -501,13 +507,12 @@ async fn row_lock_wait_is_bounded() {
         .fetch_one(&mut *holder)
         .await
         .expect("row locked by the test");
-    let response = cluster
+    let order = cluster
         .http
         .post(cluster.url(0, "/api/orders"))
         .json(&json!({ "sku": sku, "user_id": "patient", "quantity": 1 }))
-        .send()
-        .await
-        .expect("order");
+        .send();
+    let response = bounded("the patient order", order).await.expect("order");
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
     let body: serde_json::Value = response.json().await.expect("JSON error");
     assert_eq!(body["error"], "lock_timeout");
@@ -529,13 +534,12 @@ async fn redis_atomic_gives_units_back_when_mysql_fails() {
         .execute(&mysql)
         .await
         .expect("row deleted");
-    let response = cluster
+    let order = cluster
         .http
         .post(cluster.url(0, "/api/orders"))
         .json(&json!({ "sku": sku, "user_id": "unlucky", "quantity": 2 }))
-        .send()
-        .await
-        .expect("order");
+        .send();
+    let response = bounded("the order", order).await.expect("order");
     assert_eq!(response.status(), StatusCode::NOT_FOUND);
     let mut redis = redis_pool().get().await.expect("redis");
     let key = format!("{}:stock:{sku}", cluster.namespace);
@@ -599,13 +603,12 @@ async fn the_kill_button_kills_the_holder() {
         Some("replica-doomed")
     );
 
-    let killed = cluster
+    let kill = cluster
         .http
         .post(&kill_url)
         .json(&json!({ "sku": sku }))
-        .send()
-        .await
-        .expect("answered");
+        .send();
+    let killed = bounded("the kill button", kill).await.expect("answered");
     let status = killed.status();
     let body: serde_json::Value = killed.json().await.unwrap_or_default();
     assert_eq!(status, StatusCode::OK, "{body}");
@@ -617,7 +620,7 @@ async fn the_kill_button_kills_the_holder() {
     assert_eq!(exit.signal(), Some(9), "killed by SIGKILL: {exit:?}");
     stuck.abort();
 
-    let response = cluster.order(0, sku, "survivor", 1).await;
+    let response = bounded("the survivor's order", cluster.order(0, sku, "survivor", 1)).await;
     let status = response.status();
     let body = response.text().await.unwrap_or_default();
     assert_eq!(status, StatusCode::CREATED, "the lock came free: {body}");

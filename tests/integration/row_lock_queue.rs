@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::json;
 
+use crate::lock_primitives::bounded;
 use crate::support::TestCluster;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -46,7 +47,9 @@ async fn waiters_on_a_hot_row_leave_the_pool_to_other_skus() {
     }
 
     let cold = Instant::now();
-    let status = cluster.order(0, "cold", "elsewhere", 1).await.status();
+    let status = bounded("the cold order", cluster.order(0, "cold", "elsewhere", 1))
+        .await
+        .status();
     assert_eq!(status, StatusCode::CREATED, "another SKU still sells");
     assert!(
         cold.elapsed() < Duration::from_secs(2),
@@ -57,7 +60,10 @@ async fn waiters_on_a_hot_row_leave_the_pool_to_other_skus() {
     holder.rollback().await.expect("release the row");
     let mut created = 0;
     for waiter in waiters {
-        if matches!(waiter.await.expect("waiter"), Ok(StatusCode::CREATED)) {
+        if matches!(
+            bounded("a hot order", waiter).await.expect("waiter"),
+            Ok(StatusCode::CREATED)
+        ) {
             created += 1;
         }
     }
