@@ -7,19 +7,24 @@ use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 
-use crate::guarantees_support::{order, orders_of, sell_out};
+use crate::guarantees_support::{order, orders_of, sell_out, sku_stats};
 use crate::support::TestCluster;
 
-/// A rival bumps the product row's version every 5 ms, faster than the shopper's
-/// 100 ms of work between its read and its write, so each of the shopper's three
-/// attempts conflicts. The shopper gets 503 `too_many_conflicts` after exactly three
-/// conflicts; nothing is written; once the rival stops, the stock sells whole.
+/// A rival bumps the product row's version every 5 ms, while each of the shopper's
+/// attempts spends 1 s of work between its read and its write: a bound far from both
+/// outcomes, so every one of its three attempts conflicts. The shopper gets 503
+/// `too_many_conflicts` after exactly three conflicts; nothing is written; once the
+/// rival stops, the stock sells whole.
+///
+/// (Making each conflict happen by events instead, a rival holding the row while the
+/// shopper's write waits, lost step on a loaded machine: a refused write could still
+/// be finishing when the next rival took the row.)
 ///
 /// Without the bound (the attempts never running out), the shopper kept retrying for
-/// as long as the rival wrote, and bought the unit once it stopped: a 201 after 10 s.
+/// as long as the rival wrote, and bought the unit once it stopped: 201.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn optimistic_answers_too_many_conflicts_when_its_attempts_run_out() {
-    let cluster = TestCluster::start(1, &["--work-ms", "100", "--optimistic-attempts", "3"]).await;
+    let cluster = TestCluster::start(1, &["--work-ms", "1000", "--optimistic-attempts", "3"]).await;
     cluster.set_strategy("optimistic").await;
     let sku = "conflicted";
     cluster.reset(sku, 5).await;
@@ -31,7 +36,7 @@ async fn optimistic_answers_too_many_conflicts_when_its_attempts_run_out() {
         let (mysql, stop) = (mysql.clone(), stop.clone());
         tokio::spawn(async move {
             let started = Instant::now();
-            while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(10) {
+            while !stop.load(Ordering::Relaxed) && started.elapsed() < Duration::from_secs(15) {
                 sqlx::query("UPDATE products SET version = version + 1 WHERE sku = ?")
                     .bind(sku)
                     .execute(&mysql)
@@ -62,7 +67,7 @@ async fn optimistic_answers_too_many_conflicts_when_its_attempts_run_out() {
         0,
         "nothing written"
     );
-    let stats = cluster.sku_stats(sku).await;
+    let stats = sku_stats(&cluster, sku).await;
     assert_eq!(
         (stats["stock_mysql"].as_i64(), stats["consistent"].as_bool()),
         (Some(5), Some(true)),

@@ -108,6 +108,61 @@ pub async fn running(mysql: &MySqlPool, database: &str, fragment: &str) -> i64 {
     .expect("the processlist")
 }
 
+/// The `/api/stats` entry of one SKU, as replica 0 reports it; asked again while the
+/// replica answers 503 (a short request timeout under load), for up to 10 s.
+pub async fn sku_stats(cluster: &TestCluster, sku: &str) -> serde_json::Value {
+    let url = cluster.url(0, &format!("/api/stats?sku={sku}"));
+    let started = Instant::now();
+    loop {
+        let response = cluster
+            .http
+            .get(&url)
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await;
+        if let Ok(response) = response
+            && response.status().is_success()
+        {
+            let stats: serde_json::Value = response.json().await.expect("JSON stats");
+            return stats["skus"][0].clone();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no stats for {sku}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// An admin call (`PUT`/`POST` `path` with `body`), asked again while it answers 503
+/// (the request timeout: the change itself runs on, and asking again is harmless for
+/// a reset or a switch), for up to 10 s.
+pub async fn admin(cluster: &TestCluster, post: bool, path: &str, body: serde_json::Value) {
+    let started = Instant::now();
+    loop {
+        let request = if post {
+            cluster.http.post(cluster.url(0, path))
+        } else {
+            cluster.http.put(cluster.url(0, path))
+        };
+        let response = request
+            .json(&body)
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await;
+        let status = response.map(|r| r.status()).ok();
+        if status == Some(StatusCode::OK) {
+            return;
+        }
+        assert!(
+            status == Some(StatusCode::SERVICE_UNAVAILABLE)
+                && started.elapsed() < Duration::from_secs(10),
+            "{path} {body}: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Buys what is left of `sku` one unit at a time on replica 0, retrying a 503 (busy,
 /// timed out, retry later) for up to 20 s per unit, until a 409 sold_out. Then checks
 /// the sale from the records: exactly `initial` units sold, nothing oversold, Redis,
@@ -133,11 +188,11 @@ pub async fn sell_out(cluster: &TestCluster, sku: &str, initial: i64, what: &str
         assert!(buyer <= initial, "{what}: more than the stock sold");
     }
     let settled = wait_for(Duration::from_secs(10), || async {
-        let stats = cluster.sku_stats(sku).await;
+        let stats = sku_stats(cluster, sku).await;
         stats["orders"] == initial && stats["consistent"] == true
     })
     .await;
-    let stats = cluster.sku_stats(sku).await;
+    let stats = sku_stats(cluster, sku).await;
     assert!(settled, "{what}: the sale did not settle whole: {stats}");
     assert_eq!(stats["oversold"], 0, "{what}: {stats}");
     assert_eq!(stats["stock_mysql"], 0, "{what}: {stats}");
