@@ -27,11 +27,14 @@ pub fn explanation() -> Explanation {
             "before commit: GET <prefix>/<lease> (still there: same create revision, same lease)",
             "release: Txn: if <prefix>/<lease> still has its create revision, DELETE it (a dropped request's key likewise, before the replica's next request for the SKU queues; if that cannot be confirmed, the session is given up and the key expires with its lease)",
             "or, with requests of the same replica waiting (at most 8 in a row): nothing, the next of them holds the key",
-            "fencing token: the revision of the read that found no key before it (grows in hold order)",
+            "fencing token: the store revision of the read that found no key before it, × 65536, plus \
+             the hold's place in a run of handovers within the replica (grows in hold order)",
         ],
         failure_mode: "Lease expiry: a holder cut off from etcd, or paused, longer than the \
                        lease TTL loses the lock while it may still be working; checking the \
-                       lease before committing narrows the window, fencing closes it when \
-                       it covers the read (the revision registered before the stock is read).",
+                       lease before committing narrows the window. With fencing on, MySQL \
+                       refuses the late write: the token is registered before the stock is \
+                       read, and the write needs the stock read to be MySQL's and the token \
+                       to be the SKU's newest.",
     }
 }

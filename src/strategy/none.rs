@@ -24,9 +24,11 @@ impl Strategy for NoCoordination {
                       two replicas from reading the same value, so both sell the same unit.",
             commands: vec![
                 "GET <ns>:stock:<sku>",
-                "BEGIN; UPDATE products SET stock = <read - q> WHERE sku = ?; \
-                 INSERT INTO orders (...) VALUES (...); COMMIT",
-                "SET <ns>:stock:<sku> <read - q>",
+                "BEGIN; UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
+                 SET p.stock = <read - q>, p.version = p.version + 1 \
+                 WHERE p.sku = ? AND e.value = <epoch>; INSERT INTO orders (...) VALUES (...); COMMIT",
+                "Lua: if version > cached version then SET <ns>:stock:<sku> <read - q>, \
+                 SET <ns>:stock-version:<sku> <version>",
             ],
             failure_mode: "Lost update: concurrent buyers all read stock = N and all write N-1, \
                            so far more orders are recorded than there were units (oversold).",

@@ -53,13 +53,15 @@ impl Strategy for RedisAtomicStrategy {
                 "COMMIT outcome unknown: DEL <ns>:stock:<sku> for every SKU of the batch until an \
                  admin reconciles",
             ],
-            failure_mode: "Redis is the authority for the stock: if Redis loses writes (a \
-                           failover before replication, a restart without persistence), units \
-                           can be sold twice or vanish until Redis is rebuilt from MySQL \
-                           (reconcile). A crash between the Lua script and the MySQL commit \
-                           loses the units taken (undersell) until an admin reconciles, which \
-                           rewrites the stock from MySQL: with group commit, the units of every \
-                           order queued or in the batch being written.",
+            failure_mode: "Redis decides who gets a unit, MySQL still records the sale: every \
+                           MySQL write is guarded by stock >= units, so a unit is never sold \
+                           twice. If Redis loses writes (a failover before replication, a \
+                           restart without persistence), it shows more stock than MySQL: \
+                           buyers it lets through are refused by MySQL until an admin \
+                           reconciles, which rewrites Redis from MySQL. A crash between the Lua \
+                           script and the MySQL commit leaves units taken and unsold \
+                           (undersell) until that reconcile: with group commit, the units of \
+                           every order queued or in the batch being written.",
         }
     }
 

@@ -18,8 +18,9 @@ pub fn explanation() -> Explanation {
                   waiter also retries when the lock's TTL runs out, in case the holder \
                   crashed.",
         commands: vec![
-            "SET <ns>:lock:<sku> <token> NX PX <lease>   (else PTTL to know when to retry; \
-             refused while the turn is kept for a woken waiter)",
+            "acquire (Lua): SET <ns>:lock:<sku> <token> NX PX <lease>; if set, INCR <ns>:fence:<sku> \
+             (the fencing token); else PTTL to know when to retry (refused while the turn is kept \
+             for a woken waiter)",
             "watchdog: if GET key == token then PEXPIRE key <lease>   (Lua, every lease/3)",
             "before commit: the same compare-and-PEXPIRE; 0 means the lock was lost",
             "release: if GET key == token then DEL key; RPUSH <ns>:lock-signal:<sku>; \
@@ -29,9 +30,10 @@ pub fn explanation() -> Explanation {
         failure_mode: "A holder that stalls longer than the lease (GC or VM pause, a stopped \
                        watchdog) loses the lock while still believing it holds it; another \
                        replica takes it and both write. Checking before commit narrows the \
-                       window; only a fencing token closes it, and only if it covers the \
-                       read: registered in MySQL before the stock is read, and the write \
-                       lands only while it is still the fence and the stock read is MySQL's. A Redis failover can also \
+                       window. With fencing on, the token is registered in MySQL before the \
+                       stock is read, and the write lands only while the stock read is still \
+                       MySQL's (which alone refuses the double sale) and the token is still the \
+                       SKU's newest (so the newest holder wins). A Redis failover can also \
                        lose a lock that was not yet replicated.",
     }
 }

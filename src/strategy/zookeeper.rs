@@ -24,9 +24,13 @@ pub fn explanation() -> Explanation {
             "before commit: session connected and exists <own node> with our session as owner",
             "release: delete <own node>; or, with requests of the same replica waiting (at most 8 in a row), nothing: the next of them holds the node",
         ],
-        failure_mode: "Session expiry: a holder cut off from ZooKeeper longer than the session \
-                       timeout loses its node while it may still be working. It must check its \
-                       session before committing, and a pause after the check can still \
-                       overlap the next holder.",
+        failure_mode: "Session expiry: the session is a lease. A holder cut off from \
+                       ZooKeeper, or paused (a GC or VM pause stops its heartbeats too), \
+                       longer than the session timeout loses its node while it may still be \
+                       working. It checks its session before committing, but a pause after \
+                       the check can still overlap the next holder. With fencing on, MySQL \
+                       refuses the late write (its token comes from the node's sequence). The lab's \
+                       paused-holder fault cannot stop the client library's heartbeats, so it \
+                       cannot show this here.",
     }
 }
