@@ -5,7 +5,9 @@
 use async_trait::async_trait;
 
 use super::flow::{Placed, epoch_ms};
-use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock};
+use super::{
+    Explanation, Family, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock,
+};
 use crate::lock::local_queue::LocalQueues;
 use crate::model::{NewOrder, Order, Sku};
 use crate::store::{Committed, LockedProduct};
@@ -27,21 +29,20 @@ impl Strategy for DbForUpdateStrategy {
         Explanation {
             name: self.name(),
             title: "Pessimistic row lock (SELECT … FOR UPDATE)",
-            summary: "The order is one transaction. It locks the product's row by its primary \
-                      key, so concurrent buyers of the same SKU wait for the row; then it checks \
-                      the stock, works, writes the stock and the order, and commits, which frees \
-                      the row. The database is both the lock and the record, so a holder cannot \
-                      lose its lock and still write. Within a replica, buyers of one SKU queue \
-                      locally so only one of them ties up a connection waiting for the row; \
-                      that wait is bounded for the one statement.",
+            family: Family::Database,
+            summary: "The order is one transaction that locks the product's row, checks the \
+                      stock, works, writes and commits, which frees the row. The database is \
+                      both the lock and the record, so a holder cannot lose its lock and still write.",
+            adds: "Within a replica, buyers of one SKU queue locally, so only one of them ties \
+                   up a pooled connection waiting for the row; that wait is bounded per \
+                   statement; the epoch row is locked first, the order admin changes use.",
             commands: vec![
-                "this replica's buyers of the SKU queue locally; the head of the queue:",
-                "BEGIN; SELECT value FROM cluster_settings WHERE name = 'epoch' LOCK IN SHARE MODE \
-                 (the admin changes' lock order: epoch row first)",
+                "BEGIN; SELECT value FROM cluster_settings WHERE name = 'epoch' LOCK IN SHARE MODE",
                 "SET STATEMENT innodb_lock_wait_timeout = <wait s> FOR \
                  SELECT stock FROM products WHERE sku = ? FOR UPDATE",
                 "UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
-                 SET p.stock = p.stock - ?, p.version = p.version + 1 WHERE p.sku = ? AND e.value = <epoch>",
+                 SET p.stock = p.stock - ?, p.version = p.version + 1 \
+                 WHERE p.sku = ? AND e.value = <epoch> AND p.stock >= ?",
                 "INSERT INTO orders (...) VALUES (...); COMMIT",
                 "Lua: if version > cached version then SET <ns>:stock:<sku>",
             ],

@@ -4,7 +4,7 @@
 
 use async_trait::async_trait;
 
-use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
+use super::{Explanation, Family, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
 use crate::model::{NewOrder, Order, Sku};
 
 pub struct NoCoordination;
@@ -19,9 +19,13 @@ impl Strategy for NoCoordination {
         Explanation {
             name: self.name(),
             title: "No coordination",
-            summary: "Each replica reads the stock from Redis, checks it, does its work, \
-                      then writes back stock minus quantity to MySQL and Redis. Nothing stops \
-                      two replicas from reading the same value, so both sell the same unit.",
+            family: Family::None,
+            summary: "Each replica reads the stock from Redis, checks it, does its work, then \
+                      writes back stock minus quantity. Nothing stops two replicas from reading \
+                      the same value, so both sell the same unit.",
+            adds: "The baseline: the same critical section every lock strategy runs, without \
+                   the lock. The write is an absolute stock, as in the naive code this lab \
+                   starts from; the sale epoch still keeps an order of another strategy out.",
             commands: vec![
                 "GET <ns>:stock:<sku>",
                 "BEGIN; UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \

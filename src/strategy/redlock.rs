@@ -1,6 +1,6 @@
 //! `redlock`: the order flow under the Redlock algorithm (`lock::redlock`).
 
-use super::Explanation;
+use super::{Explanation, Family};
 
 /// What the dashboard and `/api/strategies` say about it; the strategy itself is the
 /// shared `LockStrategy` around its lock (see `registry`).
@@ -8,17 +8,17 @@ pub fn explanation() -> Explanation {
     Explanation {
         name: "redlock",
         title: "Redlock over independent Redis nodes",
+        family: Family::LockService,
         summary: "The same key and random token are SET NX PX on every independent Redis \
-                  node, each call with a short timeout. The lock is held if a majority \
-                  granted it and at least half the lease is left after the time spent and a \
-                  clock-drift allowance; otherwise it is released on all nodes and retried \
-                  when a release notice arrives (a random delay is the fallback). It rests \
-                  on timing assumptions: bounded network delays, bounded process pauses, and \
-                  clocks that drift less than the allowance.",
+                  node. The lock is held if a majority granted it and at least half the lease \
+                  is left after the time spent and a clock-drift allowance; otherwise it is \
+                  released everywhere and retried.",
+        adds: "Held if granted on ≥ N/2+1 nodes and elapsed + drift < lease/2 (drift = 1% \
+               of the lease + 2 ms; elapsed counts the fencing rounds too); one contender \
+               per replica at a time; retries woken by a release notice on every node (a \
+               random 5-50 ms as the fallback); a fencing counter on a majority of nodes.",
         commands: vec![
             "on each node (50 ms timeout): SET <ns>:redlock:<sku> <token> NX PX <lease>",
-            "held if granted on ≥ N/2+1 nodes and elapsed + drift < lease/2 (drift = 1% of the \
-             lease + 2 ms; elapsed counts the fencing rounds too)",
             "else on every node: if GET key == token then DEL key (Lua); wait for a release \
              notice (PUBLISH on every node) or 5-50 ms; retry",
             "watchdog and check before commit: compare-and-PEXPIRE on every node, majority",
