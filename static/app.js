@@ -292,25 +292,47 @@ async function loadStrategies() {
   renderLearnCards();
 }
 
+const FAMILIES = [
+  ["none", "No coordination"],
+  ["database", "Database-native: the database is the lock"],
+  ["lock-service", "Lock services: a lock held elsewhere"],
+  ["lock-free", "Lock-free: one atomic step decides"],
+];
+
+function costLine(cost) {
+  if (!cost) return "Cost: not measured by scripts/bench.sh.";
+  return `Cost: ${fmt(cost.orders_per_s)} orders/s on one hot SKU, ${cost.vs_base}× the bare ` +
+    `critical section (none, one connection); measured at ${cost.commit} on ${cost.measured_on}.`;
+}
+
 function renderLearnCards() {
-  const cards = state.strategies.map((s) => {
+  const card = (s) => {
     const run = state.latestRun.get(s.name);
     const figures = run
       ? el("p", { class: "muted" },
-          `Latest run: ${fmt(run.orders_per_s)} orders/s, p99 ${fmt(run.latency_ms.p99)} ms, `,
+          `Latest run here: ${fmt(run.orders_per_s)} orders/s, p99 ${fmt(run.latency_ms.p99)} ms, `,
           run.oversold > 0 ? el("strong", { class: "bad" }, `${run.oversold} oversold`) : "0 oversold",
           `, ${run.busy} busy.`)
-      : el("p", { class: "muted" }, "No load-test run yet.");
-    return el("article", { class: "card", dataset: { strategy: s.name } },
-      el("h3", {}, `${s.title} `, el("code", {}, s.name)),
+      : el("p", { class: "muted" }, "No load-test run here yet.");
+    return el("article", { class: "card", dataset: { strategy: s.name, family: s.family } },
+      el("h4", {}, `${s.title} `, el("code", {}, s.name)),
       el("p", {}, s.summary),
-      el("h4", {}, "Exactly what it runs"),
-      el("ul", { class: "commands" }, s.commands.map((c) => el("li", {}, el("code", {}, c)))),
-      el("h4", {}, "How it fails"),
-      el("p", { class: "fails" }, s.failure_mode),
+      el("p", { class: "adds" }, el("strong", {}, "This lab adds: "), s.adds),
+      el("p", { class: "cost" }, costLine(s.cost)),
+      el("p", { class: "fails" }, el("strong", {}, "How it fails: "), s.failure_mode),
+      el("details", { class: "commands" },
+        el("summary", {}, "Exactly what it sends"),
+        el("ul", {}, s.commands.map((c) => el("li", {}, el("code", {}, c))))),
       figures);
-  });
-  document.getElementById("strategy-cards").replaceChildren(...cards);
+  };
+  const groups = FAMILIES.map(([family, title]) => {
+    const members = state.strategies.filter((s) => s.family === family);
+    return members.length
+      ? el("div", { class: "family", dataset: { family } }, el("h3", {}, title),
+          el("div", { class: "cards wide" }, members.map(card)))
+      : null;
+  }).filter(Boolean);
+  document.getElementById("strategy-cards").replaceChildren(...groups);
 }
 
 // ---- live snapshot --------------------------------------------------------------

@@ -7,6 +7,7 @@
 //! (`none`, `optimistic`, `db-for-update`, `redis-atomic`) implement `Strategy`. The
 //! HTTP layer, the stats and the dashboard pick them up from the registry.
 
+mod cost;
 mod db_for_update;
 mod db_unique;
 #[cfg(test)]
@@ -31,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
 pub use crate::lock::LockView;
+pub use cost::{Cost, cost};
 pub use flow::{SaleFlow, ensure_in_stock};
 pub use locked::LockStrategy;
 pub use registry::{Registry, UnknownStrategy};
