@@ -305,6 +305,13 @@ function costLine(cost) {
     `critical section (none, one connection); measured at ${cost.commit} on ${cost.measured_on}.`;
 }
 
+/** Whether a strategy's sections are attempts without a lock (optimistic, redis-atomic):
+ *  they may overlap by design. none's overlaps stay the race it shows. */
+function isAttempt(name) {
+  const family = (state.strategies || []).find((s) => s.name === name)?.family;
+  return name === "optimistic" || family === "lock-free";
+}
+
 function renderLearnCards() {
   const card = (s) => {
     const run = state.latestRun.get(s.name);
@@ -411,7 +418,10 @@ function renderRace(sku, sections) {
   // Under a lock, a sale that began while another holder was still inside means that
   // holder's lock had gone (a paused holder, woken past its lease): the earlier one is
   // the stale holder, and its write is the oversell.
-  const stale = sections.map((a) => a.strategy !== "none" && a.outcome === "created" &&
+  // optimistic and redis-atomic hold no lock: their sections are attempts, which may
+  // overlap by design (MySQL's guarded write decides), never stale holders.
+  const attempt = sections.map((s) => isAttempt(s.strategy));
+  const stale = sections.map((a, i) => !attempt[i] && a.strategy !== "none" && a.outcome === "created" &&
     sections.some((b) => b !== a && b.outcome === "created" && b.start_ms > a.start_ms && b.start_ms < a.end_ms));
   const ns = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(ns, "svg");
@@ -434,7 +444,7 @@ function renderRace(sku, sections) {
     const bar = add("rect", {
       x: x(s.start_ms), y: rowTop.get(s.replica) + laneOf.get(s) * laneHeight,
       width: Math.max(x(s.end_ms) - x(s.start_ms), 2), height: laneHeight - 3,
-      class: `${known}${overlapping[i] ? " overlap" : ""}${stale[i] ? " stale" : ""}`,
+      class: `${known}${attempt[i] ? " attempt" : overlapping[i] ? " overlap" : ""}${stale[i] ? " stale" : ""}`,
     });
     const title = document.createElementNS(ns, "title");
     title.textContent = `${s.replica} ${s.strategy}: ${s.outcome}, ${(s.end_ms - s.start_ms).toFixed(1)} ms` +
@@ -445,8 +455,10 @@ function renderRace(sku, sections) {
   chart.replaceChildren(svg);
   const overlaps = overlapping.filter(Boolean).length;
   const staleSales = stale.filter(Boolean).length;
+  const attempts = attempt.filter(Boolean).length;
   document.getElementById("race-legend").textContent =
     `${overlaps} of ${sections.length} sections overlap another · green: sold · grey: sold out · red: refused (lock lost or fenced)` +
+    (attempts ? ` · dashed: ${attempts} attempt(s) without a lock (optimistic, redis-atomic), which may overlap` : "") +
     (staleSales ? ` · striped: ${staleSales} stale holder(s) sold after their lock had gone` : "");
 }
 
