@@ -4,7 +4,7 @@
 //! section does not list has no cost.
 //!
 //! Round trips per order and recovery after `kill -9` of the holder are not written
-//! by `scripts/bench.sh` yet, so they are not served (BENCHMARKS.md's hand counts are
+//! by `scripts/bench.sh` yet, so they are not served (the hand counts in docs/benchmarks-notes.md are
 //! not a measurement of this build).
 
 use serde::Serialize;
@@ -95,5 +95,34 @@ mod tests {
                 "{name} measured in BENCHMARKS.md"
             );
         }
+    }
+
+    /// README's results table is the last benchmark's: each strategy's orders/s and
+    /// ratio there equal the generated section's. Fails when bench.sh rewrites the
+    /// section and the README keeps the old figures.
+    #[test]
+    fn the_readme_shows_the_last_benchmark() {
+        let readme = include_str!("../../README.md");
+        let mut checked = 0;
+        for line in readme.lines() {
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            if cells.len() < 5 {
+                continue;
+            }
+            let Some(cost) = super::cost(cells[1]) else {
+                continue;
+            };
+            assert_eq!(
+                cells[2].parse::<f64>().ok(),
+                Some(cost.orders_per_s),
+                "{line}"
+            );
+            assert_eq!(cells[3].parse::<f64>().ok(), Some(cost.vs_base), "{line}");
+            checked += 1;
+        }
+        assert_eq!(
+            checked, 10,
+            "the base and every strategy are in README's results table"
+        );
     }
 }

@@ -22,7 +22,7 @@ use crate::store::{ClusterEvent, Refusal, StockWrite};
 /// too short when many contend, so they conflict again and the database spends a
 /// read, an update and a rollback on each, and too long for a buyer alone. At 30
 /// connections (10 a replica) 3 ms per contender sold 1.11× the orders of a fixed
-/// 8 ms and halved the conflicts (BENCHMARKS.md, item 21).
+/// 8 ms and halved the conflicts (docs/benchmarks-notes.md, item 21).
 const BACKOFF_PER_CONTENDER: Duration = Duration::from_millis(3);
 const BACKOFF_CAP: Duration = Duration::from_millis(100);
 
