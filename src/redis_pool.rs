@@ -2,7 +2,7 @@
 //! deadpool-redis builds it, with one difference. deadpool-redis sends `UNWATCH` and
 //! `PING` and waits for the answer before it hands out a connection, and every Redis
 //! call here takes one from the pool: each command cost two round trips, most of them
-//! while a lock is held (BENCHMARKS.md, "Round trips per order").
+//! while a lock is held (docs/benchmarks-notes.md, "Round trips per order").
 //!
 //! Here a connection used in the last two seconds is handed out as it is; only an idle
 //! one is pinged first. What the ping was for, not handing out a dead connection, is

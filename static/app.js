@@ -292,25 +292,54 @@ async function loadStrategies() {
   renderLearnCards();
 }
 
+const FAMILIES = [
+  ["none", "No coordination"],
+  ["database", "Database-native: the database is the lock"],
+  ["lock-service", "Lock services: a lock held elsewhere"],
+  ["lock-free", "Lock-free: one atomic step decides"],
+];
+
+function costLine(cost) {
+  if (!cost) return "Cost: not measured by scripts/bench.sh.";
+  return `Cost: ${fmt(cost.orders_per_s)} orders/s on one hot SKU, ${cost.vs_base}× the bare ` +
+    `critical section (none, one connection); measured at ${cost.commit} on ${cost.measured_on}.`;
+}
+
+/** Whether a strategy's sections are attempts without a lock (optimistic, redis-atomic):
+ *  they may overlap by design. none's overlaps stay the race it shows. */
+function isAttempt(name) {
+  const family = (state.strategies || []).find((s) => s.name === name)?.family;
+  return name === "optimistic" || family === "lock-free";
+}
+
 function renderLearnCards() {
-  const cards = state.strategies.map((s) => {
+  const card = (s) => {
     const run = state.latestRun.get(s.name);
     const figures = run
       ? el("p", { class: "muted" },
-          `Latest run: ${fmt(run.orders_per_s)} orders/s, p99 ${fmt(run.latency_ms.p99)} ms, `,
+          `Latest run here: ${fmt(run.orders_per_s)} orders/s, p99 ${fmt(run.latency_ms.p99)} ms, `,
           run.oversold > 0 ? el("strong", { class: "bad" }, `${run.oversold} oversold`) : "0 oversold",
           `, ${run.busy} busy.`)
-      : el("p", { class: "muted" }, "No load-test run yet.");
-    return el("article", { class: "card", dataset: { strategy: s.name } },
-      el("h3", {}, `${s.title} `, el("code", {}, s.name)),
+      : el("p", { class: "muted" }, "No load-test run here yet.");
+    return el("article", { class: "card", dataset: { strategy: s.name, family: s.family } },
+      el("h4", {}, `${s.title} `, el("code", {}, s.name)),
       el("p", {}, s.summary),
-      el("h4", {}, "Exactly what it runs"),
-      el("ul", { class: "commands" }, s.commands.map((c) => el("li", {}, el("code", {}, c)))),
-      el("h4", {}, "How it fails"),
-      el("p", { class: "fails" }, s.failure_mode),
+      el("p", { class: "adds" }, el("strong", {}, "This lab adds: "), s.adds),
+      el("p", { class: "cost" }, costLine(s.cost)),
+      el("p", { class: "fails" }, el("strong", {}, "How it fails: "), s.failure_mode),
+      el("details", { class: "commands" },
+        el("summary", {}, "Exactly what it sends"),
+        el("ul", {}, s.commands.map((c) => el("li", {}, el("code", {}, c))))),
       figures);
-  });
-  document.getElementById("strategy-cards").replaceChildren(...cards);
+  };
+  const groups = FAMILIES.map(([family, title]) => {
+    const members = state.strategies.filter((s) => s.family === family);
+    return members.length
+      ? el("div", { class: "family", dataset: { family } }, el("h3", {}, title),
+          el("div", { class: "cards wide" }, members.map(card)))
+      : null;
+  }).filter(Boolean);
+  document.getElementById("strategy-cards").replaceChildren(...groups);
 }
 
 // ---- live snapshot --------------------------------------------------------------
@@ -389,7 +418,10 @@ function renderRace(sku, sections) {
   // Under a lock, a sale that began while another holder was still inside means that
   // holder's lock had gone (a paused holder, woken past its lease): the earlier one is
   // the stale holder, and its write is the oversell.
-  const stale = sections.map((a) => a.strategy !== "none" && a.outcome === "created" &&
+  // optimistic and redis-atomic hold no lock: their sections are attempts, which may
+  // overlap by design (MySQL's guarded write decides), never stale holders.
+  const attempt = sections.map((s) => isAttempt(s.strategy));
+  const stale = sections.map((a, i) => !attempt[i] && a.strategy !== "none" && a.outcome === "created" &&
     sections.some((b) => b !== a && b.outcome === "created" && b.start_ms > a.start_ms && b.start_ms < a.end_ms));
   const ns = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(ns, "svg");
@@ -412,7 +444,7 @@ function renderRace(sku, sections) {
     const bar = add("rect", {
       x: x(s.start_ms), y: rowTop.get(s.replica) + laneOf.get(s) * laneHeight,
       width: Math.max(x(s.end_ms) - x(s.start_ms), 2), height: laneHeight - 3,
-      class: `${known}${overlapping[i] ? " overlap" : ""}${stale[i] ? " stale" : ""}`,
+      class: `${known}${attempt[i] ? " attempt" : overlapping[i] ? " overlap" : ""}${stale[i] ? " stale" : ""}`,
     });
     const title = document.createElementNS(ns, "title");
     title.textContent = `${s.replica} ${s.strategy}: ${s.outcome}, ${(s.end_ms - s.start_ms).toFixed(1)} ms` +
@@ -423,8 +455,10 @@ function renderRace(sku, sections) {
   chart.replaceChildren(svg);
   const overlaps = overlapping.filter(Boolean).length;
   const staleSales = stale.filter(Boolean).length;
+  const attempts = attempt.filter(Boolean).length;
   document.getElementById("race-legend").textContent =
     `${overlaps} of ${sections.length} sections overlap another · green: sold · grey: sold out · red: refused (lock lost or fenced)` +
+    (attempts ? ` · dashed: ${attempts} attempt(s) without a lock (optimistic, redis-atomic), which may overlap` : "") +
     (staleSales ? ` · striped: ${staleSales} stale holder(s) sold after their lock had gone` : "");
 }
 

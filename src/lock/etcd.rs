@@ -9,7 +9,7 @@
 //!   at most one key per lock, which is what `concurrency.Mutex` asks of a session's
 //!   users. A lease per acquisition made every order pay a grant, one of the three raft
 //!   writes each order cost etcd (grant, queue put, revoke); one per replica sold 1.27×
-//!   as many orders (BENCHMARKS.md, "Round trips per order", item 5).
+//!   as many orders (docs/benchmarks-notes.md, "Round trips per order", item 5).
 //!
 //! - Joining the queue is one transaction: put `<name>/<lease id>` on the lease unless it
 //!   is there, and read the two newest keys of the prefix by create revision: this one
@@ -399,7 +399,7 @@ impl Place {
         // watch costs at most about as long as the wait so far. A watch that starts at
         // the revision of the first read gets the same looks: nothing here can tell
         // whether a write landed between etcd's two steps, and without the looks
-        // lockbench's handoff p99 went from 5.5 ms to 62 ms (BENCHMARKS.md, item 12).
+        // lockbench's handoff p99 went from 5.5 ms to 62 ms (docs/benchmarks-notes.md, item 12).
         let mut silence = if found_at > 0 && watched_from == found_at {
             Some(FIRST_LOOK)
         } else {

@@ -444,12 +444,15 @@ pub struct LockedProduct {
 
 impl LockedProduct {
     /// Decrements the stock and inserts the order, then commits, releasing the row.
+    /// `releasing` is called just before the COMMIT (or ROLLBACK) is sent: the last
+    /// moment the caller still surely holds the row.
     pub async fn commit_order(
         mut self,
         order: &NewOrder,
         epoch: u64,
         strategy: &str,
         replica: &str,
+        releasing: impl FnOnce() + Send,
     ) -> Result<Result<Committed, Refusal>, StoreError> {
         let written = write_order(
             &mut self.tx,
@@ -460,6 +463,7 @@ impl LockedProduct {
             replica,
         )
         .await?;
+        releasing();
         match written {
             Ok(committed) => {
                 self.tx

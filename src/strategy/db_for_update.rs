@@ -4,10 +4,13 @@
 
 use async_trait::async_trait;
 
-use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock};
+use super::flow::{Placed, epoch_ms};
+use super::{
+    Explanation, Family, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock,
+};
 use crate::lock::local_queue::LocalQueues;
 use crate::model::{NewOrder, Order, Sku};
-use crate::store::LockedProduct;
+use crate::store::{Committed, LockedProduct};
 
 #[derive(Default)]
 pub struct DbForUpdateStrategy {
@@ -26,28 +29,28 @@ impl Strategy for DbForUpdateStrategy {
         Explanation {
             name: self.name(),
             title: "Pessimistic row lock (SELECT … FOR UPDATE)",
-            summary: "The order is one transaction. It locks the product's row by its primary \
-                      key, so concurrent buyers of the same SKU wait for the row; then it checks \
-                      the stock, works, writes the stock and the order, and commits, which frees \
-                      the row. The database is both the lock and the record, so a holder cannot \
-                      lose its lock and still write. Within a replica, buyers of one SKU queue \
-                      locally so only one of them ties up a connection waiting for the row; \
-                      that wait is bounded for the one statement.",
+            family: Family::Database,
+            summary: "The order is one transaction that locks the product's row, checks the \
+                      stock, works, writes and commits, which frees the row. The database is \
+                      both the lock and the record, so a holder cannot lose its lock and still write.",
+            adds: "Within a replica, buyers of one SKU queue locally, so only one of them ties \
+                   up a pooled connection waiting for the row; that wait is bounded per \
+                   statement; the epoch row is locked first, the order admin changes use.",
             commands: vec![
-                "this replica's buyers of the SKU queue locally; the head of the queue:",
-                "BEGIN; SELECT value FROM cluster_settings WHERE name = 'epoch' LOCK IN SHARE MODE \
-                 (the admin changes' lock order: epoch row first)",
+                "BEGIN; SELECT value FROM cluster_settings WHERE name = 'epoch' LOCK IN SHARE MODE",
                 "SET STATEMENT innodb_lock_wait_timeout = <wait s> FOR \
                  SELECT stock FROM products WHERE sku = ? FOR UPDATE",
                 "UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
-                 SET p.stock = p.stock - ?, p.version = p.version + 1 WHERE p.sku = ? AND e.value = <epoch>",
+                 SET p.stock = p.stock - ?, p.version = p.version + 1 \
+                 WHERE p.sku = ? AND e.value = <epoch> AND p.stock >= ?",
                 "INSERT INTO orders (...) VALUES (...); COMMIT",
                 "Lua: if version > cached version then SET <ns>:stock:<sku>",
             ],
             failure_mode: "Connections and row locks are held for the whole critical section: a \
                            slow holder blocks every buyer of the SKU and ties up a database \
                            connection each; waits past innodb_lock_wait_timeout (error 1205) \
-                           answer 503. Locking rows in different orders across SKUs can deadlock.",
+                           answer 503. It cannot deadlock here: an order locks one product row, \
+                           after the epoch row, the order every admin change uses too.",
         }
     }
 
@@ -86,8 +89,15 @@ impl Strategy for DbForUpdateStrategy {
             Ok(locked) => locked,
             Err(refusal) => return Err(flow.refused(order, refusal).await),
         };
+        let stock = locked.stock;
+        // The section ends at COMMIT, which frees the row for the next holder; the
+        // cache write comes after it, outside the lock, as in every other strategy
+        // whose writes MySQL orders (the version decides which cache write lands).
         let critical = self.sell_locked_row(flow, order, &options, locked);
-        flow.section(order, self.name(), None, critical).await
+        let sold = flow.section(order, self.name(), None, critical).await?;
+        flow.write_cache(order, stock - order.quantity, sold.committed.version, "")
+            .await;
+        Ok(sold.committed.order)
     }
 
     async fn inspect(&self, flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
@@ -96,28 +106,49 @@ impl Strategy for DbForUpdateStrategy {
 }
 
 impl DbForUpdateStrategy {
-    /// The critical section, holding the row.
+    /// The critical section, holding the row until its COMMIT.
     async fn sell_locked_row(
         &self,
         flow: &SaleFlow,
         order: &NewOrder,
         options: &OrderOptions,
         locked: LockedProduct,
-    ) -> Result<Order, OrderError> {
+    ) -> Result<RowSold, OrderError> {
         ensure_in_stock(locked.stock, order)?;
         flow.simulate_work().await;
-        let new_stock = locked.stock - order.quantity;
+        let mut commit_sent_ms = 0.0;
         let committed = locked
-            .commit_order(order, options.epoch, self.name(), &flow.replica_id)
+            .commit_order(order, options.epoch, self.name(), &flow.replica_id, || {
+                commit_sent_ms = epoch_ms();
+            })
             .await;
-        let committed = match committed {
-            Ok(Ok(committed)) => committed,
-            Ok(Err(refusal)) => return Err(flow.refused(order, refusal).await),
-            Err(error) => return Err(flow.commit_failed(order, error).await),
-        };
-        flow.write_cache(order, new_stock, committed.version, "")
-            .await;
-        Ok(committed.order)
+        match committed {
+            Ok(Ok(committed)) => Ok(RowSold {
+                committed,
+                commit_sent_ms,
+            }),
+            Ok(Err(refusal)) => Err(flow.refused(order, refusal).await),
+            Err(error) => Err(flow.commit_failed(order, error).await),
+        }
+    }
+}
+
+/// An order committed under the row lock, and when its COMMIT was sent: its section
+/// on the timeline ends there. The COMMIT frees the row, so the next holder's section
+/// (from its grant) begins after it; ending at the COMMIT's answer instead, which can
+/// arrive after the next grant, drew holders of different replicas as overlapping.
+struct RowSold {
+    committed: Committed,
+    commit_sent_ms: f64,
+}
+
+impl Placed for RowSold {
+    fn order_id(&self) -> u64 {
+        self.committed.order.id
+    }
+
+    fn ended_ms(&self) -> Option<f64> {
+        Some(self.commit_sent_ms)
     }
 }
 

@@ -429,24 +429,31 @@ impl SaleFlow {
 
     /// Runs an order's critical section and records it on the timeline (without
     /// waiting): from now, when it begins, to its end; `fence` is the lock's token.
-    pub async fn section(
+    /// The section must end when the coordination ends (a row lock at its COMMIT), or
+    /// the timeline shows the next holder overlapping this one.
+    pub async fn section<T: Placed>(
         &self,
         order: &NewOrder,
         strategy: &str,
         fence: Option<u64>,
-        critical: impl Future<Output = Result<Order, OrderError>>,
-    ) -> Result<Order, OrderError> {
+        critical: impl Future<Output = Result<T, OrderError>>,
+    ) -> Result<T, OrderError> {
         let start_ms = epoch_ms();
         let result = critical.await;
         let (outcome, order_id) = match &result {
-            Ok(placed) => (Outcome::Created, Some(placed.id)),
+            Ok(placed) => (Outcome::Created, Some(placed.order_id())),
             Err(error) => (error.outcome(), None),
         };
+        let end_ms = result
+            .as_ref()
+            .ok()
+            .and_then(Placed::ended_ms)
+            .unwrap_or_else(epoch_ms);
         let section = Section {
             replica: self.replica_id.clone(),
             strategy: strategy.to_owned(),
             start_ms,
-            end_ms: epoch_ms(),
+            end_ms,
             outcome: outcome.code().to_owned(),
             fence,
             order_id,
@@ -496,6 +503,28 @@ impl SaleFlow {
     }
 }
 
+/// What a critical section yields when the order was placed: its order's id, and
+/// when the section ended if that was before the future returned.
+pub trait Placed {
+    fn order_id(&self) -> u64;
+
+    fn ended_ms(&self) -> Option<f64> {
+        None
+    }
+}
+
+impl Placed for Order {
+    fn order_id(&self) -> u64 {
+        self.id
+    }
+}
+
+impl Placed for Committed {
+    fn order_id(&self) -> u64 {
+        self.order.id
+    }
+}
+
 /// Runs one step of an order's critical section and records how long it took, so
 /// `/metrics` shows where a strategy's time per order goes (`scripts/bench.sh` puts it
 /// in BENCHMARKS.md). A step that is dropped records nothing.
@@ -513,7 +542,7 @@ async fn timed<T>(strategy: &str, step: &'static str, work: impl Future<Output =
 
 /// Now, in Unix epoch milliseconds with sub-millisecond precision: sections of
 /// different replicas on one machine (or on clocks kept in sync) line up.
-fn epoch_ms() -> f64 {
+pub(crate) fn epoch_ms() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64() * 1000.0)

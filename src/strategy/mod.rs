@@ -7,8 +7,11 @@
 //! (`none`, `optimistic`, `db-for-update`, `redis-atomic`) implement `Strategy`. The
 //! HTTP layer, the stats and the dashboard pick them up from the registry.
 
+mod cost;
 mod db_for_update;
 mod db_unique;
+#[cfg(test)]
+mod docs_honest;
 mod etcd;
 mod flow;
 mod locked;
@@ -29,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
 pub use crate::lock::LockView;
+pub use cost::{Cost, cost};
 pub use flow::{SaleFlow, ensure_in_stock};
 pub use locked::LockStrategy;
 pub use registry::{Registry, UnknownStrategy};
@@ -83,15 +87,35 @@ pub struct OrderOptions {
     pub client_gone: CancellationToken,
 }
 
-/// A strategy described for people: what it does, the exact commands, how it fails.
+/// A strategy described for people: the idea, what this lab adds to it, the exact
+/// commands, how it fails. `docs_honest` checks that every command named is one the
+/// strategy's code sends.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Explanation {
     #[schema(value_type = crate::model::StrategyName)]
     pub name: &'static str,
     pub title: &'static str,
+    pub family: Family,
+    /// The idea, in two or three lines.
     pub summary: &'static str,
+    /// What this lab adds to the textbook recipe.
+    pub adds: &'static str,
     pub commands: Vec<&'static str>,
     pub failure_mode: &'static str,
+}
+
+/// Where a strategy's coordination lives: the dashboard groups its cards by this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Family {
+    /// No coordination at all: the baseline that oversells.
+    None,
+    /// The database's own concurrency control (a version, a row lock, a unique key).
+    Database,
+    /// A lock held in a lock service (Redis, ZooKeeper, etcd).
+    LockService,
+    /// No lock: one atomic step decides who gets a unit.
+    LockFree,
 }
 
 /// Why an order was not placed, in domain terms (the HTTP layer maps these).

@@ -4,7 +4,7 @@
 
 use async_trait::async_trait;
 
-use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
+use super::{Explanation, Family, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
 use crate::model::{NewOrder, Order, Sku};
 
 pub struct NoCoordination;
@@ -19,14 +19,20 @@ impl Strategy for NoCoordination {
         Explanation {
             name: self.name(),
             title: "No coordination",
-            summary: "Each replica reads the stock from Redis, checks it, does its work, \
-                      then writes back stock minus quantity to MySQL and Redis. Nothing stops \
-                      two replicas from reading the same value, so both sell the same unit.",
+            family: Family::None,
+            summary: "Each replica reads the stock from Redis, checks it, does its work, then \
+                      writes back stock minus quantity. Nothing stops two replicas from reading \
+                      the same value, so both sell the same unit.",
+            adds: "The baseline: the same critical section every lock strategy runs, without \
+                   the lock. The write is an absolute stock, as in the naive code this lab \
+                   starts from; the sale epoch still keeps an order of another strategy out.",
             commands: vec![
                 "GET <ns>:stock:<sku>",
-                "BEGIN; UPDATE products SET stock = <read - q> WHERE sku = ?; \
-                 INSERT INTO orders (...) VALUES (...); COMMIT",
-                "SET <ns>:stock:<sku> <read - q>",
+                "BEGIN; UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
+                 SET p.stock = <read - q>, p.version = p.version + 1 \
+                 WHERE p.sku = ? AND e.value = <epoch>; INSERT INTO orders (...) VALUES (...); COMMIT",
+                "Lua: if version > cached version then SET <ns>:stock:<sku> <read - q>, \
+                 SET <ns>:stock-version:<sku> <version>",
             ],
             failure_mode: "Lost update: concurrent buyers all read stock = N and all write N-1, \
                            so far more orders are recorded than there were units (oversold).",

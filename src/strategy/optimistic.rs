@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock};
+use super::{
+    Explanation, Family, LockView, OrderError, OrderOptions, SaleFlow, Strategy, ensure_in_stock,
+};
 use crate::lock::jittered_backoff;
 use crate::model::{NewOrder, Order, Sku};
 use crate::store::{ClusterEvent, Refusal, StockWrite};
@@ -20,7 +22,7 @@ use crate::store::{ClusterEvent, Refusal, StockWrite};
 /// too short when many contend, so they conflict again and the database spends a
 /// read, an update and a rollback on each, and too long for a buyer alone. At 30
 /// connections (10 a replica) 3 ms per contender sold 1.11× the orders of a fixed
-/// 8 ms and halved the conflicts (BENCHMARKS.md, item 21).
+/// 8 ms and halved the conflicts (docs/benchmarks-notes.md, item 21).
 const BACKOFF_PER_CONTENDER: Duration = Duration::from_millis(3);
 const BACKOFF_CAP: Duration = Duration::from_millis(100);
 
@@ -41,13 +43,14 @@ impl Strategy for OptimisticStrategy {
         Explanation {
             name: self.name(),
             title: "Optimistic concurrency (version column)",
+            family: Family::Database,
             summary: "No lock is taken. The replica reads the product's stock and version, \
-                      checks the stock, does its work, then updates the row only if the version \
-                      is still the one it read, inserting the order in the same transaction. If \
-                      another writer got there first, zero rows change: the replica backs off \
-                      with jitter, longer the more of its buyers contend for the product, \
-                      and tries again, up to a bound. Redis is updated only with a \
-                      newer version, so a late writer never restores an older stock.",
+                      works, then updates the row only if the version is still the one it \
+                      read; if another writer came first, it backs off and tries again.",
+            adds: "A backoff that grows with this replica's buyers contending for the \
+                   product (3 ms each, doubling per conflict, at most 100 ms); an immediate \
+                   ROLLBACK of a refused UPDATE, which holds the hot row; Redis written \
+                   only with a newer version.",
             commands: vec![
                 "SELECT p.stock, p.version, e.value FROM products p \
                  JOIN cluster_settings e ON e.name = 'epoch' WHERE p.sku = ?",

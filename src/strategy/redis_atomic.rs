@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 use async_trait::async_trait;
 
-use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
+use super::{Explanation, Family, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
 use crate::model::{NewOrder, Order, Sku};
 use crate::store::{GroupCommit, StoreError, Taken, TakenOrder};
 
@@ -30,36 +30,36 @@ impl Strategy for RedisAtomicStrategy {
         Explanation {
             name: self.name(),
             title: "Atomic decrement in Redis (Lua), no lock",
-            summary: "The check and the decrement are one Lua script, and Redis runs scripts \
-                      one at a time, so two buyers can never take the same unit. The order is \
-                      then recorded in MySQL with a relative decrement, together with every \
-                      order this replica took units for meanwhile: one transaction per batch \
-                      (group commit), one fsync for all of them, and each shopper answered only \
-                      after that COMMIT. If the write is refused or fails, the units are given \
-                      back. Nothing waits for a lock: this is the fastest safe design, and the \
-                      ceiling the locks are measured against.",
+            family: Family::LockFree,
+            summary: "One Lua script checks and decrements the stock, and Redis runs scripts \
+                      one at a time, so two buyers never take the same unit. MySQL then \
+                      records the order with a decrement guarded by stock >= units.",
+            adds: "Group commit: the orders a replica took units for meanwhile (up to 64) \
+                   are recorded in one transaction, each shopper answered after its COMMIT; \
+                   units given back when the write is refused; the sale epoch checked in \
+                   the script.",
             commands: vec![
                 "Lua: if GET <ns>:epoch == <epoch> and GET <ns>:stock:<sku> >= q then DECRBY <ns>:stock:<sku> q",
-                "queue the order to this replica's committer, which takes every order queued \
-                 (at most 64; no waiting: an order alone is committed at once)",
                 "BEGIN; per SKU: UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
                  SET p.stock = p.stock - <its orders' units>, p.version = p.version + 1 \
                  WHERE p.sku = ? AND e.value = <epoch> AND p.stock >= <its orders' units>; \
                  INSERT INTO orders ... VALUES (...), (...), ... RETURNING id, ...; COMMIT",
                 "a SKU whose UPDATE matched nothing: its orders one by one, each in its own \
-                 BEGIN; UPDATE ... p.stock >= q; INSERT; COMMIT, so each is refused precisely",
+                 BEGIN; UPDATE ... p.stock >= q; INSERT; COMMIT",
                 "refused or failed before COMMIT: INCRBY <ns>:stock:<sku> q (Lua, only if the stock \
                  was not rewritten from MySQL since the take)",
                 "COMMIT outcome unknown: DEL <ns>:stock:<sku> for every SKU of the batch until an \
                  admin reconciles",
             ],
-            failure_mode: "Redis is the authority for the stock: if Redis loses writes (a \
-                           failover before replication, a restart without persistence), units \
-                           can be sold twice or vanish until Redis is rebuilt from MySQL \
-                           (reconcile). A crash between the Lua script and the MySQL commit \
-                           loses the units taken (undersell) until an admin reconciles, which \
-                           rewrites the stock from MySQL: with group commit, the units of every \
-                           order queued or in the batch being written.",
+            failure_mode: "Redis decides who gets a unit, MySQL still records the sale: every \
+                           MySQL write is guarded by stock >= units, so a unit is never sold \
+                           twice. If Redis loses writes (a failover before replication, a \
+                           restart without persistence), it shows more stock than MySQL: \
+                           buyers it lets through are refused by MySQL until an admin \
+                           reconciles, which rewrites Redis from MySQL. A crash between the Lua \
+                           script and the MySQL commit leaves units taken and unsold \
+                           (undersell) until that reconcile: with group commit, the units of \
+                           every order queued or in the batch being written.",
         }
     }
 

@@ -1,6 +1,6 @@
 //! `redis-lock`: the order flow under a Redis lease lock (`lock::redis`).
 
-use super::Explanation;
+use super::{Explanation, Family};
 
 /// What the dashboard and `/api/strategies` say about it; the strategy itself is the
 /// shared `LockStrategy` around its lock (see `registry`).
@@ -8,30 +8,30 @@ pub fn explanation() -> Explanation {
     Explanation {
         name: "redis-lock",
         title: "Redis lease lock (Redisson-style)",
-        summary: "A replica takes the SKU's lock with SET NX PX and a token unique to this \
-                  acquisition, runs the order flow, and releases with a Lua \
-                  compare-and-delete so it can never delete someone else's lock. A \
-                  watchdog renews the lease every ttl/3 while the holder works. A release \
-                  leaves one signal in a Redis list; one waiting replica takes it with \
-                  BLPOP and wakes one of its waiters, whose try the lock is kept for a \
-                  moment (a fair handover: the releaser cannot take it straight back). A \
-                  waiter also retries when the lock's TTL runs out, in case the holder \
-                  crashed.",
+        family: Family::LockService,
+        summary: "A replica takes the SKU's key with SET NX PX and a token unique to this \
+                  acquisition, runs the order, and deletes the key only if it still holds \
+                  its token. A watchdog renews the lease while the holder works.",
+        adds: "A fencing counter incremented in the acquiring script; one release signal \
+               taken by one waiting replica (BLPOP), whose try the lock is kept for (no \
+               barging); a retry when the TTL runs out, in case the holder crashed.",
         commands: vec![
-            "SET <ns>:lock:<sku> <token> NX PX <lease>   (else PTTL to know when to retry; \
-             refused while the turn is kept for a woken waiter)",
-            "watchdog: if GET key == token then PEXPIRE key <lease>   (Lua, every lease/3)",
-            "before commit: the same compare-and-PEXPIRE; 0 means the lock was lost",
-            "release: if GET key == token then DEL key; RPUSH <ns>:lock-signal:<sku>; \
-             if waited for lately, SET <ns>:lock-reserved:<sku> PX 50   (Lua)",
+            "acquire (Lua): SET <ns>:lock:<sku> <token> NX PX <lease>; if set, INCR <ns>:fence:<sku> \
+             (the fencing token); else PTTL to know when to retry (refused while the turn is kept \
+             for a woken waiter)",
+            "watchdog (Lua, every lease/3) and the check before commit: if GET key == token then \
+             PEXPIRE key <lease>; 0 means the lock was lost",
+            "release (Lua): if GET key == token then DEL key; RPUSH <ns>:lock-signal:<sku>; \
+             if waited for lately, SET <ns>:lock-reserved:<sku> PX 50",
             "waiters: one reader per replica and SKU, BLPOP <ns>:lock-signal:<sku>",
         ],
         failure_mode: "A holder that stalls longer than the lease (GC or VM pause, a stopped \
                        watchdog) loses the lock while still believing it holds it; another \
                        replica takes it and both write. Checking before commit narrows the \
-                       window; only a fencing token closes it, and only if it covers the \
-                       read: registered in MySQL before the stock is read, and the write \
-                       lands only while it is still the fence and the stock read is MySQL's. A Redis failover can also \
+                       window. With fencing on, the token is registered in MySQL before the \
+                       stock is read, and the write lands only while the stock read is still \
+                       MySQL's (which alone refuses the double sale) and the token is still the \
+                       SKU's newest (so the newest holder wins). A Redis failover can also \
                        lose a lock that was not yet replicated.",
     }
 }

@@ -1,6 +1,6 @@
 //! `zookeeper`: the order flow under a ZooKeeper lock (`lock::zookeeper`).
 
-use super::Explanation;
+use super::{Explanation, Family};
 
 /// What the dashboard and `/api/strategies` say about it; the strategy itself is the
 /// shared `LockStrategy` around its lock (see `registry`).
@@ -8,25 +8,27 @@ pub fn explanation() -> Explanation {
     Explanation {
         name: "zookeeper",
         title: "ZooKeeper ephemeral sequential nodes (Curator InterProcessMutex)",
-        summary: "Each contender creates an ephemeral sequential znode under the SKU's \
-                  lock path; the lowest sequence holds the lock. Every other contender \
-                  watches only the node just before its own, so a release wakes one \
-                  waiter. The nodes live as long as the replica's session: if the replica \
-                  dies, ZooKeeper deletes its node when the session times out. A replica's \
-                  requests for one SKU take turns, so it has one node in the queue; a \
-                  holder whose replica has more requests waiting hands them its node \
-                  without a call to ZooKeeper, at most 8 times in a row, then deletes it \
-                  and the replica queues again behind the others.",
+        family: Family::LockService,
+        summary: "Each contender creates an ephemeral sequential znode under the SKU's lock \
+                  path; the lowest sequence holds the lock, and every other contender watches \
+                  only the node just before its own. The nodes live as long as the session.",
+        adds: "A replica's requests for one SKU take turns behind one node, handed from \
+               one to the next without a call to ZooKeeper (at most 8 in a row); a \
+               fencing token from the node's sequence and its place in that run.",
         commands: vec![
             "create -e -s /flashsale/<ns>/locks/<sku>/_c_<uuid>-lock-   (ancestors created if missing)",
             "getChildren /flashsale/<ns>/locks/<sku>; lowest sequence holds",
             "otherwise: exists/getData + watch on the predecessor only",
             "before commit: session connected and exists <own node> with our session as owner",
-            "release: delete <own node>; or, with requests of the same replica waiting (at most 8 in a row), nothing: the next of them holds the node",
+            "release: delete <own node>, unless handed to the replica's next request",
         ],
-        failure_mode: "Session expiry: a holder cut off from ZooKeeper longer than the session \
-                       timeout loses its node while it may still be working. It must check its \
-                       session before committing, and a pause after the check can still \
-                       overlap the next holder.",
+        failure_mode: "Session expiry: the session is a lease. A holder cut off from \
+                       ZooKeeper, or paused (a GC or VM pause stops its heartbeats too), \
+                       longer than the session timeout loses its node while it may still be \
+                       working. It checks its session before committing, but a pause after \
+                       the check can still overlap the next holder. With fencing on, MySQL \
+                       refuses the late write (its token comes from the node's sequence). The lab's \
+                       paused-holder fault cannot stop the client library's heartbeats, so it \
+                       cannot show this here.",
     }
 }
