@@ -61,14 +61,34 @@ impl CommitCutter {
     }
 }
 
-/// Relays both ways; when armed and a COMMIT goes by, forwards it, lets the server
-/// work, and drops both sockets.
+/// Relays both ways; when armed and a COMMIT goes by, forwards it, waits for the
+/// server's answer (so the server did commit) without relaying it, and drops both
+/// sockets.
 async fn relay(client: TcpStream, server: TcpStream, armed: Arc<AtomicBool>) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
-    let answers = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
-    });
+    let swallow = Arc::new(AtomicBool::new(false));
+    let swallowed = Arc::new(tokio::sync::Notify::new());
+    let answers = {
+        let (swallow, swallowed) = (swallow.clone(), swallowed.clone());
+        tokio::spawn(async move {
+            let mut buffer = vec![0u8; 64 * 1024];
+            while let Ok(read) = server_read.read(&mut buffer).await {
+                if read == 0 {
+                    break;
+                }
+                // Requests and answers alternate: the first answer after the COMMIT
+                // went out is the COMMIT's.
+                if swallow.load(Ordering::SeqCst) {
+                    swallowed.notify_one();
+                    return;
+                }
+                if client_write.write_all(&buffer[..read]).await.is_err() {
+                    break;
+                }
+            }
+        })
+    };
     let mut buffer = vec![0u8; 64 * 1024];
     while let Ok(read) = client_read.read(&mut buffer).await {
         if read == 0 {
@@ -78,10 +98,15 @@ async fn relay(client: TcpStream, server: TcpStream, armed: Arc<AtomicBool>) {
         // COM_QUERY (0x03) followed by the statement text.
         let is_commit = chunk.windows(7).any(|w| w == b"\x03COMMIT");
         if is_commit && armed.swap(false, Ordering::SeqCst) {
-            answers.abort();
+            swallow.store(true, Ordering::SeqCst);
             let _ = server_write.write_all(chunk).await;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            return; // both sockets drop: the client never hears the outcome
+            let answered = tokio::time::timeout(Duration::from_secs(10), swallowed.notified());
+            assert!(
+                answered.await.is_ok(),
+                "the server never answered the COMMIT"
+            );
+            // Both sockets drop: the client never hears the outcome.
+            return;
         }
         if server_write.write_all(chunk).await.is_err() {
             break;
