@@ -83,11 +83,25 @@ async fn hang_ups_leave_the_sale_whole(strategy: &str) {
                 "201".to_owned()
             }
             Ok((status, code)) => {
-                let allowed =
-                    matches!(
-                        (status.as_u16(), code.as_str()),
-                        (409, "sold_out") | (503, "lock_timeout" | "too_many_conflicts") // Its body cut short by the shopper's own timeout.
-                    ) || (*hangs_up && code.is_empty() && matches!(status.as_u16(), 409 | 503));
+                // Sold out, or busy: try again (an overloaded machine can make any of
+                // these). Not `unavailable` nor `sale_changed`: nothing here drops the
+                // stock or changes the sale.
+                let known = matches!(
+                    (status.as_u16(), code.as_str()),
+                    (409, "sold_out")
+                        | (
+                            503,
+                            "lock_timeout"
+                                | "too_many_conflicts"
+                                | "backend_unavailable"
+                                | "overloaded"
+                                | "timeout"
+                        )
+                );
+                // A body cut short by the shopper's own timeout has no code.
+                let cut_short =
+                    *hangs_up && code.is_empty() && matches!(status.as_u16(), 409 | 503);
+                let allowed = known || cut_short;
                 assert!(allowed, "{strategy}: {user} was answered {status} {code:?}");
                 format!("{} {code}", status.as_u16())
             }
@@ -312,7 +326,7 @@ async fn queued_shoppers_who_hang_up_leave_the_queue(strategy: &str) {
 
 /// An optimistic shopper who hangs up while conflicting is not retried for: nothing is
 /// held between attempts, so the replica stops at the next backoff. A rival bumps the
-/// row's version faster than the shopper's 100 ms of work, so every attempt conflicts;
+/// row's version far faster than the shopper's 200 ms of work, so every attempt conflicts;
 /// without the stop, the shopper's order kept conflicting for its 500 attempts after
 /// the hang-up. The replica has one place for requests, which the order keeps until
 /// its task ends (`limits::InFlight`): a probe order refused `overloaded` says it still
@@ -324,7 +338,7 @@ async fn optimistic_shopper_who_hangs_up_is_not_retried_for() {
         1,
         &[
             "--work-ms",
-            "100",
+            "200",
             "--optimistic-attempts",
             "500",
             "--max-in-flight",
@@ -350,7 +364,7 @@ async fn optimistic_shopper_who_hangs_up_is_not_retried_for() {
                     .execute(&mysql)
                     .await
                     .expect("rival's write");
-                tokio::time::sleep(Duration::from_millis(5)).await;
+                tokio::time::sleep(Duration::from_millis(2)).await;
             }
         })
     };
@@ -364,7 +378,7 @@ async fn optimistic_shopper_who_hangs_up_is_not_retried_for() {
         .http
         .post(cluster.url(0, "/api/orders"))
         .json(&json!({ "sku": sku, "user_id": "leaves", "quantity": 1 }))
-        .timeout(Duration::from_millis(600))
+        .timeout(Duration::from_millis(1000))
         .send()
         .await;
     assert!(answer.is_err(), "the shopper was answered: {answer:?}");
