@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use flashsale::app::Server;
 use flashsale::config::{Cli, Command};
-use reqwest::{Response, StatusCode};
+use reqwest::{Method, Response, StatusCode};
 use serde_json::{Value, json};
 use sqlx::mysql::MySqlPool;
 use tokio::sync::oneshot;
@@ -277,25 +277,36 @@ impl TestCluster {
     }
 
     pub async fn set_strategy(&self, strategy: &str) {
-        let response = self
-            .http
-            .put(self.url(0, "/api/admin/strategy"))
-            .json(&json!({ "strategy": strategy }))
-            .send()
-            .await
-            .expect("strategy request");
-        assert_eq!(response.status(), StatusCode::OK, "switching to {strategy}");
+        let body = json!({ "strategy": strategy });
+        let status = self.admin(Method::PUT, "/api/admin/strategy", &body).await;
+        assert_eq!(status, StatusCode::OK, "switching to {strategy}");
     }
 
     pub async fn set_fencing(&self, enabled: bool) {
-        let response = self
-            .http
-            .put(self.url(0, "/api/admin/fencing"))
-            .json(&json!({ "enabled": enabled }))
-            .send()
-            .await
-            .expect("fencing request");
-        assert_eq!(response.status(), StatusCode::OK, "fencing {enabled}");
+        let body = json!({ "enabled": enabled });
+        let status = self.admin(Method::PUT, "/api/admin/fencing", &body).await;
+        assert_eq!(status, StatusCode::OK, "fencing {enabled}");
+    }
+
+    /// An admin change through replica 0, sent again while it answers 503 (busy, try
+    /// again: a loaded machine's pools can time out), for up to 20 s; its last status.
+    /// Every change the tests make this way may be applied twice.
+    async fn admin(&self, method: Method, path: &str, body: &Value) -> StatusCode {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let response = self
+                .http
+                .request(method.clone(), self.url(0, path))
+                .json(body)
+                .send()
+                .await
+                .unwrap_or_else(|error| panic!("{method} {path}: {error}"));
+            let status = response.status();
+            if status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() >= deadline {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Waits (up to 20 s) until a lock holder has claimed the armed paused-holder fault
@@ -309,24 +320,16 @@ impl TestCluster {
 
     /// Rebuilds lost Redis stock from MySQL, as an admin would after a restart.
     pub async fn reconcile(&self) {
-        let response = self
-            .http
-            .post(self.url(0, "/api/admin/reconcile"))
-            .send()
-            .await
-            .expect("reconcile request");
-        assert_eq!(response.status(), StatusCode::OK, "reconcile failed");
+        let status = self
+            .admin(Method::POST, "/api/admin/reconcile", &json!({}))
+            .await;
+        assert_eq!(status, StatusCode::OK, "reconcile failed");
     }
 
     pub async fn reset(&self, sku: &str, stock: i64) {
-        let response = self
-            .http
-            .post(self.url(0, "/api/admin/reset"))
-            .json(&json!({ "sku": sku, "stock": stock }))
-            .send()
-            .await
-            .expect("reset request");
-        assert_eq!(response.status(), StatusCode::OK, "reset failed");
+        let body = json!({ "sku": sku, "stock": stock });
+        let status = self.admin(Method::POST, "/api/admin/reset", &body).await;
+        assert_eq!(status, StatusCode::OK, "reset failed");
     }
 
     pub async fn order(&self, replica: usize, sku: &str, user: &str, quantity: i64) -> Response {
