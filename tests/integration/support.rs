@@ -68,7 +68,8 @@ where
     }
 }
 
-/// Waits up to 10 s for a replica started as a process to answer `/healthz` with 200.
+/// Waits up to 30 s for a replica started as a process to answer `/healthz` with 200
+/// (a `flashsale cluster` of three took more than 10 s to come up under a loaded run).
 pub async fn wait_healthy(base_url: &str) -> bool {
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
@@ -76,7 +77,7 @@ pub async fn wait_healthy(base_url: &str) -> bool {
         .build()
         .expect("HTTP client");
     let url = format!("{base_url}/healthz");
-    eventually(Duration::from_secs(10), || async {
+    eventually(Duration::from_secs(30), || async {
         let health = http.get(&url).send().await;
         health.is_ok_and(|r| r.status().is_success())
     })
