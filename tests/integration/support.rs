@@ -354,19 +354,25 @@ impl TestCluster {
         futures::future::join_all(orders).await
     }
 
+    /// A GET answered with JSON; asked again while it answers 503 (busy, try again:
+    /// under a loaded run a pool can time out), for up to 20 s.
     pub async fn get_json(&self, replica: usize, path: &str) -> Value {
-        let response = self
-            .http
-            .get(self.url(replica, path))
-            .send()
-            .await
-            .expect("GET");
-        assert!(
-            response.status().is_success(),
-            "GET {path}: {}",
-            response.status()
-        );
-        response.json().await.expect("JSON body")
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let response = self
+                .http
+                .get(self.url(replica, path))
+                .send()
+                .await
+                .expect("GET");
+            let status = response.status();
+            if status == StatusCode::SERVICE_UNAVAILABLE && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            assert!(status.is_success(), "GET {path}: {status}");
+            return response.json().await.expect("JSON body");
+        }
     }
 
     /// The `/api/stats` entry of one SKU, as replica 0 reports it.
