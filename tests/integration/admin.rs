@@ -90,39 +90,57 @@ async fn healthz_reports_each_backend() {
     assert_eq!(names, ["redis", "mysql"]);
 }
 
-#[tokio::test]
+/// `/metrics` in Prometheus's text format, with the series of what this test did and
+/// their exact values. The replica runs as a process of its own: the recorder is
+/// process-wide, so an in-process replica would also show what every test running
+/// beside it did, and a series or a count could come from any of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_are_exposed_in_prometheus_format() {
-    let cluster = TestCluster::start(1, &[]).await;
+    let cluster = TestCluster::start(0, &[]).await;
+    let replica = cluster
+        .spawn_process_replica(env!("CARGO_BIN_EXE_flashsale"), &[])
+        .await;
+    let http = &cluster.http;
+    let url = |path: &str| format!("{}{path}", replica.base_url);
     let sku = "measured";
-    cluster.reset(sku, 1).await;
-    assert_eq!(
-        cluster.order(0, sku, "a", 1).await.status(),
-        StatusCode::CREATED
-    );
-    assert_eq!(
-        cluster.order(0, sku, "b", 1).await.status(),
-        StatusCode::CONFLICT
-    );
-    cluster.set_strategy("redis-lock").await;
-    assert_eq!(
-        cluster.order(0, sku, "c", 1).await.status(),
-        StatusCode::CONFLICT
-    );
-    let response = cluster
-        .http
-        .get(cluster.url(0, "/metrics"))
+    let reset = http
+        .post(url("/api/admin/reset"))
+        .json(&json!({ "sku": sku, "stock": 1 }))
         .send()
         .await
-        .expect("GET");
+        .expect("reset");
+    assert_eq!(reset.status(), StatusCode::OK);
+    let order = |user: &'static str| async move {
+        http.post(url("/api/orders"))
+            .json(&json!({ "sku": sku, "user_id": user, "quantity": 1 }))
+            .send()
+            .await
+            .expect("order")
+            .status()
+    };
+    assert_eq!(order("a").await, StatusCode::CREATED);
+    assert_eq!(order("b").await, StatusCode::CONFLICT);
+    let switched = http
+        .put(url("/api/admin/strategy"))
+        .json(&json!({ "strategy": "redis-lock" }))
+        .send()
+        .await
+        .expect("switch");
+    assert_eq!(switched.status(), StatusCode::OK);
+    assert_eq!(order("c").await, StatusCode::CONFLICT);
+    let response = http.get(url("/metrics")).send().await.expect("GET");
     assert_eq!(response.status(), StatusCode::OK);
     let text = response.text().await.expect("body");
     for expected in [
-        "flashsale_http_requests_total{route=\"/api/orders\",method=\"POST\",status=\"201\"}",
-        "flashsale_http_request_duration_seconds_bucket{route=\"/api/orders\"",
-        "flashsale_orders_total{strategy=\"none\",outcome=\"sold_out\"}",
-        "flashsale_lock_acquire_seconds_bucket{strategy=\"redis-lock\",outcome=\"acquired\"",
-        "flashsale_oversold{sku=\"measured\"} 0",
-        "flashsale_stock{sku=\"measured\",store=\"mysql\"} 0",
+        "flashsale_http_requests_total{route=\"/api/orders\",method=\"POST\",status=\"201\"} 1\n",
+        "flashsale_http_requests_total{route=\"/api/orders\",method=\"POST\",status=\"409\"} 2\n",
+        "flashsale_http_request_duration_seconds_count{route=\"/api/orders\"} 3\n",
+        "flashsale_orders_total{strategy=\"none\",outcome=\"created\"} 1\n",
+        "flashsale_orders_total{strategy=\"none\",outcome=\"sold_out\"} 1\n",
+        "flashsale_orders_total{strategy=\"redis-lock\",outcome=\"sold_out\"} 1\n",
+        "flashsale_lock_acquire_seconds_count{strategy=\"redis-lock\",outcome=\"acquired\"} 1\n",
+        "flashsale_oversold{sku=\"measured\"} 0\n",
+        "flashsale_stock{sku=\"measured\",store=\"mysql\"} 0\n",
         "# HELP flashsale_orders_total",
         "# TYPE flashsale_orders_total counter",
     ] {

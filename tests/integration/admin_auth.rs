@@ -13,7 +13,7 @@ const TOKEN: &str = "test-admin-token-0123456789";
 async fn admin_calls_need_the_token() {
     let cluster = TestCluster::start(1, &["--admin-token", TOKEN]).await;
     cluster.reset("guarded", 5).await; // the support client sends the token
-    let anonymous = reqwest::Client::new();
+    let anonymous = crate::support::http_client();
     let calls = [
         (
             Method::PUT,
@@ -97,7 +97,7 @@ async fn admin_calls_need_the_token() {
 /// Asks as a page from `origin` would before a cross-origin admin call (a CORS
 /// preflight), and returns the origin the replica allows, if any.
 async fn preflight(cluster: &TestCluster, origin: &str) -> Option<String> {
-    let response = reqwest::Client::new()
+    let response = crate::support::http_client()
         .request(Method::OPTIONS, cluster.url(0, "/api/admin/reset"))
         .header("origin", origin)
         .header("access-control-request-method", "POST")
@@ -148,7 +148,7 @@ async fn secrets_stay_out_of_the_logs() {
         .expect("spawn the replica");
     let base = format!("http://127.0.0.1:{port}");
     assert!(wait_healthy(&base).await, "the replica started");
-    let http = reqwest::Client::new();
+    let http = crate::support::http_client();
     for (token, status) in [(TOKEN, StatusCode::OK), (wrong, StatusCode::FORBIDDEN)] {
         let answer = http
             .post(format!("{base}/api/admin/reset"))

@@ -83,6 +83,7 @@ impl Drop for Supervisor {
 fn http() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
+        .connect_timeout(crate::support::CONNECT_TIMEOUT)
         .build()
         .expect("HTTP client")
 }

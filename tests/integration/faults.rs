@@ -102,6 +102,8 @@ impl PrivateRedis {
 /// when it arrived.
 #[derive(Clone, Debug)]
 struct Answer {
+    /// Which shopper of a crowd sent it (0 outside a crowd).
+    shopper: usize,
     status: Option<StatusCode>,
     code: String,
     sent: Instant,
@@ -148,6 +150,7 @@ async fn answer_to(http: &reqwest::Client, url: &str, body: &serde_json::Value) 
         Err(error) => (None, format!("transport: {error}")),
     };
     Answer {
+        shopper: 0,
         status,
         code,
         sent,
@@ -228,16 +231,44 @@ impl Outage {
     }
 }
 
-/// Six shoppers buy one unit at a time on both replicas while `disruption` runs, then
-/// stop; returns every answer they got and the outage's timeline.
-async fn crowd_during(
-    cluster: &TestCluster,
-    sku: &str,
-    disruption: impl Future<Output = Outage>,
-) -> (Answers, Outage) {
+/// Shoppers in a crowd of `crowd_during`.
+const SHOPPERS: usize = 6;
+
+/// The answers a crowd has got so far, shared with the disruption that waits on them.
+type Shared = Arc<std::sync::Mutex<Answers>>;
+
+/// Waits (up to `limit`) until an answer that arrived after `since` matches `wanted`;
+/// when it arrived, or `None`.
+async fn answered_after(
+    answers: &Shared,
+    since: Instant,
+    limit: Duration,
+    wanted: impl Fn(&Answer) -> bool,
+) -> Option<Instant> {
+    let seen = || {
+        answers
+            .lock()
+            .expect("answers")
+            .iter()
+            .filter(|a| a.at > since && wanted(a))
+            .map(|a| a.at)
+            .min()
+    };
+    let found = wait_for(limit, || async { seen().is_some() }).await;
+    found.then(seen).flatten()
+}
+
+/// Six shoppers buy one unit at a time on both replicas while `disruption` runs (it
+/// sees their answers as they come), then stop; returns every answer they got and the
+/// outage's timeline.
+async fn crowd_during<F, Fut>(cluster: &TestCluster, sku: &str, disruption: F) -> (Answers, Outage)
+where
+    F: FnOnce(Shared) -> Fut,
+    Fut: Future<Output = Outage>,
+{
     let stop = Arc::new(AtomicBool::new(false));
-    let answers = Arc::new(std::sync::Mutex::new(Answers::new()));
-    let shoppers: Vec<_> = (0..6)
+    let answers = Shared::default();
+    let shoppers: Vec<_> = (0..SHOPPERS)
         .map(|shopper| {
             let (url, http) = (
                 cluster.url(shopper % 2, "/api/orders"),
@@ -251,20 +282,35 @@ async fn crowd_during(
                     }
                     let body =
                         json!({ "sku": sku, "user_id": format!("{shopper}-{n}"), "quantity": 1 });
-                    let answer = answer_to(&http, &url, &body).await;
+                    let mut answer = answer_to(&http, &url, &body).await;
+                    answer.shopper = shopper;
                     answers.lock().expect("answers").push(answer);
                     tokio::time::sleep(Duration::from_millis(30)).await;
                 }
             })
         })
         .collect();
-    let outage = disruption.await;
+    let outage = disruption(answers.clone()).await;
     stop.store(true, Ordering::SeqCst);
     for shopper in shoppers {
         shopper.await.expect("shopper finished");
     }
     let answers = answers.lock().expect("answers").clone();
     (answers, outage)
+}
+
+/// Until the crowd has bought a few units: the sale is on when the outage begins.
+async fn sale_under_way(answers: &Shared, since: Instant) {
+    let bought = wait_for(Duration::from_secs(10), || async {
+        let answers = answers.lock().expect("answers");
+        answers
+            .iter()
+            .filter(|a| a.is_order() && a.at > since)
+            .count()
+            >= 6
+    })
+    .await;
+    assert!(bought, "the crowd bought nothing before the outage");
 }
 
 /// Redis dies and comes back empty while a crowd buys under redis-lock. The service
@@ -281,17 +327,36 @@ async fn redis_restart_mid_sale() {
     // Enough that the sale is still on when Redis goes down and after it is back.
     cluster.reset(sku, 2000).await;
 
-    let (answers, outage) = crowd_during(&cluster, sku, async {
-        tokio::time::sleep(Duration::from_millis(400)).await;
+    let started = Instant::now();
+    let (redis, cluster) = (&mut redis, &cluster);
+    let (answers, outage) = crowd_during(cluster, sku, |answers| async move {
+        sale_under_way(&answers, started).await;
         redis.kill().await;
         let killed = Instant::now();
+        // The outage itself: long enough for every shopper to meet it.
         tokio::time::sleep(Duration::from_millis(1500)).await;
         redis.restart().await;
         let back = Instant::now();
-        tokio::time::sleep(Duration::from_millis(800)).await;
+        // Redis came back empty: orders answer 503 unavailable until the reconcile.
+        let unavailable = answered_after(&answers, back, Duration::from_secs(10), |a| {
+            a.code == "unavailable"
+        });
+        assert!(
+            unavailable.await.is_some(),
+            "503 stock_unavailable until reconciled"
+        );
         cluster.reconcile().await;
         let reconciled = Instant::now();
-        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let resumed = answered_after(
+            &answers,
+            reconciled,
+            Duration::from_secs(10),
+            Answer::is_order,
+        );
+        assert!(
+            resumed.await.is_some(),
+            "the sale resumed after the reconcile, without a restart"
+        );
         Outage {
             killed,
             back,
@@ -444,12 +509,15 @@ impl PrivateMariaDb {
             .arg("--no-defaults")
             .arg(format!("--datadir={}", dir.join("data").display()))
             .arg("--user=root")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()
+            .output()
             .await
             .expect("mariadb-install-db from scripts/stack.sh");
-        assert!(installed.success(), "mariadb-install-db failed");
+        assert!(
+            installed.status.success(),
+            "mariadb-install-db failed: {}{}",
+            String::from_utf8_lossy(&installed.stdout),
+            String::from_utf8_lossy(&installed.stderr)
+        );
         let mut db = PrivateMariaDb {
             port,
             dir,
@@ -699,18 +767,57 @@ async fn mariadb_outage(down: Duration, strategy: &str) -> (Answers, Outage) {
     cluster.reset(sku, 2000).await;
 
     let mut late_orders = Vec::new();
-    let (mut answers, outage) = crowd_during(&cluster, sku, async {
-        tokio::time::sleep(Duration::from_millis(400)).await;
+    let started = Instant::now();
+    let (db, cluster, late) = (&mut db, &cluster, &mut late_orders);
+    let (mut answers, outage) = crowd_during(cluster, sku, |answers| async move {
+        sale_under_way(&answers, started).await;
         db.kill().await;
         let killed = Instant::now();
-        late_orders = orders_sent_after(&cluster, sku, Duration::from_millis(100));
+        let late_orders = orders_sent_after(cluster, sku, Duration::from_millis(100));
+        // The outage itself, the scenario's own length.
         tokio::time::sleep(down).await;
         db.restart().await;
         let back = Instant::now();
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // Every order sent before MariaDB was back is answered before the reconcile
+        // (whose new epoch would refuse it): those sent after the kill, and each
+        // shopper's, as each has sent another since.
+        for order in late_orders {
+            late.push(order.await.expect("late order answered"));
+        }
+        let answered = wait_for(Duration::from_secs(20), || async {
+            let answers = answers.lock().expect("answers");
+            (0..SHOPPERS).all(|shopper| {
+                answers
+                    .iter()
+                    .any(|a| a.shopper == shopper && a.sent > back)
+            })
+        })
+        .await;
+        assert!(
+            answered,
+            "orders sent during the outage were never answered"
+        );
+        // The sale goes on by itself (an order served), or waits for a reconcile
+        // because a COMMIT the kill cut dropped the stock (503 unavailable).
+        let settled = answered_after(&answers, back, Duration::from_secs(15), |a| {
+            a.is_order() || a.code == "unavailable"
+        });
+        assert!(
+            settled.await.is_some(),
+            "neither served nor waiting for a reconcile after the restart"
+        );
         cluster.reconcile().await;
         let reconciled = Instant::now();
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let resumed = answered_after(
+            &answers,
+            reconciled,
+            Duration::from_secs(15),
+            Answer::is_order,
+        );
+        assert!(
+            resumed.await.is_some(),
+            "the sale went on after the reconcile"
+        );
         Outage {
             killed,
             back,
@@ -718,9 +825,7 @@ async fn mariadb_outage(down: Duration, strategy: &str) -> (Answers, Outage) {
         }
     })
     .await;
-    for order in late_orders {
-        answers.push(order.await.expect("late order answered"));
-    }
+    answers.append(&mut late_orders);
     println!(
         "mariadb down {down:?} (answering again {:?} after the kill), {strategy}: {} answers, {} orders; \
          first order {:?} after MariaDB was back, {:?} after the reconcile; by phase: {}",

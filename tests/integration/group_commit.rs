@@ -537,7 +537,21 @@ async fn orders_queued_behind_a_held_product_row_answer_busy_not_internal() {
         }
     };
     let first = tokio::spawn(order(0));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Its batch's UPDATE waits for the row: visible in MariaDB's process list (the
+    // test's own user sees its own sessions).
+    let waiting = crate::support::eventually(Duration::from_secs(10), || async {
+        let statements: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST
+             WHERE DB = ? AND INFO LIKE '%UPDATE products%'",
+        )
+        .bind(&cluster.namespace)
+        .fetch_one(&mysql)
+        .await
+        .expect("process list");
+        statements > 0
+    })
+    .await;
+    assert!(waiting, "the first order's batch never waited for the row");
     let queued = futures::future::join_all((1..4).map(order));
     let mut answers = queued.await;
     answers.push(first.await.expect("first order"));

@@ -7,7 +7,7 @@ use deadpool_redis::redis::AsyncCommands;
 use reqwest::StatusCode;
 use serde_json::Value;
 
-use crate::support::{TestCluster, redis_pool};
+use crate::support::{TestCluster, eventually, redis_pool};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_beyond_the_in_flight_cap_are_refused_at_once() {
@@ -34,21 +34,36 @@ async fn requests_beyond_the_in_flight_cap_are_refused_at_once() {
 async fn an_admin_gets_through_while_shoppers_fill_every_place() {
     let cluster = TestCluster::start(1, &["--max-in-flight", "2", "--work-ms", "2000"]).await;
     cluster.reset("capped-admin", 100).await;
+    // Each shopper tries again while refused for want of a place (a probe below may
+    // hold one for a moment), until it has one of its own.
     let shoppers: Vec<_> = (0..2)
         .map(|i| {
             let order = cluster.http.post(cluster.url(0, "/api/orders")).json(
                 &serde_json::json!({ "sku": "capped-admin", "user_id": format!("shopper-{i}"), "quantity": 1 }),
             );
-            tokio::spawn(async move { order.send().await.map(|answer| answer.status()) })
+            tokio::spawn(async move {
+                loop {
+                    let request = order.try_clone().expect("a plain JSON request");
+                    let answer = request.send().await?;
+                    let status = answer.status();
+                    let body: Value = answer.json().await.unwrap_or_default();
+                    if body["error"] != "overloaded" {
+                        return Ok::<_, reqwest::Error>(status);
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let refused = cluster.order(0, "capped-admin", "one-too-many", 1).await;
-    assert_eq!(
-        refused.status(),
-        StatusCode::SERVICE_UNAVAILABLE,
-        "the shoppers hold every place"
-    );
+    // Both shoppers hold their places (for their 2 s of work) once a third order is
+    // refused; until then that order, for an unknown SKU, is answered at once.
+    let full = eventually(Duration::from_secs(10), || async {
+        let answer = cluster.order(0, "no-such-sku", "probe", 1).await;
+        let body: Value = answer.json().await.unwrap_or_default();
+        body["error"] == "overloaded"
+    })
+    .await;
+    assert!(full, "the shoppers never held every place");
 
     cluster.set_strategy("redis-lock").await;
 
@@ -160,9 +175,9 @@ async fn an_abandoned_wait_sells_nothing_and_stops_counting() {
 /// An order runs on after its shopper hangs up, so it must keep its place among the
 /// requests in flight until it ends. On the landed code the place was given back at
 /// the hang-up, so shoppers who hang up at once could start orders without bound.
-/// Here three of them, one per SKU, fill the cap of 3 and leave after 500 ms (their
-/// locks taken by then) while their orders hold their locks (3 s of work): a fourth
-/// request must still be refused. (An order that was only waiting for its lock ends with its shopper and
+/// Here three of them, one per SKU, fill the cap of 3 and leave once their orders hold
+/// their locks (30 s of work, which the test does not wait for): every request after
+/// them must still be refused. (An order that was only waiting for its lock ends with its shopper and
 /// frees its place: `hangups::lock_strategies_let_queued_shoppers_who_hung_up_go`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orders_of_shoppers_who_hung_up_still_count_against_the_cap() {
@@ -172,7 +187,7 @@ async fn orders_of_shoppers_who_hung_up_still_count_against_the_cap() {
             "--max-in-flight",
             "3",
             "--work-ms",
-            "3000",
+            "30000",
             "--lock-wait-ms",
             "30000",
         ],
@@ -182,28 +197,69 @@ async fn orders_of_shoppers_who_hung_up_still_count_against_the_cap() {
     for sku in skus {
         cluster.reset(sku, 100).await;
     }
-    let sku = skus[0];
+    // The probes buy another SKU, whose lock is free: given a place, one is served.
+    let sku = "capped-hangups-probe";
+    cluster.reset(sku, 100).await;
     cluster.set_strategy("redis-lock").await;
-    let hang_ups = skus.iter().enumerate().map(|(i, sku)| {
-        let request = cluster
-            .http
-            .post(cluster.url(0, "/api/orders"))
-            .timeout(Duration::from_millis(500))
-            .json(
+    let hang_ups: Vec<_> = skus
+        .iter()
+        .enumerate()
+        .map(|(i, sku)| {
+            let request = cluster.http.post(cluster.url(0, "/api/orders")).json(
                 &serde_json::json!({ "sku": sku, "user_id": format!("gone-{i}"), "quantity": 1 }),
             );
-        async move { request.send().await.is_err() }
-    });
-    let gone = futures::future::join_all(hang_ups).await;
-    assert!(gone.iter().all(|g| *g), "all three hung up: {gone:?}");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::spawn(request.send())
+        })
+        .collect();
+    // The three orders have read their stock to sell (each marks it pending in Redis
+    // as it does): they are inside their critical sections, past the point where an
+    // order whose shopper left gives up, and their shoppers hang up.
+    let keys: Vec<String> = skus
+        .iter()
+        .map(|sku| format!("{}:stock-pending:{sku}", cluster.namespace))
+        .collect();
+    let held = eventually(Duration::from_secs(10), || async {
+        let mut redis = redis_pool().get().await.expect("redis");
+        let held: usize = redis.exists(&keys).await.expect("EXISTS");
+        held == skus.len()
+    })
+    .await;
+    assert!(held, "the three orders never all began");
 
-    let response = cluster.order(0, sku, "patient", 1).await;
-    let status = response.status();
-    let body: Value = response.json().await.unwrap_or_default();
-    assert_eq!(
-        (status, body["error"].as_str()),
-        (StatusCode::SERVICE_UNAVAILABLE, Some("overloaded")),
-        "the orders of those who hung up still fill the cap: {body}"
-    );
+    for hang_up in &hang_ups {
+        hang_up.abort();
+    }
+    for hang_up in hang_ups {
+        assert!(
+            hang_up.await.is_err_and(|e| e.is_cancelled()),
+            "a shopper was answered before hanging up"
+        );
+    }
+
+    // For half a second, far less than the orders' work and far more than a replica
+    // takes to notice a closed connection: every request is refused, as the orders of
+    // those who hung up still fill the cap. Given back at the hang-up, their places
+    // let one in.
+    let until = std::time::Instant::now() + Duration::from_millis(500);
+    let mut probes = 0;
+    while std::time::Instant::now() < until {
+        // Refused at once, or let in to its own 30 s of work: the client gives up then.
+        let response = cluster
+            .http
+            .post(cluster.url(0, "/api/orders"))
+            .json(&serde_json::json!({ "sku": sku, "user_id": format!("patient-{probes}"), "quantity": 1 }))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .unwrap_or_else(|error| panic!("probe {probes} was let in: {error}"));
+        let status = response.status();
+        let body: Value = response.json().await.unwrap_or_default();
+        assert_eq!(
+            (status, body["error"].as_str()),
+            (StatusCode::SERVICE_UNAVAILABLE, Some("overloaded")),
+            "probe {probes}: the orders of those who hung up still fill the cap: {body}"
+        );
+        probes += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

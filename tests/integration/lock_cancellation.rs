@@ -17,7 +17,8 @@ use flashsale::lock::{DistributedLock, HeldLock};
 use futures::future::join_all;
 
 use crate::support::{
-    TestCluster, free_port, pool_for, redis_client, redis_keys, redis_pool, redlock_urls, zookeeper,
+    TestCluster, eventually, free_port, pool_for, redis_client, redis_keys, redis_pool,
+    redlock_urls, zookeeper,
 };
 
 /// A lease far longer than the test: a hold nobody owns would block the patient
@@ -202,26 +203,50 @@ async fn table_lock_survives_cancelled_acquisitions() {
 
 /// The table lock's acquisition cut at every quarter millisecond of its first 10 ms,
 /// wherever that lands: mid-INSERT on a free lock (the undo), in the local queue and
-/// waiting for a notice behind another replica's hold, in the retry a notice sets off,
-/// and while a replica holds back after its release named another. No cut may leave a
-/// row, a task, a queue or a registration, nor keep the lock from the next holder.
+/// waiting for a notice behind another replica's hold, in the retry that follows
+/// another replica's release, and while a replica holds back after its release named
+/// another. No cut may leave a row, a task, a queue or a registration, nor keep the
+/// lock from the next holder.
+///
+/// The cuts in the retry are steered there: each waits until the waiter is queued,
+/// then cuts a moment after the release, a little later each time the cut came before
+/// the retry's INSERT and a little earlier each time it came after it. A cut that lands
+/// while the retry's INSERT is on its way shows itself: the INSERT went in, and its
+/// undo deletes the row and announces that release under the cut replica's token.
+/// At least three must land there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
     let cluster = TestCluster::start(1, &[]).await;
     let holder = Arc::new(table_lock(&cluster, "holder").await);
     let cut = Arc::new(table_lock(&cluster, "cut").await);
-    let started = Instant::now();
-    while !(holder.hears_releases() && cut.hears_releases()) {
-        assert!(started.elapsed() < PATIENCE, "release notices subscribed");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let listening = eventually(PATIENCE, || async {
+        holder.hears_releases() && cut.hears_releases()
+    })
+    .await;
+    assert!(listening, "release notices subscribed");
+    let mut notices = redis_client()
+        .get_async_pubsub()
+        .await
+        .expect("a subscription");
+    let channel = format!("{}:lock-row-released:woken", cluster.namespace);
+    notices.subscribe(&channel).await.expect("subscribed");
+    let mut notices = notices.into_on_message();
+    let redis = redis_pool();
     let mut got = 0;
-    for step in 0..40 {
-        let after = Duration::from_micros(250 * step);
+    // How long after the release the cut in the retry comes, steered by each outcome.
+    let mut retry_cut = Duration::ZERO;
+    let (mut in_retry, mut before_retry, mut after_retry) = (0, 0, 0);
+    // Memberships a cut left in a queue of replicas, taken off by the test.
+    let mut stale = 0;
+    let mut step = 0;
+    while step < 40 || (in_retry < 3 && step < 400) {
+        let after = Duration::from_micros(250 * (step % 40));
+        step += 1;
 
         // A free lock: the cut lands before, during or after the INSERT.
         let attempt = tokio::time::timeout(after, cut.acquire("free", LONG_LEASE)).await;
         got += usize::from(matches!(attempt, Ok(Ok(_))));
+        drop(attempt);
 
         // Held by another replica: a head and two requests queued behind it.
         let held = holder.acquire("held", PATIENCE).await.expect("held");
@@ -240,33 +265,67 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
         }
         held.release().await.expect("released");
 
-        // Woken by another replica's release: cut in the retry that follows.
+        // Another replica's release, with a waiter queued behind its hold: the cut
+        // lands in the retry that follows.
+        if let Err(left) = quiet(&cut, &redis, &cluster.namespace, "woken", &mut stale).await {
+            panic!("step {step}: the last cut's cleanups never ended: {left}");
+        }
         let held = holder.acquire("woken", PATIENCE).await.expect("held");
         let waiting = {
             let cut = cut.clone();
             tokio::spawn(async move { cut.acquire("woken", LONG_LEASE).await.map(drop) })
         };
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Queued once its first INSERT failed: it waits for a release now.
+        assert!(
+            queued_in_redis(&redis, &cluster.namespace, "woken", "cut").await,
+            "step {step}: the waiter never queued"
+        );
         held.release().await.expect("released");
-        tokio::time::sleep(after / 4).await;
+        spin(retry_cut).await;
         waiting.abort();
-        got += usize::from(matches!(waiting.await, Ok(Ok(()))));
+        let acquired = matches!(waiting.await, Ok(Ok(())));
+        if let Err(left) = quiet(&cut, &redis, &cluster.namespace, "woken", &mut stale).await {
+            panic!("step {step}: the cut's cleanups never ended: {left}");
+        }
+        let undone = undo_announced(&redis, &channel, &mut notices).await;
+        if acquired {
+            got += 1;
+            after_retry += 1;
+            retry_cut = retry_cut.saturating_sub(Duration::from_micros(150));
+        } else if undone {
+            in_retry += 1;
+        } else {
+            before_retry += 1;
+            retry_cut += Duration::from_micros(100);
+        }
+        if step > 40 {
+            continue;
+        }
 
         // Right after its own release named another replica to go next: the next
         // attempt holds back while that replica's head goes first.
+        if let Err(left) = quiet(&cut, &redis, &cluster.namespace, "own", &mut stale).await {
+            panic!("step {step}: the last cut's cleanups never ended: {left}");
+        }
         let held = holder.acquire("own", PATIENCE).await.expect("held");
         let contended = {
             let cut = cut.clone();
             tokio::spawn(async move { cut.acquire("own", PATIENCE).await })
         };
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert!(
+            queued_in_redis(&redis, &cluster.namespace, "own", "cut").await,
+            "step {step}: the contender never queued"
+        );
         held.release().await.expect("released");
         let cut_holds = contended.await.expect("contender").expect("handed over");
         let named = {
             let holder = holder.clone();
             tokio::spawn(async move { holder.acquire("own", PATIENCE).await.map(drop) })
         };
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert!(
+            queued_in_redis(&redis, &cluster.namespace, "own", "holder").await,
+            "step {step}: the other replica never queued"
+        );
         cut_holds.release().await.expect("released");
         let attempt = tokio::time::timeout(after / 4, cut.acquire("own", LONG_LEASE)).await;
         got += usize::from(matches!(attempt, Ok(Ok(_))));
@@ -277,7 +336,17 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
             .expect("named")
             .expect("the named replica got the lock");
     }
-    println!("db-unique: {got} of the cut acquisitions got the lock before their cut");
+    println!(
+        "db-unique: {got} of the cut acquisitions got the lock before their cut; cuts after \
+         a release: {before_retry} before the retry's INSERT, {in_retry} while it was on its \
+         way, {after_retry} after it (last {retry_cut:?} after the release); {stale} \
+         memberships left in a queue of replicas"
+    );
+    assert!(
+        in_retry >= 3,
+        "{in_retry} cuts landed while the retry's INSERT was on its way ({before_retry} \
+         before, {after_retry} after, in {step} steps)"
+    );
 
     let mysql = cluster.mysql().await;
     settles("db-unique rows", || lock_rows(&mysql)).await;
@@ -286,7 +355,6 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
         table_leftovers(&locks)
     })
     .await;
-    let redis = redis_pool();
     let queues = format!("{}:lock-row-[wn]a*:*", cluster.namespace);
     settles("queues of replicas", || async {
         redis_keys(&redis, &queues).await
@@ -294,6 +362,102 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
     .await;
     for name in ["free", "held", "woken", "own"] {
         patient(&*holder, name).await;
+    }
+}
+
+/// Waits without the timer's millisecond granularity: cuts a fraction of a
+/// millisecond apart land at different points.
+async fn spin(pause: Duration) {
+    let until = Instant::now() + pause;
+    while Instant::now() < until {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Whether `replica` is in the Redis queue of replicas waiting for `name` (it joins
+/// at its head's first failed INSERT), within `PATIENCE`.
+async fn queued_in_redis(
+    redis: &flashsale::redis_pool::Pool,
+    namespace: &str,
+    name: &str,
+    replica: &str,
+) -> bool {
+    let key = format!("{namespace}:lock-row-waiting:{name}");
+    eventually(PATIENCE, || async {
+        let mut conn = redis.get().await.expect("redis");
+        let score: Option<String> = deadpool_redis::redis::cmd("ZSCORE")
+            .arg(&key)
+            .arg(replica)
+            .query_async(&mut conn)
+            .await
+            .expect("ZSCORE");
+        score.is_some()
+    })
+    .await
+}
+
+/// Whether the cut lock service has nothing running or waiting, within `PATIENCE`;
+/// if not, what was left. Its replica is then taken off the queue of `name` if a cut
+/// left it there (the queue is a hint: the releases' missed turns or its expiry take
+/// such a member off in time), so that the next step's wait for a join sees a fresh
+/// one; `stale` counts those.
+async fn quiet(
+    cut: &TableLock,
+    redis: &flashsale::redis_pool::Pool,
+    namespace: &str,
+    name: &str,
+    stale: &mut usize,
+) -> Result<(), String> {
+    let left = std::cell::Cell::new((0, 0));
+    let quiet = eventually(PATIENCE, || async {
+        left.set((cut.background_tasks(), cut.waiting()));
+        left.get() == (0, 0)
+    })
+    .await;
+    if !quiet {
+        let (tasks, waiting) = left.get();
+        return Err(format!("{tasks} tasks, {waiting} waiting"));
+    }
+    let mut conn = redis.get().await.expect("redis");
+    let removed: i64 = deadpool_redis::redis::cmd("ZREM")
+        .arg(format!("{namespace}:lock-row-waiting:{name}"))
+        .arg("cut")
+        .query_async(&mut conn)
+        .await
+        .expect("ZREM");
+    *stale += usize::try_from(removed).unwrap_or(0);
+    Ok(())
+}
+
+/// Whether a release of the cut replica was announced on `channel` since the last
+/// call: a row of its own deleted, which only the undo of an INSERT cut on its way
+/// does here. A marker published after the cleanups ended comes after any notice they
+/// sent.
+async fn undo_announced(
+    redis: &flashsale::redis_pool::Pool,
+    channel: &str,
+    notices: &mut (impl futures::Stream<Item = deadpool_redis::redis::Msg> + Unpin),
+) -> bool {
+    use futures::StreamExt;
+    let marker = format!("marker:{:x}", rand::random::<u64>());
+    let mut conn = redis.get().await.expect("redis");
+    let _: i64 = deadpool_redis::redis::cmd("PUBLISH")
+        .arg(channel)
+        .arg(&marker)
+        .query_async(&mut conn)
+        .await
+        .expect("PUBLISH");
+    let mut undone = false;
+    loop {
+        let notice = tokio::time::timeout(PATIENCE, notices.next())
+            .await
+            .expect("the marker came back")
+            .expect("subscribed");
+        let payload: String = notice.get_payload().expect("a payload");
+        if payload == marker {
+            return undone;
+        }
+        undone |= payload.starts_with("cut:");
     }
 }
 

@@ -31,7 +31,7 @@ async fn the_binary_started_elsewhere_serves_the_dashboard_and_logs_an_order_in_
         .expect("spawn the replica");
     let base = format!("http://127.0.0.1:{port}");
     assert!(wait_healthy(&base).await, "the replica did not start");
-    let http = reqwest::Client::new();
+    let http = crate::support::http_client();
 
     let page = http.get(format!("{base}/")).send().await.expect("GET /");
     assert_eq!(page.status(), StatusCode::OK);
@@ -89,14 +89,28 @@ async fn the_binary_started_elsewhere_serves_the_dashboard_and_logs_an_order_in_
     assert_eq!(order.headers()["x-request-id"], "order-under-the-lens");
 
     // The log, once the replica is gone: JSON lines, and the order's spans under its id.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    child.start_kill().expect("stop the replica");
+    // Stopped as an operator would (SIGTERM): it finishes what it was doing, the
+    // order's last spans included, and exits.
+    let pid = child
+        .id()
+        .and_then(|id| i32::try_from(id).ok())
+        .expect("pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
     let mut log = String::new();
     let mut stdout = child.stdout.take().expect("piped stdout");
     tokio::time::timeout(Duration::from_secs(10), stdout.read_to_string(&mut log))
         .await
         .expect("the log ends")
         .expect("read the log");
+    let exit = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .expect("the replica stopped")
+        .expect("exit status");
+    assert!(exit.success(), "a clean exit: {exit}");
     let lines: Vec<serde_json::Value> = log
         .lines()
         .map(|line| serde_json::from_str(line).unwrap_or_else(|_| panic!("not JSON: {line}")))

@@ -7,7 +7,9 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::json;
 
-use crate::support::TestCluster;
+use flashsale::store::ClusterState;
+
+use crate::support::{TestCluster, eventually};
 
 /// The former `?strategy=` override let any shopper switch the lock off: with
 /// redis-lock active, 300 orders with `?strategy=none` sold 300 of 20 on the landed
@@ -194,28 +196,81 @@ async fn admin_changes_during_a_crowd_keep_the_sale_whole() {
 
 /// If an admin change reached MySQL but its publication to Redis was lost (the call
 /// died in between), orders see an old epoch: the first refused order republishes the
-/// settings from MySQL, so the sale does not stall.
+/// settings from MySQL before it answers, so the sale does not stall. The replica's
+/// heartbeat republishes too, once a second: a round in which it beat between the
+/// setup and the check proves nothing and is set up again. Without the refused
+/// order's republication, Redis still has the stale epoch when the refusal comes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_publication_heals_itself() {
-    use deadpool_redis::redis::AsyncCommands;
     let cluster = TestCluster::start(1, &[]).await;
     cluster.set_strategy("redis-lock").await;
     let sku = "healing";
-    cluster.reset(sku, 5).await;
-    let mut redis = crate::support::redis_pool().get().await.expect("redis");
-    let () = redis
-        .set(format!("{}:epoch", cluster.namespace), 1)
-        .await
-        .expect("SET");
-    let first = cluster.order(0, sku, "first", 1).await.status();
-    // Refused for the stale epoch, unless the heartbeat republished first.
-    assert!(
-        [StatusCode::SERVICE_UNAVAILABLE, StatusCode::CREATED].contains(&first),
-        "{first}"
-    );
+    cluster.reset(sku, 20).await;
+    let attempts = refused_for_an_epoch_mysql_does_not_have(&cluster, sku, 1).await;
+    println!("refused at attempt {attempts}");
     let second = cluster.order(0, sku, "second", 1).await.status();
     assert_eq!(second, StatusCode::CREATED, "the settings were republished");
     assert_eq!(cluster.sku_stats(sku).await["consistent"], true);
+}
+
+/// Sets Redis's epoch to `stale` and sends an order, until the order is refused
+/// `sale_changed` with no heartbeat in between (at most 20 rounds); then checks that
+/// Redis has MySQL's epoch again, as the refused order republished it. Returns the
+/// rounds it took. A round whose order was served (a heartbeat republished first)
+/// is set up again.
+async fn refused_for_an_epoch_mysql_does_not_have(
+    cluster: &TestCluster,
+    sku: &str,
+    stale: u64,
+) -> usize {
+    use deadpool_redis::redis::AsyncCommands;
+    let mut redis = crate::support::redis_pool().get().await.expect("redis");
+    let epoch_key = format!("{}:epoch", cluster.namespace);
+    let replicas = ClusterState::new(crate::support::redis_pool(), cluster.namespace.clone());
+    let last_beat = || async {
+        let live = replicas.live_replicas().await.expect("replicas");
+        live.first().map(|replica| replica.last_seen)
+    };
+    let mysql = cluster.mysql().await;
+    for round in 1..=20 {
+        // A beat's own republication runs right after its announcement: start well
+        // clear of one, so that none is under way.
+        let clear = eventually(Duration::from_secs(5), || async {
+            last_beat().await.is_some_and(|seen| {
+                chrono::Utc::now() - seen > chrono::TimeDelta::milliseconds(200)
+            })
+        })
+        .await;
+        assert!(clear, "the replica beats too often");
+        let before = last_beat().await;
+        let () = redis.set(&epoch_key, stale).await.expect("SET");
+        let response = cluster.order(0, sku, &format!("first-{round}"), 1).await;
+        let status = response.status();
+        let body: serde_json::Value = response.json().await.unwrap_or_default();
+        let cached: u64 = redis.get(&epoch_key).await.expect("GET");
+        let durable: u64 = sqlx::query_scalar(
+            "SELECT CAST(value AS UNSIGNED) FROM cluster_settings WHERE name = 'epoch'",
+        )
+        .fetch_one(&mysql)
+        .await
+        .expect("MySQL's epoch");
+        if last_beat().await != before {
+            // A heartbeat may have republished: this round tells nothing.
+            continue;
+        }
+        assert_eq!(
+            (status, body["error"].as_str()),
+            (StatusCode::SERVICE_UNAVAILABLE, Some("sale_changed")),
+            "round {round}: an order of epoch {stale}, MySQL's {durable}: {body}"
+        );
+        assert_eq!(
+            cached, durable,
+            "round {round}: the refused order republished MySQL's epoch"
+        );
+        mysql.close().await;
+        return round;
+    }
+    panic!("a heartbeat came between the setup and the check in every round");
 }
 
 /// Redis can also be *ahead* of MySQL, the authority: MySQL restored or replaced
@@ -224,22 +279,13 @@ async fn a_lost_publication_heals_itself() {
 /// republishes MySQL's settings and stocks, and the sale goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_epoch_ahead_of_mysql_heals_itself() {
-    use deadpool_redis::redis::AsyncCommands;
     let cluster = TestCluster::start(1, &[]).await;
     cluster.set_strategy("redis-lock").await;
     let sku = "ahead";
-    cluster.reset(sku, 5).await;
-    let mut redis = crate::support::redis_pool().get().await.expect("redis");
-    let () = redis
-        .set(format!("{}:epoch", cluster.namespace), 1_000_000)
-        .await
-        .expect("SET");
-    let first = cluster.order(0, sku, "first", 1).await.status();
-    assert_eq!(
-        first,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "refused: an epoch MySQL never had"
-    );
+    cluster.reset(sku, 30).await;
+    refused_for_an_epoch_mysql_does_not_have(&cluster, sku, 1_000_000).await;
+    // Rounds set up again may have sold a unit each.
+    let before = cluster.count_orders(sku).await;
     for buyer in 0..4 {
         let status = cluster
             .order(0, sku, &format!("buyer-{buyer}"), 1)
@@ -252,7 +298,7 @@ async fn a_redis_epoch_ahead_of_mysql_heals_itself() {
         );
     }
     let stats = cluster.sku_stats(sku).await;
-    assert_eq!(stats["orders"], 4, "{stats}");
+    assert_eq!(stats["orders"], before + 4, "{stats}");
     assert_eq!(stats["consistent"], true, "{stats}");
 }
 
@@ -449,7 +495,7 @@ async fn a_restock_whose_publication_was_lost_becomes_sellable() {
         if status == StatusCode::CREATED {
             sold += 1;
         } else {
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
     assert_eq!(sold, 5, "the restock never became sellable");
@@ -567,34 +613,52 @@ async fn an_admin_change_dropped_by_its_caller_still_reaches_redis() {
         .change_sale(reset())
         .await
         .expect("a first change, whole");
-    // The caller gives up after 0, 0.25, 0.5, ... 10 ms: some of these fall between
-    // the change's MySQL commit and its publication.
+    let first = store
+        .records
+        .sale_settings()
+        .await
+        .expect("MySQL epoch")
+        .epoch;
+    // The caller gives up after 0, 0.25, 0.5, ... 10 ms (spun, not slept: the timer
+    // counts whole milliseconds): some of these fall between the change's MySQL commit
+    // and its publication. Each change, once begun, runs to its end in its own task:
+    // MySQL's epoch moves one further and Redis follows. Without its own task, a
+    // change cut before its commit never happens, and one cut after it never reaches
+    // Redis.
     for quarter_ms in 0..40u64 {
-        let change = store.change_sale(reset());
-        let _ = tokio::time::timeout(Duration::from_micros(quarter_ms * 250), change).await;
-        // Room for a change that runs on to finish: up to 5 s on a loaded machine (a
-        // fixed 100 ms failed once under the whole suite); without its own task, a
-        // change cut after its commit never reaches Redis at all.
-        let dropped = std::time::Instant::now();
-        let (mut mysql, mut redis);
-        loop {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            mysql = store
-                .records
-                .sale_settings()
-                .await
-                .expect("MySQL epoch")
-                .epoch;
-            redis = store.cluster.cached_settings().await.expect("Redis").epoch;
-            if redis == Some(mysql) || dropped.elapsed() > Duration::from_secs(5) {
-                break;
+        let change = std::pin::pin!(store.change_sale(reset()));
+        let cut_at = std::time::Instant::now() + Duration::from_micros(quarter_ms * 250);
+        let cut = async {
+            while std::time::Instant::now() < cut_at {
+                tokio::task::yield_now().await;
             }
+        };
+        tokio::select! {
+            biased;
+            _ = change => {}
+            () = cut => {}
         }
-        assert_eq!(
-            redis,
-            Some(mysql),
-            "a change dropped after {} µs left Redis behind MySQL",
-            quarter_ms * 250
+        let expected = first + quarter_ms + 1;
+        let (mysql, redis) = (std::cell::Cell::new(0), std::cell::Cell::new(None));
+        let caught_up = eventually(Duration::from_secs(5), || async {
+            mysql.set(
+                store
+                    .records
+                    .sale_settings()
+                    .await
+                    .expect("MySQL epoch")
+                    .epoch,
+            );
+            redis.set(store.cluster.cached_settings().await.expect("Redis").epoch);
+            mysql.get() == expected && redis.get() == Some(expected)
+        })
+        .await;
+        assert!(
+            caught_up,
+            "a change dropped after {} µs: MySQL's epoch {} (expected {expected}), Redis's {:?}",
+            quarter_ms * 250,
+            mysql.get(),
+            redis.get()
         );
     }
 }

@@ -3,11 +3,12 @@
 //! Redis namespace so tests run in parallel.
 
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 use flashsale::app::Server;
 use flashsale::config::{Cli, Command};
-use reqwest::{Response, StatusCode};
+use reqwest::{Method, Response, StatusCode};
 use serde_json::{Value, json};
 use sqlx::mysql::MySqlPool;
 use tokio::sync::oneshot;
@@ -23,17 +24,64 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// Waits up to 10 s for a replica started as a process to answer `/healthz` with 200.
-pub async fn wait_healthy(base_url: &str) -> bool {
-    let http = reqwest::Client::new();
-    for _ in 0..200 {
-        let health = http.get(format!("{base_url}/healthz")).send().await;
-        if health.is_ok_and(|r| r.status().is_success()) {
+/// The longest any one request of a test may take: far above the slowest order a test
+/// makes on purpose (seconds of work or of lock wait), so that a replica that hangs
+/// fails the test instead of hanging the run.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long a test's client waits for a connection on loopback.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// An HTTP client for a test: every request bounded (`REQUEST_TIMEOUT`, unless the
+/// request sets its own) and every connection attempt too.
+pub fn http_client() -> reqwest::Client {
+    http_client_with(reqwest::header::HeaderMap::new())
+}
+
+fn http_client_with(headers: reqwest::header::HeaderMap) -> reqwest::Client {
+    reqwest::Client::builder()
+        .default_headers(headers)
+        .timeout(REQUEST_TIMEOUT)
+        .connect_timeout(CONNECT_TIMEOUT)
+        .build()
+        .expect("HTTP client")
+}
+
+/// Polls `condition` every 20 ms until it holds (true) or `limit` passes (false): how
+/// a test waits for an event it can observe, rather than sleeping and hoping.
+pub async fn eventually<F, Fut>(limit: Duration, mut condition: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        // Each check bounded too: a check that hangs must not outlive the deadline.
+        let left = deadline.saturating_duration_since(Instant::now());
+        if tokio::time::timeout(left, condition()).await == Ok(true) {
             return true;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    false
+}
+
+/// Waits up to 30 s for a replica started as a process to answer `/healthz` with 200
+/// (a `flashsale cluster` of three took more than 10 s to come up under a loaded run).
+pub async fn wait_healthy(base_url: &str) -> bool {
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .connect_timeout(Duration::from_secs(1))
+        .build()
+        .expect("HTTP client");
+    let url = format!("{base_url}/healthz");
+    eventually(Duration::from_secs(30), || async {
+        let health = http.get(&url).send().await;
+        health.is_ok_and(|r| r.status().is_success())
+    })
+    .await
 }
 
 pub fn redis_url() -> String {
@@ -122,7 +170,9 @@ impl Replica {
             let _ = shutdown.send(());
         }
         if let Some(task) = self.task.take() {
-            task.await
+            tokio::time::timeout(REQUEST_TIMEOUT, task)
+                .await
+                .expect("the replica stopped in time")
                 .expect("replica task panicked")
                 .expect("replica failed");
         }
@@ -204,10 +254,7 @@ impl TestCluster {
             let value = format!("Bearer {token}").parse().expect("header value");
             headers.insert(reqwest::header::AUTHORIZATION, value);
         }
-        let http = reqwest::Client::builder()
-            .default_headers(headers)
-            .build()
-            .expect("HTTP client");
+        let http = http_client_with(headers);
         // A replica beats once (registering in Redis) before it serves, but in its own
         // task: a test that asked one replica for the cluster right away could find the
         // others not registered yet. An answer from each (a static route) means each
@@ -231,60 +278,59 @@ impl TestCluster {
     }
 
     pub async fn set_strategy(&self, strategy: &str) {
-        let response = self
-            .http
-            .put(self.url(0, "/api/admin/strategy"))
-            .json(&json!({ "strategy": strategy }))
-            .send()
-            .await
-            .expect("strategy request");
-        assert_eq!(response.status(), StatusCode::OK, "switching to {strategy}");
+        let body = json!({ "strategy": strategy });
+        let status = self.admin(Method::PUT, "/api/admin/strategy", &body).await;
+        assert_eq!(status, StatusCode::OK, "switching to {strategy}");
     }
 
     pub async fn set_fencing(&self, enabled: bool) {
-        let response = self
-            .http
-            .put(self.url(0, "/api/admin/fencing"))
-            .json(&json!({ "enabled": enabled }))
-            .send()
-            .await
-            .expect("fencing request");
-        assert_eq!(response.status(), StatusCode::OK, "fencing {enabled}");
+        let body = json!({ "enabled": enabled });
+        let status = self.admin(Method::PUT, "/api/admin/fencing", &body).await;
+        assert_eq!(status, StatusCode::OK, "fencing {enabled}");
+    }
+
+    /// An admin change through replica 0, sent again while it answers 503 (busy, try
+    /// again: a loaded machine's pools can time out), for up to 20 s; its last status.
+    /// Every change the tests make this way may be applied twice.
+    async fn admin(&self, method: Method, path: &str, body: &Value) -> StatusCode {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let response = self
+                .http
+                .request(method.clone(), self.url(0, path))
+                .json(body)
+                .send()
+                .await
+                .unwrap_or_else(|error| panic!("{method} {path}: {error}"));
+            let status = response.status();
+            if status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() >= deadline {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Waits (up to 20 s) until a lock holder has claimed the armed paused-holder fault
     /// (`pause_armed_ms` back to null): from then on that holder holds the lock.
     pub async fn wait_until_pause_claimed(&self) -> bool {
-        let started = std::time::Instant::now();
-        while started.elapsed() < std::time::Duration::from_secs(20) {
-            if self.get_json(0, "/api/stats").await["pause_armed_ms"].is_null() {
-                return true;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-        false
+        eventually(Duration::from_secs(20), || async {
+            self.get_json(0, "/api/stats").await["pause_armed_ms"].is_null()
+        })
+        .await
     }
 
     /// Rebuilds lost Redis stock from MySQL, as an admin would after a restart.
     pub async fn reconcile(&self) {
-        let response = self
-            .http
-            .post(self.url(0, "/api/admin/reconcile"))
-            .send()
-            .await
-            .expect("reconcile request");
-        assert_eq!(response.status(), StatusCode::OK, "reconcile failed");
+        let status = self
+            .admin(Method::POST, "/api/admin/reconcile", &json!({}))
+            .await;
+        assert_eq!(status, StatusCode::OK, "reconcile failed");
     }
 
     pub async fn reset(&self, sku: &str, stock: i64) {
-        let response = self
-            .http
-            .post(self.url(0, "/api/admin/reset"))
-            .json(&json!({ "sku": sku, "stock": stock }))
-            .send()
-            .await
-            .expect("reset request");
-        assert_eq!(response.status(), StatusCode::OK, "reset failed");
+        let body = json!({ "sku": sku, "stock": stock });
+        let status = self.admin(Method::POST, "/api/admin/reset", &body).await;
+        assert_eq!(status, StatusCode::OK, "reset failed");
     }
 
     pub async fn order(&self, replica: usize, sku: &str, user: &str, quantity: i64) -> Response {
@@ -308,19 +354,25 @@ impl TestCluster {
         futures::future::join_all(orders).await
     }
 
+    /// A GET answered with JSON; asked again while it answers 503 (busy, try again:
+    /// under a loaded run a pool can time out), for up to 20 s.
     pub async fn get_json(&self, replica: usize, path: &str) -> Value {
-        let response = self
-            .http
-            .get(self.url(replica, path))
-            .send()
-            .await
-            .expect("GET");
-        assert!(
-            response.status().is_success(),
-            "GET {path}: {}",
-            response.status()
-        );
-        response.json().await.expect("JSON body")
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let response = self
+                .http
+                .get(self.url(replica, path))
+                .send()
+                .await
+                .expect("GET");
+            let status = response.status();
+            if status == StatusCode::SERVICE_UNAVAILABLE && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            assert!(status.is_success(), "GET {path}: {status}");
+            return response.json().await.expect("JSON body");
+        }
     }
 
     /// The `/api/stats` entry of one SKU, as replica 0 reports it.

@@ -102,8 +102,12 @@ async fn a_short_exploration_finds_no_violation() {
         );
     }
 
-    let seed = std::env::var("EXPLORE_SEED").unwrap_or_else(|_| "20261122".into());
-    let rounds = std::env::var("EXPLORE_ROUNDS").unwrap_or_else(|_| "12".into());
+    // Seed 3's first five rounds run five strategies (redis-lock, redlock,
+    // db-for-update, redis-atomic, zookeeper) and every fault kind the assertions below
+    // ask for; 20261122 needed seven rounds for that and ran twelve (170 s here, the
+    // suite's longest test). `EXPLORE_ROUNDS` makes a longer run.
+    let seed = std::env::var("EXPLORE_SEED").unwrap_or_else(|_| "3".into());
+    let rounds = std::env::var("EXPLORE_ROUNDS").unwrap_or_else(|_| "5".into());
     let out = std::env::temp_dir().join(format!("{namespace}-explore.json"));
     let targets = targets.join(",");
     let cli = Cli::parse_from([

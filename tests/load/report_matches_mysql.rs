@@ -140,7 +140,7 @@ async fn an_open_model_repeated_run_is_counted_from_the_records() {
         "--strategies",
         "redis-lock,redis-atomic",
         "--rate",
-        "300",
+        "100",
         "--repeat",
         "2",
         "--stock",
