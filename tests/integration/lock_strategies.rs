@@ -19,6 +19,37 @@ use crate::support::{
     TestCluster, etcd_endpoints, pool_for, redis_client, redis_pool, redlock_urls, zookeeper,
 };
 
+/// The crowd of `TestCluster::crowd`, but a shopper answered 503 (busy: try again)
+/// asks again, up to 20 times: on a loaded machine a few orders of 300 time out in a
+/// pool or a backend, and the test is about what the sale sells, not about how busy
+/// the machine was. Returns each shopper's last answer and how many asked again.
+async fn patient_crowd(cluster: &TestCluster, sku: &str, count: usize) -> (Vec<StatusCode>, usize) {
+    let asked_again = std::sync::atomic::AtomicUsize::new(0);
+    let orders = (0..count).map(|i| {
+        let asked_again = &asked_again;
+        async move {
+            let replica = i % cluster.replicas.len();
+            let mut status = StatusCode::SERVICE_UNAVAILABLE;
+            for attempt in 0..20 {
+                if attempt > 0 {
+                    asked_again.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                status = cluster
+                    .order(replica, sku, &format!("user-{i}"), 1)
+                    .await
+                    .status();
+                if status != StatusCode::SERVICE_UNAVAILABLE {
+                    break;
+                }
+            }
+            status
+        }
+    });
+    let statuses = futures::future::join_all(orders).await;
+    (statuses, asked_again.into_inner())
+}
+
 /// 300 concurrent orders for 50 units over three replicas (separate pools and
 /// clients), each holding the lock for 5 ms of work.
 async fn sells_exactly_the_stock(strategy: &str) {
@@ -38,12 +69,13 @@ async fn sells_exactly_the_stock(strategy: &str) {
     let sku = "hot-item";
     cluster.reset(sku, 50).await;
 
-    let statuses = within(
+    let (statuses, asked_again) = within(
         Duration::from_secs(180),
         "the crowd",
-        cluster.crowd(sku, 300),
+        patient_crowd(&cluster, sku, 300),
     )
     .await;
+    println!("{strategy}: {asked_again} answers of 503 asked again");
     let created = statuses
         .iter()
         .filter(|s| **s == StatusCode::CREATED)
