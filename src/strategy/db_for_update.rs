@@ -35,12 +35,12 @@ impl Strategy for DbForUpdateStrategy {
                       that wait is bounded for the one statement.",
             commands: vec![
                 "this replica's buyers of the SKU queue locally; the head of the queue:",
-                "BEGIN; SELECT value FROM cluster_settings WHERE name = 'epoch' LOCK IN SHARE MODE \
-                 (the admin changes' lock order: epoch row first)",
+                "BEGIN; SELECT value FROM cluster_settings WHERE name = 'epoch' \
+                 (no lock: an order of an epoch MySQL never reached is refused)",
                 "SET STATEMENT innodb_lock_wait_timeout = <wait s> FOR \
-                 SELECT stock FROM products WHERE sku = ? FOR UPDATE",
-                "UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
-                 SET p.stock = p.stock - ?, p.version = p.version + 1 WHERE p.sku = ? AND e.value = <epoch>",
+                 SELECT stock, epoch FROM products WHERE sku = ? FOR UPDATE",
+                "UPDATE products p SET p.stock = p.stock - ?, p.version = p.version + 1 \
+                 WHERE p.sku = ? AND p.epoch <= <epoch>",
                 "INSERT INTO orders (...) VALUES (...); COMMIT",
                 "Lua: if version > cached version then SET <ns>:stock:<sku>",
             ],
