@@ -272,8 +272,21 @@ impl<S: Send + Sync> FromRequest<S> for OptionalReconcileBody {
 
     async fn from_request(request: Request, state: &S) -> Result<Self, AppError> {
         if request.headers().contains_key(header::CONTENT_TYPE) {
-            let ApiJson(body) = ApiJson::from_request(request, state).await?;
-            return Ok(OptionalReconcileBody(body));
+            // JSON `null` is no body too: the document's optional body may be sent so.
+            let axum::Json(body) = axum::Json::<serde_json::Value>::from_request(request, state)
+                .await
+                .map_err(AppError::from)?;
+            return match body {
+                serde_json::Value::Null => Ok(OptionalReconcileBody(ReconcileBody::default())),
+                serde_json::Value::Object(_) => serde_json::from_value(body)
+                    .map(OptionalReconcileBody)
+                    .map_err(|error| {
+                        AppError::Malformed(format!("the body does not fit: {error}"))
+                    }),
+                _ => Err(AppError::Malformed(
+                    "the body must be a JSON object (or null)".into(),
+                )),
+            };
         }
         let bytes = Bytes::from_request(request, state)
             .await

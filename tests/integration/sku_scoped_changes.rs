@@ -48,7 +48,10 @@ async fn changes_of_another_sku_refuse_no_order(strategy: &str) {
                     let status = response.status();
                     let body: serde_json::Value = response.json().await.unwrap_or_default();
                     let message = body["message"].as_str().unwrap_or_default().to_owned();
-                    let answer = (status, body["error"].as_str().unwrap_or_default().to_owned());
+                    let answer = (
+                        status,
+                        body["error"].as_str().unwrap_or_default().to_owned(),
+                    );
                     attempts += 1;
                     // A Redis connection not made in time on a loaded machine is not
                     // what this test is about: the shopper asks again. A deadlock
