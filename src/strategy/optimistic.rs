@@ -51,8 +51,7 @@ impl Strategy for OptimisticStrategy {
             commands: vec![
                 "SELECT p.stock, p.version, e.value, p.epoch FROM products p \
                  JOIN cluster_settings e ON e.name = 'epoch' WHERE p.sku = ?",
-                "BEGIN; SELECT value FROM cluster_settings WHERE name = 'epoch'; \
-                 UPDATE products p SET p.stock = p.stock - ?, p.version = p.version + 1 \
+                "BEGIN; UPDATE products p SET p.stock = p.stock - ?, p.version = p.version + 1 \
                  WHERE p.sku = ? AND p.epoch <= <epoch> AND p.version = ? AND p.stock >= ?; \
                  INSERT INTO orders ...; COMMIT",
                 "0 rows updated: ROLLBACK at once (the refused UPDATE holds the row's lock), \

@@ -30,7 +30,20 @@ const ORDERS_OF_A: usize = 30;
 /// row), the changes of B deadlocked with orders of A: 503 `backend_unavailable`, 14
 /// of 30 under redis-atomic (whole batches), 1 under redlock.
 async fn changes_of_another_sku_refuse_no_order(strategy: &str) {
-    let cluster = TestCluster::start(2, &["--work-ms", "20", "--lock-wait-ms", "30000"]).await;
+    let cluster = TestCluster::start(
+        2,
+        // A pool for every order of a replica at once: `none` and redis-atomic do not
+        // queue them, and a pool wait that runs out would answer 503 like a deadlock.
+        &[
+            "--work-ms",
+            "20",
+            "--lock-wait-ms",
+            "30000",
+            "--db-pool",
+            "40",
+        ],
+    )
+    .await;
     cluster.set_strategy(strategy).await;
     let (a, b) = ("sold-on", "restocked");
     cluster.reset(a, 1000).await;
