@@ -2,12 +2,15 @@
 //! reconcile and faults.
 //!
 //! Every change of the sale goes through `Store::change_sale`, which moves the sale
-//! epoch forward: orders already under way that have not committed are refused with
+//! epoch forward and gives it to the SKUs the change concerns (every SKU for a switch
+//! or a reconcile of everything, one for a reset or a reconcile of that SKU): orders of
+//! those SKUs already under way that have not committed are refused with
 //! `sale_changed` (and retried by their clients under the new settings), so an old and
-//! a new strategy never sell the same SKU at once.
+//! a new strategy never sell the same SKU at once. Orders of the other SKUs go on.
 
-use axum::extract::State;
-use axum::http::StatusCode;
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request, State};
+use axum::http::{StatusCode, header};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -78,7 +81,8 @@ pub struct ResetDone {
 
 /// Restocks a SKU in MySQL (clearing its orders) and then in Redis. MySQL goes first:
 /// if Redis then fails, the stats show the mismatch and a retried reset repairs it.
-/// Orders of the SKU under way that read the old stock are refused at their commit.
+/// Orders of the SKU under way that read the old stock are refused at their commit;
+/// orders of other SKUs are not disturbed.
 #[utoipa::path(post, path = "/api/admin/reset", tag = "admin",
     request_body = ResetBody,
     responses(
@@ -251,22 +255,100 @@ pub async fn disarm_fault(State(state): State<AppState>) -> Result<StatusCode, A
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// What to reconcile: one SKU, or (no body, or no `sku`) every SKU.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+pub struct ReconcileBody {
+    #[schema(value_type = Option<Sku>)]
+    #[serde(default)]
+    sku: Option<String>,
+}
+
+/// The reconcile's body, which may be left out: a request without a Content-Type and
+/// with an empty body reconciles every SKU, as before the body existed.
+pub struct OptionalReconcileBody(ReconcileBody);
+
+impl<S: Send + Sync> FromRequest<S> for OptionalReconcileBody {
+    type Rejection = AppError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, AppError> {
+        if request.headers().contains_key(header::CONTENT_TYPE) {
+            // JSON `null` is no body too: the document's optional body may be sent so.
+            let axum::Json(body) = axum::Json::<serde_json::Value>::from_request(request, state)
+                .await
+                .map_err(AppError::from)?;
+            return match body {
+                serde_json::Value::Null => Ok(OptionalReconcileBody(ReconcileBody::default())),
+                serde_json::Value::Object(_) => serde_json::from_value(body)
+                    .map(OptionalReconcileBody)
+                    .map_err(|error| {
+                        AppError::Malformed(format!("the body does not fit: {error}"))
+                    }),
+                _ => Err(AppError::Malformed(
+                    "the body must be a JSON object (or null)".into(),
+                )),
+            };
+        }
+        let bytes = Bytes::from_request(request, state)
+            .await
+            .map_err(|rejection| AppError::Malformed(rejection.body_text()))?;
+        if bytes.is_empty() {
+            Ok(OptionalReconcileBody(ReconcileBody::default()))
+        } else {
+            Err(AppError::UnsupportedMediaType(
+                "expected a JSON body with Content-Type: application/json".into(),
+            ))
+        }
+    }
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Reconciled {
     /// SKUs whose Redis stock was missing or differed from MySQL and was rewritten.
     skus: Vec<ResetDone>,
 }
 
-/// Rewrites every SKU's Redis stock from MySQL's products rows, the system of record:
-/// repairs stock Redis lost (a restart without persistence) and stock that went stale
-/// (a cache write that failed, a COMMIT whose outcome was unknown). It is safe during
-/// a sale: like every change of the sale it moves the epoch forward, so no order that
-/// read the old cache can commit after it, and the rows' versions move forward too,
-/// so no cache write on its way can put an older stock back. Orders are not touched.
+/// Rewrites the Redis stock of one SKU (`{"sku": ...}`) or of every SKU (no body) from
+/// MySQL's products rows, the system of record: repairs stock Redis lost (a restart
+/// without persistence) and stock that went stale (a cache write that failed, a COMMIT
+/// whose outcome was unknown). It is safe during a sale: like every change of the sale
+/// it moves the epoch forward and gives it to the SKUs it rewrites, so no order of
+/// those SKUs that read the old cache can commit after it, and their rows' versions
+/// move forward too, so no cache write on its way can put an older stock back. A
+/// reconcile of one SKU leaves the orders of the others alone. Orders are not touched.
 #[utoipa::path(post, path = "/api/admin/reconcile", tag = "admin",
-    responses((status = 200, description = "The SKUs rewritten", body = Reconciled)))]
-pub async fn reconcile(State(state): State<AppState>) -> Result<ApiJson<Reconciled>, AppError> {
-    let rewritten = state.flow.store.change_sale(SaleChange::Reconcile).await?;
+    request_body(content = Option<ReconcileBody>,
+        description = "`{\"sku\": ...}` to reconcile one SKU; no body for every SKU"),
+    responses(
+        (status = 200, description = "The SKUs rewritten", body = Reconciled),
+        (status = 404, description = "`not_found`: unknown SKU", body = ErrorBody),
+        (status = 422, description = "`invalid_value`: not a valid SKU", body = ErrorBody),
+    ))]
+pub async fn reconcile(
+    State(state): State<AppState>,
+    OptionalReconcileBody(body): OptionalReconcileBody,
+) -> Result<ApiJson<Reconciled>, AppError> {
+    let sku = body
+        .sku
+        .as_deref()
+        .map(Sku::parse)
+        .transpose()
+        .map_err(AppError::Invalid)?;
+    if let Some(sku) = &sku
+        && state
+            .flow
+            .store
+            .records
+            .stock_and_version(sku)
+            .await?
+            .is_none()
+    {
+        return Err(AppError::NotFound(format!("unknown SKU '{sku}'")));
+    }
+    let rewritten = state
+        .flow
+        .store
+        .change_sale(SaleChange::Reconcile { sku })
+        .await?;
     let skus: Vec<ResetDone> = rewritten
         .into_iter()
         .map(|at| ResetDone {

@@ -116,11 +116,6 @@ pub struct ClusterState {
     namespace: String,
 }
 
-/// Where the sale epoch is published; the stock cache's scripts check it too.
-pub(super) fn epoch_key(namespace: &str) -> String {
-    format!("{namespace}:epoch")
-}
-
 pub(super) fn fencing_value(enabled: bool) -> &'static str {
     if enabled { "on" } else { "off" }
 }
@@ -140,7 +135,8 @@ pub struct ClusterSettings {
     pub strategy: String,
     /// Whether lock holders' writes are fenced by their tokens.
     pub fencing: bool,
-    /// The sale epoch the order runs under; its commit requires it unchanged.
+    /// The sale epoch the order runs under; its commit requires that no change of its
+    /// SKU came after it.
     pub epoch: u64,
     /// An armed paused-holder fault.
     pub pause: Option<PauseFault>,
@@ -184,8 +180,10 @@ impl ClusterState {
         format!("{}:fault:pause-holder-ms", self.namespace)
     }
 
+    /// Where the sale epoch is published (each SKU's is beside its stock,
+    /// `stock_cache.rs`).
     fn epoch_key(&self) -> String {
-        epoch_key(&self.namespace)
+        format!("{}:epoch", self.namespace)
     }
 
     /// The strategy, fencing and epoch keys, in that order (for `sale.rs`, which

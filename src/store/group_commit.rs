@@ -9,7 +9,8 @@
 //! ```text
 //! BEGIN
 //! per SKU (sorted): UPDATE products … SET stock = stock - <its orders' units>
-//!                   WHERE sku = ? AND epoch = <theirs> AND stock >= <their units>
+//!                   WHERE sku = ? AND <the SKU unchanged since their epoch>
+//!                     AND stock >= <their units>
 //! INSERT INTO orders VALUES (…), (…), … RETURNING id, …
 //! COMMIT                                   -- then every order of the batch is answered
 //! ```
@@ -21,8 +22,11 @@
 //!   every order in it is an HTTP request in flight, which `--max-in-flight` bounds.
 //! - **The same rules, per SKU.** The orders of one SKU and one sale epoch form a group
 //!   whose `UPDATE` is `StockWrite::Decrement`'s very statement with the group's total
-//!   (`order_commit::decrement`): the epoch join, so an admin change waits for the batch
-//!   and a batch of an older epoch matches nothing, and `stock >= total`. Groups are
+//!   (`order_commit::decrement`): the SKU's epoch, so a change of the SKU waits for the
+//!   batch (it holds the row) and a group from before a change of its SKU matches
+//!   nothing (the groups of the other SKUs of the batch are recorded: a reset of one
+//!   SKU refuses only its own orders), and `stock >= total`. A group of an epoch the
+//!   sale never reached (one read of the sale epoch per batch) is left out. Groups are
 //!   updated in SKU order, so two replicas' batches lock rows in the same order and
 //!   cannot deadlock each other.
 //! - **Refusals stay per order.** A group whose `UPDATE` matches nothing (the epoch
@@ -65,7 +69,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures::FutureExt;
 use tokio::sync::{mpsc, oneshot};
 
-use super::order_commit::decrement;
+use super::order_commit::{decrement, sale_epoch};
 use super::records::insert_orders;
 use super::{Committed, Records, Refusal, StockCache, StockWrite, StoreError};
 use crate::model::{NewOrder, Sku};
@@ -300,16 +304,16 @@ impl MySqlRecorder {
     /// matched. An error means nothing was written.
     async fn write<'a>(&self, batch: &'a [TakenOrder]) -> Result<Written<'a>, StoreError> {
         let mut tx = self.records.begin().await?;
+        let sale_epoch = sale_epoch(&mut tx).await?;
         let mut versions = Vec::new();
         let mut refused = Vec::new();
         for group in groups(batch) {
-            let updated = decrement(
-                &mut tx,
-                group.sku.as_str(),
-                group.total,
-                &group.epoch.to_string(),
-            )
-            .await?;
+            if group.epoch > sale_epoch {
+                // Redis ahead of MySQL: `record_alone` refuses its orders.
+                refused.push(group);
+                continue;
+            }
+            let updated = decrement(&mut tx, group.sku.as_str(), group.total, group.epoch).await?;
             if updated.rows_affected() == 0 {
                 refused.push(group);
             } else {

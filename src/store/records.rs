@@ -19,12 +19,22 @@ pub struct Records {
     pool: MySqlPool,
 }
 
-/// A product's stock and version, and the sale epoch, read together.
+/// A product's stock, version and epoch, and the sale epoch, read together.
 #[derive(Debug, Clone, Copy)]
 pub struct OptimisticRow {
     pub stock: i64,
     pub version: i64,
     pub epoch: u64,
+    /// The sale epoch of the last change that concerned the SKU.
+    pub sku_epoch: u64,
+}
+
+impl OptimisticRow {
+    /// Whether an order that began at sale epoch `epoch` may still sell from this row
+    /// (`order_commit::is_current`).
+    pub fn is_current_for(&self, epoch: u64) -> bool {
+        super::order_commit::is_current(epoch, self.epoch, self.sku_epoch)
+    }
 }
 
 /// A product row joined with what its orders add up to.
@@ -73,21 +83,22 @@ impl Records {
     }
 
     /// What the optimistic strategy reads before each attempt: the product's stock
-    /// and row version, and the sale epoch, in one statement.
+    /// and row version, its epoch and the sale's, in one statement.
     pub async fn optimistic_read(&self, sku: &Sku) -> Result<Option<OptimisticRow>, StoreError> {
         let read = || {
             sqlx::query_as(
-                "SELECT p.stock, p.version, e.value FROM products p
+                "SELECT p.stock, p.version, e.value, p.epoch FROM products p
                  JOIN cluster_settings e ON e.name = 'epoch' WHERE p.sku = ?",
             )
             .bind(sku.as_str())
             .fetch_optional(&self.pool)
         };
-        let row: Option<(i64, i64, String)> = on_live_connection(&self.pool, read).await?;
-        Ok(row.map(|(stock, version, epoch)| OptimisticRow {
+        let row: Option<(i64, i64, String, u64)> = on_live_connection(&self.pool, read).await?;
+        Ok(row.map(|(stock, version, epoch, sku_epoch)| OptimisticRow {
             stock,
             version,
             epoch: epoch.parse().unwrap_or(0),
+            sku_epoch,
         }))
     }
 

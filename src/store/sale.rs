@@ -1,23 +1,35 @@
 //! Admin changes of the sale (switch the strategy or fencing, reset a SKU, reconcile
 //! the cache) and the settings every order reads.
 //!
-//! Each change is one MySQL transaction that first moves the sale epoch forward. Its
-//! exclusive lock on the epoch row waits for the order commits in flight (they hold it
-//! shared, see `order_commit.rs`), and every order of an older epoch that has not
-//! committed yet will find its commit refused. Then:
+//! Each change is one MySQL transaction that first moves the sale epoch forward (its
+//! exclusive lock on the epoch row serialises the changes; orders never lock that
+//! row). Then it gives the new epoch to the SKUs it concerns (`products.epoch`): every
+//! SKU for a strategy or fencing switch and a reconcile of everything, one SKU for a
+//! reset or a reconcile of that SKU. Writing a product row waits for that SKU's order
+//! commits in flight (they hold the row, see `order_commit.rs`), and every order that
+//! began before the change and concerns one of those SKUs will find its commit
+//! refused; the orders of the other SKUs go on. Then:
 //!
-//! - the products' row versions move forward too, and the Redis stock is rewritten from
-//!   MySQL with those versions. A cache write of an order that committed before the
-//!   change but writes Redis after it carries an older version and is ignored; so a new
-//!   strategy never starts from a stock the old one had not yet written;
+//! - the row versions of the SKUs it concerns move forward too, and their Redis stock
+//!   is rewritten from MySQL with those versions. A cache write of an order that
+//!   committed before the change but writes Redis after it carries an older version
+//!   and is ignored; so a new strategy never starts from a stock the old one had not
+//!   yet written;
 //! - the settings are published to Redis with their epoch, only if newer, so two
 //!   concurrent changes cannot leave Redis behind MySQL.
 //!
+//! Every publication carries every SKU's stock, version and epoch as MySQL has them,
+//! and a SKU's stock is rewritten only where its epoch moved: so a publication that
+//! overtakes an earlier one (or follows one that was lost) brings the SKUs that one
+//! changed as well, and never touches a SKU whose orders go on (under redis-atomic,
+//! Redis is ahead of MySQL by the units taken and not yet committed: a rewrite would
+//! put them back).
+//!
 //! The stock rewrite and the publication are one Lua script: no order can read or take
-//! (both check the epoch, `stock_cache.rs`) between a rewrite and the epoch it belongs
-//! to. Published separately, a redis-atomic order of the old epoch could take a unit
-//! from the rewritten stock after the switch, and a lock holder of the new strategy
-//! would then sell from the stock that take lowered: a unit lost.
+//! (both check the SKU's epoch, `stock_cache.rs`) between a rewrite and the epoch it
+//! belongs to. Published separately, a redis-atomic order of the old epoch could take
+//! a unit from the rewritten stock after the switch, and a lock holder of the new
+//! strategy would then sell from the stock that take lowered: a unit lost.
 //!
 //! MySQL holds the durable copy: if Redis loses the settings, they are published again
 //! from it on the next read.
@@ -42,8 +54,22 @@ pub enum SaleChange {
         sku: Sku,
         stock: i64,
     },
-    /// Rewrite every SKU's Redis stock from MySQL: repairs missing and stale values.
-    Reconcile,
+    /// Rewrite the Redis stock of `sku`, or of every SKU, from MySQL: repairs missing
+    /// and stale values. Only the orders of the SKUs rewritten are fenced off.
+    Reconcile {
+        sku: Option<Sku>,
+    },
+}
+
+impl SaleChange {
+    /// The one SKU the change concerns, or `None` when it concerns every SKU.
+    fn only_sku(&self) -> Option<&Sku> {
+        match self {
+            SaleChange::Strategy(_) | SaleChange::Fencing(_) => None,
+            SaleChange::Reset { sku, .. } => Some(sku),
+            SaleChange::Reconcile { sku } => sku.as_ref(),
+        }
+    }
 }
 
 /// The cluster-wide settings as MySQL holds them.
@@ -55,62 +81,63 @@ pub struct SaleSettings {
 }
 
 /// A product's stock as MySQL holds it, with the row version that orders the cache
-/// writes.
+/// writes and the SKU's epoch (the sale epoch of the last change that concerned it).
 #[derive(Debug, Clone)]
 pub struct StockAt {
     pub sku: Sku,
     pub stock: i64,
     pub version: i64,
+    pub epoch: u64,
 }
 
 /// Rewrites stocks and publishes the settings in one step. KEYS: strategy, fencing,
-/// epoch, then stock, version and pending keys per SKU; ARGV: strategy, fencing, epoch,
-/// the mode, the epoch the caller saw in Redis, then stock and version per SKU.
-/// Returns the indexes of the SKUs whose value changed.
+/// epoch, then stock, version, pending and epoch keys per SKU; ARGV: strategy,
+/// fencing, epoch, the mode, the epoch the caller saw in Redis, then stock, version
+/// and epoch per SKU. Returns the indexes of the SKUs whose value changed.
 ///
-/// Either everything is written or nothing: a publication carries MySQL's stock of
-/// every SKU at its epoch, so the epoch never reaches Redis without its stocks, and an
-/// older publication arriving late changes nothing (not even a stock: it would
-/// clear a pending mark a newer holder depends on).
+/// One script, so the sale's epoch never reaches Redis without the stocks of the SKUs
+/// it changed. A SKU's stock, version and epoch are written together, and only where
+/// the SKU's epoch moves (its pending mark is cleared then too; a publication that
+/// leaves a SKU alone must not clear a mark a holder depends on):
 ///
-/// - `newer` (an admin change): only over an older epoch or its own, so of two
-///   concurrent changes the later one wins. Its own: a resync may have published the
-///   change's epoch first (with settings only, after Redis lost its data), and the
-///   change must still write its stocks; at the same epoch only newer versions land.
+/// - `newer` (an admin change): a SKU whose published epoch is newer than Redis's, so
+///   of two concurrent changes of a SKU the later one wins whichever lands first; the
+///   settings only over an older sale epoch or its own. A SKU Redis has no epoch for
+///   reads as 0 (never changed since SKU epochs exist, or lost with Redis's data: then
+///   a SKU changed since is rewritten, one never changed waits for a reconcile).
 /// - `replace` (a resync: MySQL is the authority and Redis disagreed): only if Redis
-///   still has the epoch the caller saw, so two resyncs and a change cannot undo each
-///   other.
+///   still has the sale epoch the caller saw, so two resyncs and a change cannot undo
+///   each other; then every SKU whose epoch differs either way (MySQL may have been
+///   restored or replaced under a running cache) and the settings.
 ///
-/// A publication that moves the epoch overwrites every stock it carries: nothing
-/// cached under another epoch is trusted (no order of that epoch can commit any more,
-/// and MySQL may have been restored or replaced under a running cache). One that
-/// keeps the epoch writes a stock only over an older version.
+/// A SKU whose epoch moves has its stock overwritten whatever its version: nothing
+/// cached before the change is trusted (no order from before it can commit any more).
+/// A SKU whose epoch stays is never rewritten: its orders go on, and under
+/// redis-atomic Redis is ahead of MySQL by the units taken and not yet committed.
 static PUBLISH_SALE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 local seen = redis.call('GET', KEYS[3])
-local cached = tonumber(seen or '-1')
-local epoch = tonumber(ARGV[3])
-if ARGV[4] == 'newer' then
-  if epoch < cached then return {} end
-else
-  if (seen or '') ~= ARGV[5] then return {} end
-end
-local moves = cached ~= epoch
+local newer = ARGV[4] == 'newer'
+if not newer and (seen or '') ~= ARGV[5] then return {} end
 local rewritten = {}
-for i = 0, (#KEYS - 3) / 3 - 1 do
-  local k, a = 4 + 3 * i, 6 + 2 * i
-  local version = tonumber(redis.call('GET', KEYS[k + 1]) or '-1')
-  if moves or tonumber(ARGV[a + 1]) > version then
+for i = 0, (#KEYS - 3) / 4 - 1 do
+  local k, a = 4 + 4 * i, 6 + 3 * i
+  local cached = tonumber(redis.call('GET', KEYS[k + 3]) or '0')
+  local published = tonumber(ARGV[a + 2])
+  if (newer and published > cached) or (not newer and published ~= cached) then
     if redis.call('GET', KEYS[k]) ~= ARGV[a] then table.insert(rewritten, i) end
     redis.call('SET', KEYS[k], ARGV[a])
     redis.call('SET', KEYS[k + 1], ARGV[a + 1])
     redis.call('DEL', KEYS[k + 2])
+    redis.call('SET', KEYS[k + 3], ARGV[a + 2])
   end
 end
-redis.call('SET', KEYS[1], ARGV[1])
-redis.call('SET', KEYS[2], ARGV[2])
-redis.call('SET', KEYS[3], ARGV[3])
+if not newer or tonumber(ARGV[3]) >= tonumber(seen or '-1') then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[2], ARGV[2])
+  redis.call('SET', KEYS[3], ARGV[3])
+end
 return rewritten
 ",
     )
@@ -125,13 +152,14 @@ enum Publish {
     IfStill(Option<u64>),
 }
 
-/// How often a change is retried after InnoDB chose it as a deadlock victim (against
-/// an order holding its product row and waiting for the epoch row).
+/// How often a change is retried after InnoDB chose it as a deadlock victim (orders
+/// take only product rows, in SKU order like a change, but someone's manual
+/// transaction may not).
 const DEADLOCK_RETRIES: u32 = 5;
 
 impl Store {
     /// Applies an admin change; returns the SKUs whose Redis stock it rewrote with a
-    /// different value (for reconcile's answer).
+    /// different value (for reconcile's answer), or for a reset the SKU reset.
     ///
     /// The change runs in a task of its own: an admin who hangs up, or a request
     /// timeout, must not stop it between its MySQL commit and its publication (Redis
@@ -191,7 +219,7 @@ impl Store {
             for key in self.cache.keys(&at.sku) {
                 script.key(key);
             }
-            script.arg(at.stock).arg(at.version);
+            script.arg(at.stock).arg(at.version).arg(at.epoch);
         }
         let mut conn = self.cache.connection().await?;
         let rewritten: Vec<usize> = script.invoke_async(&mut conn).await?;
@@ -207,9 +235,9 @@ impl Store {
     /// the sale, nor can a Redis that is ahead of MySQL (MySQL restored under a running
     /// cache).
     ///
-    /// The stock is rewritten from the same MySQL snapshot in the same script:
-    /// publishing an epoch before its rewrite would let its orders read a cache the
-    /// change meant to replace.
+    /// The stocks of the SKUs whose epoch differs are rewritten from the same MySQL
+    /// snapshot in the same script: publishing an epoch before its rewrite would let
+    /// its orders read a cache the change meant to replace.
     pub async fn resync_settings(&self) -> Result<(), StoreError> {
         let cached = self.cluster.cached_settings().await?;
         // Redis that lost its data entirely (restarted empty) is `settings`' case: the
@@ -255,9 +283,8 @@ impl Store {
             None => (self.records.sale_settings().await?, Vec::new()),
             Some(epoch) => {
                 let (durable, stocks) = self.records.settings_and_stocks().await?;
-                // Same epoch: its stocks are in Redis already (rewriting them from
-                // MySQL would put back units redis-atomic has taken and not yet
-                // committed).
+                // Same epoch: its stocks are in Redis already (the script would leave
+                // them alone anyway: no SKU's epoch differs).
                 let stocks = if durable.epoch == epoch {
                     Vec::new()
                 } else {
@@ -288,10 +315,7 @@ impl Records {
     async fn settings_and_stocks(&self) -> Result<(SaleSettings, Vec<StockAt>), StoreError> {
         let mut tx = self.begin().await?;
         let settings: Vec<(String, String)> = sqlx::query_as(SETTINGS).fetch_all(&mut *tx).await?;
-        let rows: Vec<(String, i64, i64)> =
-            sqlx::query_as("SELECT sku, stock, version FROM products ORDER BY sku")
-                .fetch_all(&mut *tx)
-                .await?;
+        let rows: Vec<(String, i64, i64, u64)> = sqlx::query_as(STOCKS).fetch_all(&mut *tx).await?;
         tx.commit().await?;
         Ok((parse_settings(&settings)?, stocks_at(rows)?))
     }
@@ -368,26 +392,36 @@ impl Records {
                     .execute(&mut *tx)
                     .await?;
             }
-            SaleChange::Reconcile => {}
+            SaleChange::Reconcile { .. } => {}
         }
-        // Every change publishes every SKU's stock with its epoch, newer than anything
-        // cached: a publication that rewrote only some would leave the others showing
+        // The SKUs the change concerns get its epoch: their orders from before it are
+        // refused from now on, those of the other SKUs go on. A switch concerns every
+        // SKU: a publication that rewrote only some would leave the others showing
         // what the old strategy had done to them (a unit taken by a redis-atomic order
         // that will never commit), and the new strategy would sell from that.
         //
-        // Versions of epoch E start at E << 32 (orders add 1 each), so they never go
-        // backwards across changes, not even for a row deleted and created again: a
-        // cache write from before the change can never pass for a newer one.
-        sqlx::query(
-            "UPDATE products SET version = GREATEST(version + 1,
-                 (SELECT CAST(value AS UNSIGNED) FROM cluster_settings WHERE name = 'epoch') << 32)",
-        )
-        .execute(&mut *tx)
-        .await?;
-        let rows: Vec<(String, i64, i64)> =
-            sqlx::query_as("SELECT sku, stock, version FROM products ORDER BY sku")
-                .fetch_all(&mut *tx)
-                .await?;
+        // Versions written by a change of epoch E start at E << 32 (orders add 1
+        // each), so they never go backwards across changes, not even for a row deleted
+        // and created again: a cache write from before the change can never pass for
+        // a newer one.
+        let covered = "UPDATE products SET
+                 epoch = (SELECT CAST(value AS UNSIGNED) FROM cluster_settings WHERE name = 'epoch'),
+                 version = GREATEST(version + 1,
+                     (SELECT CAST(value AS UNSIGNED) FROM cluster_settings WHERE name = 'epoch') << 32)";
+        match change.only_sku() {
+            Some(sku) => {
+                sqlx::query(sqlx::AssertSqlSafe(format!("{covered} WHERE sku = ?")))
+                    .bind(sku.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            None => {
+                sqlx::query(covered).execute(&mut *tx).await?;
+            }
+        }
+        // Every SKU's: the script rewrites those whose epoch moved, here or in an
+        // earlier change whose publication this one overtakes (or that was lost).
+        let rows: Vec<(String, i64, i64, u64)> = sqlx::query_as(STOCKS).fetch_all(&mut *tx).await?;
         // Read inside the transaction: what is published is what this change made.
         let settings: Vec<(String, String)> = sqlx::query_as(SETTINGS).fetch_all(&mut *tx).await?;
         tx.commit().await?;
@@ -398,6 +432,8 @@ impl Records {
 
 const SETTINGS: &str =
     "SELECT name, value FROM cluster_settings WHERE name IN ('strategy', 'fencing', 'epoch')";
+
+const STOCKS: &str = "SELECT sku, stock, version, epoch FROM products ORDER BY sku";
 
 fn parse_settings(rows: &[(String, String)]) -> Result<SaleSettings, StoreError> {
     let value = |name: &str| {
@@ -420,9 +456,9 @@ fn parse_settings(rows: &[(String, String)]) -> Result<SaleSettings, StoreError>
     })
 }
 
-fn stocks_at(rows: Vec<(String, i64, i64)>) -> Result<Vec<StockAt>, StoreError> {
+fn stocks_at(rows: Vec<(String, i64, i64, u64)>) -> Result<Vec<StockAt>, StoreError> {
     rows.into_iter()
-        .map(|(sku, stock, version)| {
+        .map(|(sku, stock, version, epoch)| {
             let sku = Sku::parse(&sku).map_err(|detail| StoreError::Corrupt {
                 what: "products.sku",
                 detail,
@@ -431,6 +467,7 @@ fn stocks_at(rows: Vec<(String, i64, i64)>) -> Result<Vec<StockAt>, StoreError> 
                 sku,
                 stock,
                 version,
+                epoch,
             })
         })
         .collect()

@@ -16,9 +16,13 @@
 //! and its cache write clears the mark. The next holder that finds a mark nobody
 //! cleared cannot trust the value: it rebuilds it from MySQL first.
 //!
-//! Every read or take made to sell also checks the sale epoch Redis publishes
-//! (`sale.rs`): an order of a strategy that was switched off can neither take units
-//! nor repair the cache under the new one.
+//! Every read or take made to sell also checks the SKU's epoch, which `sale.rs`
+//! publishes with the stock (`<namespace>:stock-epoch:<sku>`, the sale epoch of the
+//! last change that concerned the SKU; missing reads as 0, "not changed since the
+//! SKU epochs were introduced", as MySQL's rows of then say): an order that began
+//! before a change of its SKU (a switch, a reset or reconcile of the SKU) can neither
+//! take units from the stock that change rewrote nor repair it, while a change of
+//! another SKU leaves it alone.
 
 use std::sync::LazyLock;
 
@@ -26,14 +30,13 @@ use crate::redis_pool::Pool;
 use deadpool_redis::redis::{AsyncCommands, Script};
 
 use super::StoreError;
-use super::cluster_state::epoch_key;
 use crate::model::Sku;
 
 /// Writes the stock of a MySQL row version and clears the writer's pending mark.
 /// `newer` (a committer's write) lands only over an older version. `repair` (a holder
 /// that read MySQL because the cache was suspect or stale) also over the same version,
-/// but only while the sale is still at the repairer's epoch (an order of a strategy
-/// switched off must not rewrite a stock the new one is taking from). Neither recreates
+/// but only while the SKU has not changed since the repairer's epoch (an order of a
+/// strategy switched off must not rewrite a stock the new one is taking from). Neither recreates
 /// a stock that is not there: a dropped stock, or one Redis lost with its data, waits
 /// for a reconcile. (A holder paused across a Redis restart would otherwise put back
 /// the stock of its own old commit, and the next holders would sell from it.)
@@ -44,7 +47,8 @@ local cached = tonumber(redis.call('GET', KEYS[2]) or '-1')
 local version = tonumber(ARGV[2])
 local allowed = version > cached
 if ARGV[4] == 'repair' then
-  allowed = version >= cached and redis.call('GET', KEYS[4]) == ARGV[5]
+  local changed = tonumber(redis.call('GET', KEYS[4]) or '0')
+  allowed = version >= cached and changed <= tonumber(ARGV[5])
 end
 allowed = allowed and redis.call('EXISTS', KEYS[1]) == 1
 local written = 0
@@ -61,13 +65,16 @@ return written
     )
 });
 
-/// A lock holder's read: refuses a read of an old epoch, reports a dropped stock (it
+/// A lock holder's read: refuses a read of a SKU changed since the order's epoch,
+/// reports a dropped stock (it
 /// waits for a reconcile, whatever marks are left), then a pending mark nobody
 /// cleared, else returns the stock and, if it covers the order, marks it pending.
 static READ_TO_SELL: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('GET', KEYS[3]) ~= ARGV[3] then return {'epoch', 0, ''} end
+if tonumber(redis.call('GET', KEYS[3]) or '0') > tonumber(ARGV[3]) then
+  return {'epoch', 0, ''}
+end
 local stock = tonumber(redis.call('GET', KEYS[1]))
 if stock == nil then return {'missing', 0, ''} end
 local pending = redis.call('GET', KEYS[2])
@@ -78,14 +85,16 @@ return {'stock', stock, ''}
     )
 });
 
-/// Checks and takes units in one step: `-3` the sale moved to another epoch, `-2`
+/// Checks and takes units in one step: `-3` the SKU changed since the order's epoch, `-2`
 /// unknown SKU, `-1` not enough (with the stock left), else the stock after taking;
 /// and the cached version, which tells a later give-back whether the stock has been
 /// rewritten since.
 static TAKE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('GET', KEYS[3]) ~= ARGV[2] then return {-3, 0, ''} end
+if tonumber(redis.call('GET', KEYS[3]) or '0') > tonumber(ARGV[2]) then
+  return {-3, 0, ''}
+end
 local stock = tonumber(redis.call('GET', KEYS[1]))
 local version = redis.call('GET', KEYS[2]) or ''
 if stock == nil then return {-2, 0, version} end
@@ -121,7 +130,7 @@ pub enum ReadToSell {
     /// A holder marked the stock pending and never cleared it (killed between its
     /// commit and its cache write, or it gave up): rebuild it from MySQL first.
     Suspect { mark: String },
-    /// The sale's epoch moved on since the order began.
+    /// The SKU changed (a switch, a reset or reconcile of it) since the order began.
     SaleChanged,
 }
 
@@ -137,7 +146,7 @@ pub enum Taken {
         available: i64,
     },
     UnknownSku,
-    /// The sale's epoch moved on since the order began: nothing taken.
+    /// The SKU changed since the order began: nothing taken.
     SaleChanged,
 }
 
@@ -164,14 +173,20 @@ impl StockCache {
         format!("{}:stock-pending:{}", self.namespace, sku)
     }
 
-    /// A SKU's stock, version and pending keys, in that order (for `sale.rs`, which
-    /// rewrites them with the settings in one script).
-    pub(super) fn keys(&self, sku: &Sku) -> [String; 3] {
-        [self.key(sku), self.version_key(sku), self.pending_key(sku)]
+    /// The sale epoch of the last change that concerned the SKU, as published.
+    fn epoch_key(&self, sku: &Sku) -> String {
+        format!("{}:stock-epoch:{}", self.namespace, sku)
     }
 
-    fn epoch_key(&self) -> String {
-        epoch_key(&self.namespace)
+    /// A SKU's stock, version, pending and epoch keys, in that order (for `sale.rs`,
+    /// which rewrites them with the settings in one script).
+    pub(super) fn keys(&self, sku: &Sku) -> [String; 4] {
+        [
+            self.key(sku),
+            self.version_key(sku),
+            self.pending_key(sku),
+            self.epoch_key(sku),
+        ]
     }
 
     pub(super) async fn connection(&self) -> Result<crate::redis_pool::Connection, StoreError> {
@@ -204,7 +219,7 @@ impl StockCache {
         let (found, stock, pending): (String, i64, String) = READ_TO_SELL
             .key(self.key(sku))
             .key(self.pending_key(sku))
-            .key(self.epoch_key())
+            .key(self.epoch_key(sku))
             .arg(quantity)
             .arg(mark)
             .arg(epoch)
@@ -232,7 +247,8 @@ impl StockCache {
 
     /// Rewrites the stock from what MySQL holds (`stock` at `version`, read after the
     /// cache was found suspect or stale) unless a newer version is cached, while the
-    /// sale is still at `epoch`; clears the pending mark `mark` if it is still there.
+    /// SKU has not changed since `epoch`; clears the pending mark `mark` if it is
+    /// still there.
     pub async fn repair(
         &self,
         sku: &Sku,
@@ -258,7 +274,7 @@ impl StockCache {
             .key(self.key(sku))
             .key(self.version_key(sku))
             .key(self.pending_key(sku))
-            .key(self.epoch_key())
+            .key(self.epoch_key(sku))
             .arg(stock)
             .arg(version)
             .arg(mark)
@@ -280,7 +296,7 @@ impl StockCache {
         let (outcome, value, generation): (i64, i64, String) = TAKE
             .key(self.key(sku))
             .key(self.version_key(sku))
-            .key(self.epoch_key())
+            .key(self.epoch_key(sku))
             .arg(quantity)
             .arg(epoch)
             .invoke_async(&mut conn)

@@ -35,22 +35,22 @@ impl Strategy for DbForUpdateStrategy {
                       both the lock and the record, so a holder cannot lose its lock and still write.",
             adds: "Within a replica, buyers of one SKU queue locally, so only one of them ties \
                    up a pooled connection waiting for the row; that wait is bounded per \
-                   statement; the epoch row is locked first, the order admin changes use.",
+                   statement.",
             commands: vec![
-                "BEGIN; SELECT value FROM cluster_settings WHERE name = 'epoch' LOCK IN SHARE MODE",
+                "BEGIN; SELECT value FROM cluster_settings WHERE name = 'epoch' \
+                 (no lock: an order of an epoch MySQL never reached is refused)",
                 "SET STATEMENT innodb_lock_wait_timeout = <wait s> FOR \
-                 SELECT stock FROM products WHERE sku = ? FOR UPDATE",
-                "UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
-                 SET p.stock = p.stock - ?, p.version = p.version + 1 \
-                 WHERE p.sku = ? AND e.value = <epoch> AND p.stock >= ?",
+                 SELECT stock, epoch FROM products WHERE sku = ? FOR UPDATE",
+                "UPDATE products p SET p.stock = p.stock - ?, p.version = p.version + 1 \
+                 WHERE p.sku = ? AND p.epoch <= <epoch>",
                 "INSERT INTO orders (...) VALUES (...); COMMIT",
                 "Lua: if version > cached version then SET <ns>:stock:<sku>",
             ],
             failure_mode: "Connections and row locks are held for the whole critical section: a \
                            slow holder blocks every buyer of the SKU and ties up a database \
                            connection each; waits past innodb_lock_wait_timeout (error 1205) \
-                           answer 503. It cannot deadlock here: an order locks one product row, \
-                           after the epoch row, the order every admin change uses too.",
+                           answer 503. It cannot deadlock here: an order locks only its one \
+                           product row.",
         }
     }
 

@@ -259,7 +259,9 @@ impl SaleFlow {
             let left_behind = match read {
                 ReadToSell::Stock(stock) => return Ok(stock),
                 ReadToSell::Missing => return Err(self.missing_stock(order).await),
-                ReadToSell::SaleChanged => return Err(OrderError::SaleChanged),
+                ReadToSell::SaleChanged => {
+                    return Err(self.refused(order, Refusal::SaleChanged).await);
+                }
                 ReadToSell::Suspect { mark } => mark,
             };
             let Some((stock, version)) = self.store.records.stock_and_version(&order.sku).await?

@@ -52,11 +52,10 @@ impl Strategy for OptimisticStrategy {
                    ROLLBACK of a refused UPDATE, which holds the hot row; Redis written \
                    only with a newer version.",
             commands: vec![
-                "SELECT p.stock, p.version, e.value FROM products p \
+                "SELECT p.stock, p.version, e.value, p.epoch FROM products p \
                  JOIN cluster_settings e ON e.name = 'epoch' WHERE p.sku = ?",
-                "BEGIN; UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
-                 SET p.stock = p.stock - ?, p.version = p.version + 1 \
-                 WHERE p.sku = ? AND e.value = <epoch> AND p.version = ? AND p.stock >= ?; \
+                "BEGIN; UPDATE products p SET p.stock = p.stock - ?, p.version = p.version + 1 \
+                 WHERE p.sku = ? AND p.epoch <= <epoch> AND p.version = ? AND p.stock >= ?; \
                  INSERT INTO orders ...; COMMIT",
                 "0 rows updated: ROLLBACK at once (the refused UPDATE holds the row's lock), \
                  sleep (jittered; 3 ms per buyer of this replica contending, doubling with \
@@ -122,7 +121,7 @@ impl OptimisticStrategy {
                 .optimistic_read(&order.sku)
                 .await?
                 .ok_or_else(|| OrderError::UnknownSku(order.sku.to_string()))?;
-            if row.epoch != options.epoch {
+            if !row.is_current_for(options.epoch) {
                 return Err(flow.refused(order, Refusal::SaleChanged).await);
             }
             ensure_in_stock(row.stock, order)?;

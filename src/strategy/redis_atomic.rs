@@ -11,7 +11,7 @@ use async_trait::async_trait;
 
 use super::{Explanation, Family, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
 use crate::model::{NewOrder, Order, Sku};
-use crate::store::{GroupCommit, StoreError, Taken, TakenOrder};
+use crate::store::{GroupCommit, Refusal, StoreError, Taken, TakenOrder};
 
 #[derive(Default)]
 pub struct RedisAtomicStrategy {
@@ -39,10 +39,12 @@ impl Strategy for RedisAtomicStrategy {
                    units given back when the write is refused; the sale epoch checked in \
                    the script.",
             commands: vec![
-                "Lua: if GET <ns>:epoch == <epoch> and GET <ns>:stock:<sku> >= q then DECRBY <ns>:stock:<sku> q",
-                "BEGIN; per SKU: UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
-                 SET p.stock = p.stock - <its orders' units>, p.version = p.version + 1 \
-                 WHERE p.sku = ? AND e.value = <epoch> AND p.stock >= <its orders' units>; \
+                "Lua: if GET <ns>:stock-epoch:<sku> <= <epoch> and GET <ns>:stock:<sku> >= q \
+                 then DECRBY <ns>:stock:<sku> q",
+                "BEGIN; SELECT value FROM cluster_settings WHERE name = 'epoch'; per SKU: \
+                 UPDATE products p SET p.stock = p.stock - <its orders' units>, \
+                 p.version = p.version + 1 WHERE p.sku = ? AND p.epoch <= <epoch> \
+                 AND p.stock >= <its orders' units>; \
                  INSERT INTO orders ... VALUES (...), (...), ... RETURNING id, ...; COMMIT",
                 "a SKU whose UPDATE matched nothing: its orders one by one, each in its own \
                  BEGIN; UPDATE ... p.stock >= q; INSERT; COMMIT",
@@ -122,7 +124,9 @@ impl RedisAtomicStrategy {
             .await?
         {
             Taken::UnknownSku => return Err(flow.missing_stock(order).await),
-            Taken::SaleChanged => return Err(OrderError::SaleChanged),
+            // Its SKU changed since the order began; `refused` republishes MySQL's
+            // settings if Redis disagrees with them.
+            Taken::SaleChanged => return Err(flow.refused(order, Refusal::SaleChanged).await),
             Taken::NotEnough { available } => {
                 return Err(OrderError::SoldOut {
                     available: available.max(0),

@@ -348,8 +348,8 @@ async fn a_take_of_the_old_epoch_takes_nothing() {
 /// locks the epoch row, then every product row; the order, holding its product row,
 /// then asks for the epoch row at its commit: a lock-order inversion. On the landed
 /// code InnoDB broke each such deadlock by killing the order (503
-/// `backend_unavailable`). The order now takes the epoch row (shared) before its
-/// product row, the order every change uses, so a change simply waits for it.
+/// `backend_unavailable`). The order now locks its product row only (it reads the
+/// epoch row without a lock), so a change simply waits for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_changes_do_not_deadlock_row_lock_holders() {
     let cluster = TestCluster::start(2, &["--work-ms", "150", "--lock-wait-ms", "20000"]).await;
@@ -406,7 +406,9 @@ async fn admin_changes_do_not_deadlock_row_lock_holders() {
 /// rewrite gives back), a switch to redis-lock reached MySQL but its admin call died
 /// before publishing, and then a reset of another SKU published. On the reviewed code
 /// the reset's publication rewrote only its own SKU while publishing the new strategy:
-/// redis-lock sold from A's 4 and wrote 3 to MySQL, a unit lost for good.
+/// redis-lock sold from A's 4 and wrote 3 to MySQL, a unit lost for good. (The
+/// switch's transaction, as the statements below replay it, gives every SKU its
+/// epoch; the reset's publication rewrites the SKUs whose epoch moved.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_publishes_every_stock_with_its_epoch() {
     use deadpool_redis::redis::AsyncCommands;
@@ -433,7 +435,8 @@ async fn a_reset_publishes_every_stock_with_its_epoch() {
     for statement in [
         "UPDATE cluster_settings SET value = CAST(value AS UNSIGNED) + 1 WHERE name = 'epoch'",
         "UPDATE cluster_settings SET value = 'redis-lock' WHERE name = 'strategy'",
-        "UPDATE products SET version = version + 1",
+        "UPDATE products SET version = version + 1, epoch =
+             (SELECT CAST(value AS UNSIGNED) FROM cluster_settings WHERE name = 'epoch')",
     ] {
         sqlx::query(statement)
             .execute(&mysql)
@@ -475,7 +478,8 @@ async fn a_restock_whose_publication_was_lost_becomes_sellable() {
     let mysql = cluster.mysql().await;
     for statement in [
         "UPDATE cluster_settings SET value = CAST(value AS UNSIGNED) + 1 WHERE name = 'epoch'",
-        "UPDATE products SET stock = 5, initial_stock = 5, version = version + 1",
+        "UPDATE products SET stock = 5, initial_stock = 5, version = version + 1, epoch =
+             (SELECT CAST(value AS UNSIGNED) FROM cluster_settings WHERE name = 'epoch')",
         "DELETE FROM orders",
     ] {
         sqlx::query(statement)

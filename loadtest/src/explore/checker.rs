@@ -7,7 +7,10 @@
 //! 3. Redis's stock = MySQL's (the cache agrees once quiet; after a fault that may
 //!    lose it, an admin reconciles first, as the runbook says);
 //! 4. patient shoppers, with no fault left, can buy exactly what is left and are then
-//!    told `sold_out`: no orphaned lock, lease, znode or row blocks the SKU.
+//!    told `sold_out`: no orphaned lock, lease, znode or row blocks the SKU;
+//! 5. a change of another SKU (its reset, its reconcile) refuses no order of this one:
+//!    in a round whose faults change no setting of the whole sale, no shopper of the
+//!    SKU was told `sale_changed` (`untouched`).
 //!
 //! Each is read from `/api/stats` (the service's account of Redis and MySQL) and, with
 //! `--database-url`, from MySQL directly; both accounts must also agree.
@@ -19,7 +22,9 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use super::cluster::{Answer, Cluster};
+use super::crowd::Tally;
 use super::records::{Records, SkuRecord};
+use super::schedule::Round;
 
 /// The figures must stay still this long (at least) to call the cluster quiet: longer
 /// than a replica's heartbeat, which reports its lock waiters once a second.
@@ -286,6 +291,23 @@ impl Checker<'_> {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+/// Guarantee 5: `sale_changed` answers to the shoppers of the SKU under test, in a
+/// round where only the other SKU was reset or reconciled, break it. A round that
+/// switched the strategy, reconciled every SKU or restarted a backend (the settings
+/// may be lost and republished) may refuse them legitimately.
+pub fn untouched(round: &Round, crowd: &Tally) -> Option<String> {
+    if round.changes_every_sku() || round.disruptions().next().is_some() {
+        return None;
+    }
+    (crowd.sale_changed > 0).then(|| {
+        format!(
+            "{} order(s) of the SKU answered sale_changed, though only the other SKU was \
+             reset or reconciled",
+            crowd.sale_changed
+        )
+    })
 }
 
 /// Guarantees 1 and 2 on one account of the records.

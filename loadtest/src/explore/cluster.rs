@@ -213,6 +213,17 @@ impl Cluster {
             .map(drop)
     }
 
+    /// A reconcile of `sku` alone: fences off that SKU's orders only.
+    pub async fn reconcile_sku(&self, sku: &str) -> anyhow::Result<()> {
+        self.call(
+            reqwest::Method::POST,
+            "/api/admin/reconcile",
+            Some(json!({ "sku": sku })),
+        )
+        .await
+        .map(drop)
+    }
+
     pub async fn arm_pause(&self, pause_ms: u64, at: &str) -> anyhow::Result<()> {
         self.call(
             reqwest::Method::POST,

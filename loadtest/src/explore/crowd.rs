@@ -33,6 +33,8 @@ pub struct Tally {
     pub sold_out: u64,
     /// 503s: lock_timeout, sale_changed, backend_unavailable, ...
     pub busy: u64,
+    /// Of those, `sale_changed`: the SKU changed while the order was under way.
+    pub sale_changed: u64,
     pub lock_lost: u64,
     /// Shoppers who hung up (on purpose, or at the round's bound).
     pub hung_up: u64,
@@ -118,6 +120,9 @@ impl Tally {
     fn add(&mut self, answer: &Answer, impatient: bool) {
         self.sent += 1;
         self.impatient += u64::from(impatient);
+        if matches!(answer, Answer::Busy(code) if code == "sale_changed") {
+            self.sale_changed += 1;
+        }
         let count = match answer {
             Answer::Created => &mut self.created,
             Answer::SoldOut => &mut self.sold_out,

@@ -3,8 +3,9 @@
 //! break what each one promises. Many short sales run on the live cluster, each of a
 //! fresh SKU under a random schedule of faults (holders paused past their lease at any
 //! point of the critical section, shoppers hanging up, strategy switches, reconciles,
-//! `kill -9` of a replica, and with `--disruptive` backend restarts and session
-//! losses), then the records are checked.
+//! resets and reconciles of another SKU on sale at the same time, `kill -9` of a
+//! replica, and with `--disruptive` backend restarts and session losses), then the
+//! records are checked.
 //!
 //! - `schedule`: the plan of a round, drawn from the seed (replayable);
 //! - `nemesis`: carries out the faults while the crowd buys;
@@ -121,6 +122,9 @@ pub struct Summary {
     /// Strategies the rounds started under.
     pub strategies: BTreeMap<String, u64>,
     pub fenced_rounds: u64,
+    /// Rounds whose faults changed only the other SKU among the sale's settings, so
+    /// that a `sale_changed` on the SKU under test broke guarantee 5 (`checker`).
+    pub sku_scoped_rounds: u64,
     pub violations: Vec<Violation>,
     /// Why the run stopped early (a round could not be set up), if it did.
     pub aborted: Option<String>,
@@ -247,6 +251,7 @@ impl Summary {
             faults_missed: 0,
             strategies: BTreeMap::new(),
             fenced_rounds: 0,
+            sku_scoped_rounds: 0,
             violations: Vec::new(),
             aborted: None,
             details: Vec::new(),
@@ -257,6 +262,8 @@ impl Summary {
         self.rounds += 1;
         *self.strategies.entry(plan.strategy.clone()).or_insert(0) += 1;
         self.fenced_rounds += u64::from(plan.fencing);
+        self.sku_scoped_rounds +=
+            u64::from(!plan.changes_every_sku() && plan.disruptions().next().is_none());
         let mut count = |kind: &str, n: u64| *self.faults.entry(kind.to_owned()).or_insert(0) += n;
         for (kind, n) in &report.nemesis.injected {
             count(kind, *n);
@@ -280,7 +287,7 @@ fn print_round(plan: &Round, report: &RoundReport) {
         .map(|t| format!("{}@{}", t.fault.kind(), t.at_ms))
         .collect();
     eprintln!(
-        "round {:>3}: {:<13} {:>2} units, fencing {:<3}, faults [{}], {} hang-ups; crowd bought {}, patient shoppers {}; {:.1} s: {verdict}",
+        "round {:>3}: {:<13} {:>2} units, fencing {:<3}, faults [{}], {} hang-ups; crowd bought {} ({} sale_changed), patient shoppers {}; {:.1} s: {verdict}",
         plan.round,
         plan.strategy,
         plan.stock,
@@ -288,6 +295,7 @@ fn print_round(plan: &Round, report: &RoundReport) {
         faults.join(" "),
         report.crowd.impatient,
         report.crowd.created,
+        report.crowd.sale_changed,
         report.verdict.patient_bought,
         report.seconds,
     );
@@ -315,11 +323,26 @@ async fn play(
         .await
         .context("switching fencing")?;
     cluster.reset(sku, plan.stock).await.context("restocking")?;
+    // A second SKU on sale at the same time, with a crowd of its own: the target of
+    // the resets and reconciles of one SKU, which the SKU under test must not notice.
+    let other = format!("{sku}-other");
+    cluster
+        .reset(&other, plan.stock)
+        .await
+        .context("restocking the other SKU")?;
+    let mut other_plan = plan.clone();
+    other_plan.crowd.shoppers = plan.crowd.shoppers.div_ceil(2);
+    other_plan.crowd.seed = plan.crowd.seed.wrapping_add(1);
 
     let sale_opens = tokio::time::Instant::now();
-    let (crowd, mut log) = tokio::join!(
-        crowd::buy(cluster, plan, sku),
-        nemesis::strike(cluster, plan, commands, sale_opens)
+    let ((crowd, _), mut log) = tokio::join!(
+        async {
+            tokio::join!(
+                crowd::buy(cluster, plan, sku),
+                crowd::buy(cluster, &other_plan, &other)
+            )
+        },
+        nemesis::strike(cluster, plan, commands, sale_opens, &other)
     );
     if let Err(error) = nemesis::withdraw_pause(cluster, &mut log).await {
         log.missed.push(format!("withdrawing the pause: {error:#}"));
@@ -331,9 +354,10 @@ async fn play(
     } else {
         0
     });
-    let verdict = checker
+    let mut verdict = checker
         .check(sku, plan.stock, cache_may_be_lost, still_for)
         .await;
+    verdict.broken.extend(checker::untouched(plan, &crowd));
     Ok(RoundReport {
         round: plan.round,
         sku: sku.to_owned(),

@@ -36,12 +36,14 @@ pub struct FaultLog {
     pub missed: Vec<String>,
 }
 
-/// Runs every fault of `round` at its time, measured from `started`.
+/// Runs every fault of `round` at its time, measured from `started`; `other` is the
+/// round's other SKU, which resets and reconciles of one SKU aim at.
 pub async fn strike(
     cluster: &Cluster,
     round: &Round,
     commands: &BTreeMap<Disruption, String>,
     started: Instant,
+    other: &str,
 ) -> FaultLog {
     let mut log = FaultLog::default();
     for timed in &round.faults {
@@ -51,6 +53,8 @@ pub async fn strike(
             Fault::Pause { at, pause_ms } => arm_pause(cluster, &mut log, *pause_ms, at).await,
             Fault::Switch { to } => cluster.switch(to).await,
             Fault::Reconcile => cluster.reconcile().await,
+            Fault::ReconcileOther => cluster.reconcile_sku(other).await,
+            Fault::ResetOther { stock } => cluster.reset(other, *stock).await,
             Fault::Kill { target } => kill_replica(cluster, *target).await,
             Fault::Disrupt { what } => match commands.get(what) {
                 Some(command) => run_command(command).await,

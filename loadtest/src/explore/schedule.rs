@@ -29,7 +29,7 @@ pub const PAUSE_POINTS: [&str; 4] = ["before_read", "after_read", "before_commit
 /// Faults strike this early in a round, while the crowd is still buying.
 const FAULT_WINDOW_MS: u64 = 800;
 
-/// What the nemesis may do beyond pauses, hang-ups, switches and reconciles.
+/// What the nemesis may do beyond pauses, hang-ups, switches, reconciles and resets.
 #[derive(Debug, Clone, Default)]
 pub struct Powers {
     /// The replicas' lock lease: a pause must outlast it to matter.
@@ -103,8 +103,14 @@ pub enum Fault {
     Pause { at: String, pause_ms: u64 },
     /// An admin switches the cluster to another strategy mid-sale.
     Switch { to: String },
-    /// An admin rewrites the cache from MySQL mid-sale.
+    /// An admin rewrites the cache of every SKU from MySQL mid-sale.
     Reconcile,
+    /// An admin rewrites the cache of the round's other SKU alone: the orders of the
+    /// SKU under test must not notice.
+    ReconcileOther,
+    /// An admin restocks the round's other SKU: the orders of the SKU under test must
+    /// not notice.
+    ResetOther { stock: i64 },
     /// `kill -9` of the replica behind target `target`.
     Kill { target: usize },
     /// A backend taken away by the operator's command.
@@ -118,6 +124,8 @@ impl Fault {
             Fault::Pause { .. } => "pause",
             Fault::Switch { .. } => "switch",
             Fault::Reconcile => "reconcile",
+            Fault::ReconcileOther => "reconcile_other",
+            Fault::ResetOther { .. } => "reset_other",
             Fault::Kill { .. } => "kill",
             Fault::Disrupt { what } => what.kind(),
         }
@@ -147,6 +155,14 @@ impl Round {
             Fault::Disrupt { what } => Some(what),
             _ => None,
         })
+    }
+
+    /// Whether a fault concerns every SKU (a switch, a reconcile of everything): only
+    /// then may the orders of the SKU under test answer `sale_changed`.
+    pub fn changes_every_sku(&self) -> bool {
+        self.faults
+            .iter()
+            .any(|t| matches!(t.fault, Fault::Switch { .. } | Fault::Reconcile))
     }
 
     /// The longest pause in the schedule, in ms (0 without pauses).
@@ -193,8 +209,12 @@ pub fn draw(seed: u64, round: u64, powers: &Powers, targets: usize) -> Round {
     };
 
     // (fault maker, weight): only what this round and these powers allow.
-    let mut menu: Vec<(FaultMaker, u32)> =
-        vec![(FaultMaker::Switch, 2), (FaultMaker::Reconcile, 1)];
+    let mut menu: Vec<(FaultMaker, u32)> = vec![
+        (FaultMaker::Switch, 2),
+        (FaultMaker::Reconcile, 1),
+        (FaultMaker::ReconcileOther, 1),
+        (FaultMaker::ResetOther, 2),
+    ];
     if powers.kill && targets > 1 {
         menu.push((FaultMaker::Kill, 2));
     }
@@ -220,6 +240,10 @@ pub fn draw(seed: u64, round: u64, powers: &Powers, targets: usize) -> Round {
                 to: pick(&mut rng, &strategies).to_owned(),
             },
             FaultMaker::Reconcile => Fault::Reconcile,
+            FaultMaker::ReconcileOther => Fault::ReconcileOther,
+            FaultMaker::ResetOther => Fault::ResetOther {
+                stock: rng.random_range(5..=40),
+            },
             FaultMaker::Kill => Fault::Kill {
                 target: rng.random_range(0..targets.max(1)),
             },
@@ -246,6 +270,8 @@ enum FaultMaker {
     Pause,
     Switch,
     Reconcile,
+    ReconcileOther,
+    ResetOther,
     Kill,
     Disrupt,
 }
@@ -291,7 +317,11 @@ mod tests {
                 assert!(
                     matches!(
                         timed.fault,
-                        Fault::Switch { .. } | Fault::Reconcile | Fault::Kill { .. }
+                        Fault::Switch { .. }
+                            | Fault::Reconcile
+                            | Fault::ReconcileOther
+                            | Fault::ResetOther { .. }
+                            | Fault::Kill { .. }
                     ),
                     "{plan:?}"
                 );
@@ -317,7 +347,14 @@ mod tests {
         }
         assert_eq!(
             kinds.into_iter().collect::<Vec<_>>(),
-            ["kill", "pause", "reconcile", "switch"]
+            [
+                "kill",
+                "pause",
+                "reconcile",
+                "reconcile_other",
+                "reset_other",
+                "switch"
+            ]
         );
         let no_kill = Powers {
             kill: false,

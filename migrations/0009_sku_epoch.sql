@@ -1,0 +1,12 @@
+-- The epoch of each SKU: the sale epoch (cluster_settings.epoch) of the last admin
+-- change that concerned the SKU. A strategy or fencing switch and a reconcile of every
+-- SKU concern them all; a reset or a reconcile of one SKU concerns that SKU alone.
+--
+-- An order keeps the sale epoch it started under and commits only while its SKU has
+-- not changed since (epoch <= the order's) and the sale has reached that epoch. So a
+-- restock of one SKU fences off the orders in flight of that SKU only, where moving
+-- the one sale epoch refused the orders of every SKU.
+--
+-- The rows here get 0, "not changed since this migration": Redis has no SKU epoch for
+-- them either, and reads a missing one as 0, so the two agree without a republication.
+ALTER TABLE products ADD COLUMN epoch BIGINT UNSIGNED NOT NULL DEFAULT 0;
