@@ -64,11 +64,14 @@ started=$SECONDS
 set +e
 cargo nextest run --workspace --no-fail-fast "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
+test_status=$status
 set -e
 echo "[test] the tests took $((SECONDS - started)) s" >&2
 # docker-compose.yml, Prometheus, Grafana and Kubernetes configuration: after the Rust
 # tests, so that a deployment check never keeps them from running; it fails the script.
+deploy_started=$SECONDS
 ./scripts/check-deploy.sh || { echo "check-deploy: FAILED (see above)"; [ "$status" != 0 ] || status=1; }
+echo "[test] check-deploy took $((SECONDS - deploy_started)) s" >&2
 # The benchmark pipeline (lockbench, the peers' libraries from PyPI, the goals table;
 # the orders under two strategies with their ratio, time and CPU tables) once, small,
 # into a scratch document: it runs rarely by hand and must not rot between runs.
@@ -101,7 +104,7 @@ fi
 
 # nextest's summary line ("277 tests run: 275 passed, 2 failed, 0 skipped") in the
 # plain form CI reads; none at all means the build failed or nextest could not start.
-awk -v status="$status" '/^ *Summary \[/ && / tests? run: / {
+awk -v status="$test_status" '/^ *Summary \[/ && / tests? run: / {
        for (i = 1; i <= NF; i++) {
          if ($(i + 1) ~ /^passed/) passed = $i + 0
          if ($(i + 1) ~ /^failed/) failed = $i + 0
