@@ -382,19 +382,31 @@ async fn diagnose(
     epoch: u64,
     strategy: &str,
 ) -> Result<Refusal, StoreError> {
-    let row: Option<(i64, i64, String, u64, Option<u64>)> = sqlx::query_as(
-        "SELECT p.stock, p.version, e.value, p.epoch, f.fence
-         FROM products p JOIN cluster_settings e ON e.name = 'epoch'
-           LEFT JOIN product_fences f ON f.sku = p.sku AND f.lock_service = ?
-         WHERE p.sku = ?",
+    // The product row by a locking read: the transaction's snapshot was fixed by its
+    // first read, before the `UPDATE` may have waited for the row, so a plain read
+    // would judge the row as it was then (a refusal for lack of stock diagnosed as a
+    // change of the sale). The transaction already holds the row, so this waits for
+    // nothing. The sale epoch and the fence are read from the snapshot: the epoch only
+    // grows, and locking the fence row could deadlock with a holder registering its
+    // token (fence row, then product row).
+    let product: Option<(i64, i64, u64)> = sqlx::query_as(
+        "SELECT stock, version, epoch FROM products WHERE sku = ? LOCK IN SHARE MODE",
     )
-    .bind(strategy)
     .bind(order.sku.as_str())
     .fetch_optional(&mut **tx)
     .await?;
-    let Some((stock, version, sale_epoch, sku_epoch, fence)) = row else {
+    let Some((stock, version, sku_epoch)) = product else {
         return Ok(Refusal::UnknownSku);
     };
+    let (sale_epoch, fence): (String, Option<u64>) = sqlx::query_as(
+        "SELECT e.value, f.fence FROM cluster_settings e
+           LEFT JOIN product_fences f ON f.sku = ? AND f.lock_service = ?
+         WHERE e.name = 'epoch'",
+    )
+    .bind(order.sku.as_str())
+    .bind(strategy)
+    .fetch_one(&mut **tx)
+    .await?;
     let row = ProductRow {
         stock,
         version,

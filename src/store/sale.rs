@@ -125,7 +125,11 @@ for i = 0, (#KEYS - 3) / 4 - 1 do
   local k, a = 4 + 4 * i, 6 + 3 * i
   local cached = tonumber(redis.call('GET', KEYS[k + 3]) or '0')
   local published = tonumber(ARGV[a + 2])
-  if (newer and published > cached) or (not newer and published ~= cached) then
+  -- A missing stock (Redis lost it) is left missing unless this change concerns the
+  -- SKU: rewriting it here would not fence off the orders that took from it before
+  -- the loss, and they would commit under the rewritten stock.
+  local concerned = redis.call('EXISTS', KEYS[k]) == 1 or published == tonumber(ARGV[3])
+  if (newer and published > cached and concerned) or (not newer and published ~= cached) then
     if redis.call('GET', KEYS[k]) ~= ARGV[a] then table.insert(rewritten, i) end
     redis.call('SET', KEYS[k], ARGV[a])
     redis.call('SET', KEYS[k + 1], ARGV[a + 1])

@@ -31,6 +31,7 @@ mod openapi_fuzz;
 mod operations;
 mod row_lock_queue;
 mod sale_changes;
+mod sku_epoch_edges;
 mod sku_scoped_changes;
 mod support;
 mod timeline;
