@@ -521,12 +521,6 @@ impl Placed for Order {
     }
 }
 
-impl Placed for Committed {
-    fn order_id(&self) -> u64 {
-        self.order.id
-    }
-}
-
 /// Runs one step of an order's critical section and records how long it took, so
 /// `/metrics` shows where a strategy's time per order goes (`scripts/bench.sh` puts it
 /// in BENCHMARKS.md). A step that is dropped records nothing.
