@@ -22,7 +22,7 @@ use flashsale::lock::zookeeper::ZooKeeperLock;
 use flashsale::mysql_pool::ALIVE_BYPASS;
 use flashsale::store::Records;
 
-use crate::support::{TestCluster, free_port, pool_for, redis_client, redis_pool};
+use crate::support::{TestCluster, eventually, free_port, pool_for, redis_client, redis_pool};
 
 /// Kills a backend of the test's own as a crash would, and reaps it.
 async fn sigkill(child: &mut Option<tokio::process::Child>) {
@@ -30,22 +30,6 @@ async fn sigkill(child: &mut Option<tokio::process::Child>) {
         child.start_kill().expect("SIGKILL");
         child.wait().await.expect("reaped");
     }
-}
-
-/// Polls `condition` every 20 ms until it holds (true) or `limit` passes (false).
-async fn wait_for<F, Fut>(limit: Duration, mut condition: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let started = Instant::now();
-    while started.elapsed() < limit {
-        if condition().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    false
 }
 
 /// A redis-server of the test's own, without persistence (a restart loses the data,
@@ -254,7 +238,7 @@ async fn answered_after(
             .map(|a| a.at)
             .min()
     };
-    let found = wait_for(limit, || async { seen().is_some() }).await;
+    let found = eventually(limit, || async { seen().is_some() }).await;
     found.then(seen).flatten()
 }
 
@@ -301,7 +285,7 @@ where
 
 /// Until the crowd has bought a few units: the sale is on when the outage begins.
 async fn sale_under_way(answers: &Shared, since: Instant) {
-    let bought = wait_for(Duration::from_secs(10), || async {
+    let bought = eventually(Duration::from_secs(10), || async {
         let answers = answers.lock().expect("answers");
         answers
             .iter()
@@ -434,7 +418,7 @@ async fn sigterm_lets_in_flight_orders_finish() {
             })
         })
         .collect();
-    let waiting = wait_for(Duration::from_secs(10), || async {
+    let waiting = eventually(Duration::from_secs(10), || async {
         let stats = cluster.get_json(0, "/api/stats").await;
         let doomed = stats["replicas"]
             .as_array()
@@ -444,7 +428,7 @@ async fn sigterm_lets_in_flight_orders_finish() {
     .await;
     assert!(waiting, "the four orders never all waited for the lock");
     held.release().await.expect("released by the test");
-    let taken = wait_for(Duration::from_secs(10), || async {
+    let taken = eventually(Duration::from_secs(10), || async {
         let holder = lock.inspect(sku).await.expect("inspect the lock");
         holder.is_some_and(|(token, _)| token.starts_with("replica-doomed:"))
     })
@@ -784,7 +768,7 @@ async fn mariadb_outage(down: Duration, strategy: &str) -> (Answers, Outage) {
         for order in late_orders {
             late.push(order.await.expect("late order answered"));
         }
-        let answered = wait_for(Duration::from_secs(20), || async {
+        let answered = eventually(Duration::from_secs(20), || async {
             let answers = answers.lock().expect("answers");
             (0..SHOPPERS).all(|shopper| {
                 answers
@@ -978,7 +962,7 @@ async fn zookeeper_session_expiry_while_holding_aborts_the_order() {
     );
     let holder = || async { probe.inspect(sku).await.expect("inspect znodes") };
     let order = order_in_background(&cluster, sku);
-    let held = wait_for(Duration::from_secs(10), || async {
+    let held = eventually(Duration::from_secs(10), || async {
         holder()
             .await
             .first()
@@ -992,7 +976,7 @@ async fn zookeeper_session_expiry_while_holding_aborts_the_order() {
     // The session really expired: ZooKeeper deleted the ephemeral node of its own
     // accord, within the session timeout (plus a margin for a loaded machine), while
     // the order was still working.
-    let expired = wait_for(ZK_SESSION + Duration::from_secs(3), || async {
+    let expired = eventually(ZK_SESSION + Duration::from_secs(3), || async {
         holder().await.is_empty()
     })
     .await;

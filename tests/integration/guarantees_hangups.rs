@@ -21,9 +21,10 @@ use serde_json::json;
 use sqlx::{Connection, MySqlConnection, MySqlPool};
 
 use crate::guarantees_support::{
-    admin, order, orders_of, running, sell_out, sku_stats, spawn_order, wait_for,
+    admin, order, orders_of, running, sell_out, sku_stats, spawn_order,
 };
-use crate::support::{TestCluster, free_port};
+use crate::lock_primitives::PrivateRedis;
+use crate::support::{TestCluster, eventually};
 
 /// Where an order is held up, and by what.
 #[derive(Clone, Copy, Debug)]
@@ -122,46 +123,8 @@ impl<'a> Held<'a> {
     }
 }
 
-/// A redis-server of the test's own (without persistence), so that pausing it holds up
-/// this test's replica only.
-struct PrivateRedis {
-    port: u16,
-    _child: tokio::process::Child,
-}
-
+/// What these tests send to their own Redis (`CLIENT PAUSE`, `CLIENT LIST`).
 impl PrivateRedis {
-    async fn start() -> PrivateRedis {
-        let port = free_port();
-        let child = tokio::process::Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdout(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("redis-server, as scripts/stack.sh uses");
-        let redis = PrivateRedis {
-            port,
-            _child: child,
-        };
-        let up = wait_for(Duration::from_secs(5), || async {
-            let client = deadpool_redis::redis::Client::open(redis.url()).expect("URL");
-            match client.get_multiplexed_async_connection().await {
-                Ok(mut conn) => deadpool_redis::redis::cmd("PING")
-                    .query_async::<String>(&mut conn)
-                    .await
-                    .is_ok(),
-                Err(_) => false,
-            }
-        })
-        .await;
-        assert!(up, "the private redis-server never answered");
-        redis
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
     async fn connection(&self) -> deadpool_redis::redis::aio::MultiplexedConnection {
         let client = deadpool_redis::redis::Client::open(self.url()).expect("URL");
         client
@@ -229,7 +192,7 @@ async fn hang_up(
     let shoppers: Vec<_> = (0..users)
         .map(|i| spawn_order(cluster, 0, &sku, &format!("gone-{i}")))
         .collect();
-    let waiting = wait_for(Duration::from_secs(10), || {
+    let waiting = eventually(Duration::from_secs(10), || {
         held.holds(&mysql, &cluster.namespace, waits_in)
     })
     .await;
@@ -248,13 +211,13 @@ async fn hang_up(
     if !recorded {
         // The replica's next buyer of the SKU queues behind the orders cut off: once
         // it has bought, they have ended, whatever they did.
-        let next = wait_for(Duration::from_secs(20), || async {
+        let next = eventually(Duration::from_secs(20), || async {
             order(cluster, 0, &sku, "next").await.0 == StatusCode::CREATED
         })
         .await;
         assert!(next, "{what}: the next buyer never bought");
     }
-    let ended = wait_for(Duration::from_secs(10), || async {
+    let ended = eventually(Duration::from_secs(10), || async {
         let mut placed = 0;
         for i in 0..users {
             placed += i64::from(orders_of(&mysql, &sku, &format!("gone-{i}")).await == expected);
@@ -497,7 +460,7 @@ async fn a_row_lock_granted_after_the_shopper_left_is_given_back() {
     let mysql = cluster.mysql().await;
     let held = Held::start(&cluster, None, sku, Stall::Row).await;
     let gone = spawn_order(&cluster, 0, sku, "gone");
-    let waiting = wait_for(Duration::from_secs(10), || async {
+    let waiting = eventually(Duration::from_secs(10), || async {
         running(&mysql, &cluster.namespace, "FOR UPDATE").await >= 1
     })
     .await;
@@ -510,7 +473,7 @@ async fn a_row_lock_granted_after_the_shopper_left_is_given_back() {
     // The row lock goes to the order whose shopper left.
     held.release().await;
 
-    let next = wait_for(Duration::from_secs(20), || async {
+    let next = eventually(Duration::from_secs(20), || async {
         order(&cluster, 0, sku, "next").await.0 == StatusCode::CREATED
     })
     .await;
@@ -586,7 +549,7 @@ async fn orders_cut_off_by_the_request_timeout_keep_their_places() {
 
     // Once they have ended, their places are free: a request is admitted again (and
     // cut off in turn by the timeout, its order running on).
-    let admitted = wait_for(Duration::from_secs(15), || async {
+    let admitted = eventually(Duration::from_secs(15), || async {
         order(&cluster, 0, skus[2], "later").await.1 != "overloaded"
     })
     .await;
@@ -596,7 +559,7 @@ async fn orders_cut_off_by_the_request_timeout_keep_their_places() {
     // The orders cut off and the one admitted all end recorded (3 s of work each),
     // and every SKU's records agree.
     for (sku, orders) in [(skus[0], 1), (skus[1], 1), (skus[2], 1)] {
-        let settled = wait_for(Duration::from_secs(20), || async {
+        let settled = eventually(Duration::from_secs(20), || async {
             let stats = sku_stats(&cluster, sku).await;
             stats["orders"] == orders && stats["consistent"] == true
         })

@@ -9,10 +9,8 @@ use deadpool_redis::redis::AsyncCommands;
 use reqwest::StatusCode;
 use sqlx::{Connection, MySqlConnection};
 
-use crate::guarantees_support::{
-    arm_pause, order, orders_of, running, sell_out, spawn_order, wait_for,
-};
-use crate::support::{TestCluster, redis_pool};
+use crate::guarantees_support::{arm_pause, order, orders_of, running, sell_out, spawn_order};
+use crate::support::{TestCluster, eventually, redis_pool};
 
 /// A redis-lock holder reads a stale cached stock (9 where MySQL has 5) and stalls
 /// before its commit; meanwhile an admin reconciles, rewriting the stock from MySQL.
@@ -128,7 +126,7 @@ async fn redis_atomic_answers_sale_changed_when_the_epoch_moves_after_its_take()
             .expect(statement);
     }
     let batch_waits = || async {
-        wait_for(Duration::from_secs(10), || async {
+        eventually(Duration::from_secs(10), || async {
             running(&mysql, &cluster.namespace, "UPDATE products p").await >= 1
         })
         .await
@@ -141,7 +139,7 @@ async fn redis_atomic_answers_sale_changed_when_the_epoch_moves_after_its_take()
     let taken = spawn_order(&cluster, 0, sku, "taken");
     let pool = redis_pool();
     let stock_key = format!("{}:stock:{sku}", cluster.namespace);
-    let took = wait_for(Duration::from_secs(10), || async {
+    let took = eventually(Duration::from_secs(10), || async {
         let mut redis = pool.get().await.expect("redis");
         redis.get::<_, i64>(&stock_key).await.ok() == Some(4)
     })
@@ -151,7 +149,7 @@ async fn redis_atomic_answers_sale_changed_when_the_epoch_moves_after_its_take()
         let request = cluster.http.post(cluster.url(0, "/api/admin/reconcile"));
         tokio::spawn(async move { request.send().await.map(|r| r.status()) })
     };
-    let change_waits = wait_for(Duration::from_secs(10), || async {
+    let change_waits = eventually(Duration::from_secs(10), || async {
         running(&mysql, &cluster.namespace, "UPDATE products SET").await >= 1
     })
     .await;
@@ -221,7 +219,7 @@ async fn a_batch_taken_while_a_change_waits_commits_before_it() {
         let request = cluster.http.post(cluster.url(0, "/api/admin/reconcile"));
         tokio::spawn(async move { request.send().await.map(|r| r.status()) })
     };
-    let change_waits = wait_for(Duration::from_secs(10), || async {
+    let change_waits = eventually(Duration::from_secs(10), || async {
         running(
             &mysql,
             &cluster.namespace,

@@ -8,7 +8,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 use sqlx::MySqlPool;
 
-use crate::support::TestCluster;
+use crate::support::{TestCluster, eventually};
 
 /// An order's HTTP status and error code (empty for a 201).
 pub type Answer = (StatusCode, String);
@@ -53,22 +53,6 @@ pub fn spawn_order(
             body["error"].as_str().unwrap_or_default().to_owned(),
         )
     })
-}
-
-/// Polls `condition` every 20 ms until it holds (true) or `limit` passes (false).
-pub async fn wait_for<F, Fut>(limit: Duration, mut condition: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let started = Instant::now();
-    while started.elapsed() < limit {
-        if condition().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    false
 }
 
 /// Arms the paused-holder fault: the next lock holder to reach `point` stalls `ms`.
@@ -187,7 +171,7 @@ pub async fn sell_out(cluster: &TestCluster, sku: &str, initial: i64, what: &str
         }
         assert!(buyer <= initial, "{what}: more than the stock sold");
     }
-    let settled = wait_for(Duration::from_secs(10), || async {
+    let settled = eventually(Duration::from_secs(10), || async {
         let stats = sku_stats(cluster, sku).await;
         stats["orders"] == initial && stats["consistent"] == true
     })

@@ -1421,14 +1421,14 @@ async fn redlock_unfenced_holds_skip_the_counter_and_leave_tokens_growing() {
 }
 
 /// A redis-server of this test's own, which the test can pause (SIGSTOP: a node that
-/// hangs) or kill.
-struct PrivateRedis {
+/// hangs) or kill: pausing or killing it holds up only that test's replicas.
+pub(crate) struct PrivateRedis {
     port: u16,
     child: tokio::process::Child,
 }
 
 impl PrivateRedis {
-    async fn start() -> PrivateRedis {
+    pub(crate) async fn start() -> PrivateRedis {
         let port = free_port();
         let child = tokio::process::Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
@@ -1447,7 +1447,7 @@ impl PrivateRedis {
         panic!("private redis did not start");
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
