@@ -110,7 +110,7 @@ async fn a_crowd_through_three_replicas_commits_in_batches_and_sells_exactly_the
 }
 
 /// One committer on this test's database and Redis namespace, as replica `replica`.
-async fn committer(cluster: &TestCluster) -> (GroupCommit, StockCache) {
+pub(crate) async fn committer(cluster: &TestCluster) -> (GroupCommit, StockCache) {
     let records = Records::connect(&cluster.database_url, 4, Duration::from_secs(10))
         .await
         .expect("records");

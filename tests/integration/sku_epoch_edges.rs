@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use deadpool_redis::redis::AsyncCommands;
 use flashsale::model::{NewOrder, Sku};
-use flashsale::store::{GroupCommit, Records, Refusal, StockCache, StockWrite};
+use flashsale::store::{Records, Refusal, StockWrite};
 
-use crate::group_commit::{epoch, submit_together, take};
+use crate::group_commit::{committer, epoch, submit_together, take};
 use crate::support::{TestCluster, redis_pool};
 
 /// Redis loses its data while a redis-atomic order of A is taken and queued. An admin
@@ -22,16 +22,7 @@ async fn a_reset_of_b_after_redis_lost_its_data_leaves_a_missing() {
     let (a, b) = ("lossy-a", "lossy-b");
     cluster.reset(a, 10).await;
     cluster.reset(b, 10).await;
-    let records = Records::connect(&cluster.database_url, 4, Duration::from_secs(10))
-        .await
-        .expect("records");
-    let cache = StockCache::new(redis_pool(), cluster.namespace.clone());
-    let committer = GroupCommit::start(
-        records,
-        cache.clone(),
-        "redis-atomic",
-        "replica-test".to_owned(),
-    );
+    let (committer, cache) = committer(&cluster).await;
     let before = epoch(&cluster).await;
     let taken = take(&cache, a, "a-0", before).await; // Redis A 10 -> 9, not yet recorded
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::json;
 
-use crate::group_commit::{epoch, submit_together, take};
+use crate::group_commit::{committer, epoch, submit_together, take};
 use crate::support::{TestCluster, redis_pool};
 
 /// Orders of A, and the resets and reconciles of B the admin made meanwhile.
@@ -240,22 +240,12 @@ async fn a_holder_stalled_across_changes_of_another_sku_commits() {
 /// the batch.
 #[tokio::test]
 async fn a_batch_refuses_only_the_orders_of_the_sku_reset() {
-    use flashsale::store::{GroupCommit, Records, StockCache};
     let cluster = TestCluster::start(1, &[]).await;
     cluster.set_strategy("redis-atomic").await;
     let (a, b) = ("batch-a", "batch-b");
     cluster.reset(a, 10).await;
     cluster.reset(b, 10).await;
-    let records = Records::connect(&cluster.database_url, 4, Duration::from_secs(10))
-        .await
-        .expect("records");
-    let cache = StockCache::new(redis_pool(), cluster.namespace.clone());
-    let committer = GroupCommit::start(
-        records,
-        cache.clone(),
-        "redis-atomic",
-        "replica-test".to_owned(),
-    );
+    let (committer, cache) = committer(&cluster).await;
 
     let before = epoch(&cluster).await;
     let mut batch = vec![
