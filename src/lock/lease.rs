@@ -104,6 +104,10 @@ impl<H: LeaseHold> HeldLock for LeaseGuard<H> {
         self.hold.fencing_token()
     }
 
+    fn known_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
     /// The lease runs out and another contender can take the lock.
     fn suspend_renewal(&self) {
         self.watchdog.abort();

@@ -107,6 +107,14 @@ pub trait HeldLock: Send + Sync {
     /// reject writes from a holder that has since been overtaken.
     fn fencing_token(&self) -> Option<u64>;
 
+    /// Whether this holder already knows, without asking the service, that the lock is
+    /// gone (its watchdog found the lease taken, its session expired). A hold known lost
+    /// is never handed to another request (`cohort`). `false` when in doubt: the
+    /// holder's check before it writes asks the service anyway.
+    fn known_lost(&self) -> bool {
+        false
+    }
+
     /// Stops keeping the lock alive while still holding the guard, as a
     /// stop-the-world pause would. Locks whose liveness is not this process's to stop
     /// (a ZooKeeper session is kept by the client library) ignore it.
