@@ -7,11 +7,13 @@ use async_trait::async_trait;
 
 use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
 use crate::lock::DistributedLock;
+use crate::lock::cohort::Cohort;
 use crate::model::{NewOrder, Order, Sku};
 
-pub struct LockStrategy<L> {
+pub struct LockStrategy<L: DistributedLock> {
     pub explanation: Explanation,
-    pub lock: L,
+    /// The lock, with the cohort layer around it (on or off per order).
+    pub lock: Cohort<L>,
 }
 
 #[async_trait]
@@ -30,11 +32,11 @@ impl<L: DistributedLock> Strategy for LockStrategy<L> {
         order: &NewOrder,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
-        flow.sell_locked(&self.lock, order, self.name(), options)
-            .await
+        let lock = self.lock.with(options.cohort);
+        flow.sell_locked(&lock, order, self.name(), options).await
     }
 
     async fn inspect(&self, _flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
-        Ok(self.lock.view(sku.as_str()).await?)
+        Ok(self.lock.lock().view(sku.as_str()).await?)
     }
 }

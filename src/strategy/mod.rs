@@ -38,6 +38,7 @@ pub use locked::LockStrategy;
 pub use registry::{Registry, UnknownStrategy};
 
 use crate::lock::LockError;
+use crate::lock::cohort::Cohort;
 use crate::lock::etcd::EtcdLock;
 use crate::lock::fence_floor::{FenceFloor, MySqlFenceFloor};
 use crate::lock::redis::RedisLock;
@@ -77,6 +78,9 @@ pub trait Strategy: Send + Sync {
 pub struct OrderOptions {
     /// Lock holders register their token and their write must still carry the fence.
     pub fencing: bool,
+    /// Lock holders go through the cohort layer (`lock::cohort`): a replica's requests
+    /// queue locally and a holder hands the lock to the next.
+    pub cohort: bool,
     /// The sale epoch the order started under; its commit requires it unchanged.
     pub epoch: u64,
     /// Where an armed paused-holder fault stalls the next holder to claim it.
@@ -280,46 +284,56 @@ pub fn registry(backends: &Backends) -> Registry {
         Arc::new(none::NoCoordination),
         Arc::new(LockStrategy {
             explanation: redis_lock::explanation(),
-            lock: RedisLock::new(
-                backends.redis_client.clone(),
-                backends.redis_pool.clone(),
-                &backends.namespace,
-                owner,
-                backends.lease,
-            )
-            .with_fence_floor(fence_floor(backends, "redis-lock")),
+            lock: Cohort::new(
+                RedisLock::new(
+                    backends.redis_client.clone(),
+                    backends.redis_pool.clone(),
+                    &backends.namespace,
+                    owner,
+                    backends.lease,
+                )
+                .with_fence_floor(fence_floor(backends, "redis-lock")),
+            ),
         }),
         Arc::new(LockStrategy {
             explanation: db_unique::explanation(),
-            lock: TableLock::new(backends.mysql.clone(), owner, backends.lease)
-                .with_release_notices(backends.redis_pool.clone(), &backends.namespace),
+            lock: Cohort::new(
+                TableLock::new(backends.mysql.clone(), owner, backends.lease)
+                    .with_release_notices(backends.redis_pool.clone(), &backends.namespace),
+            ),
         }),
         Arc::new(optimistic::OptimisticStrategy::new(
             backends.optimistic_attempts,
         )),
         Arc::new(LockStrategy {
             explanation: zookeeper::explanation(),
-            lock: ZooKeeperLock::new(
+            lock: Cohort::new(ZooKeeperLock::new(
                 &backends.zookeeper,
                 backends.zookeeper_session_timeout,
                 &backends.namespace,
                 owner,
-            ),
+            )),
         }),
         Arc::new(db_for_update::DbForUpdateStrategy::default()),
         Arc::new(LockStrategy {
             explanation: etcd::explanation(),
-            lock: EtcdLock::new(&backends.etcd, &backends.namespace, backends.lease),
+            lock: Cohort::new(EtcdLock::new(
+                &backends.etcd,
+                &backends.namespace,
+                backends.lease,
+            )),
         }),
         Arc::new(LockStrategy {
             explanation: redlock::explanation(),
-            lock: Redlock::new(
-                backends.redlock_nodes.clone(),
-                &backends.namespace,
-                owner,
-                backends.lease,
-            )
-            .with_fence_floor(fence_floor(backends, "redlock")),
+            lock: Cohort::new(
+                Redlock::new(
+                    backends.redlock_nodes.clone(),
+                    &backends.namespace,
+                    owner,
+                    backends.lease,
+                )
+                .with_fence_floor(fence_floor(backends, "redlock")),
+            ),
         }),
         Arc::new(redis_atomic::RedisAtomicStrategy::default()),
     ])
