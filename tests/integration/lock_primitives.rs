@@ -9,9 +9,11 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use deadpool_redis::redis::AsyncCommands;
+use flashsale::lock::cohort::Cohort;
 use flashsale::lock::etcd::EtcdLock;
 use flashsale::lock::fence_floor::MySqlFenceFloor;
 use flashsale::lock::lease::{LeaseGuard, LeaseHold};
+use flashsale::lock::local_queue::token_in_run;
 use flashsale::lock::redis::RedisLock;
 use flashsale::lock::redlock::Redlock;
 use flashsale::lock::table::TableLock;
@@ -1287,17 +1289,23 @@ async fn failed_release_is_retried_in_the_background() {
 }
 
 /// Fencing counters kept in Redis restart above the fence MySQL has seen when Redis
-/// lost them: the next token is still greater than any token already written.
+/// lost them: the next token is still greater than any token already written. The
+/// locks go through the cohort layer, as the service's do: MySQL's fence is a hold's
+/// token, the counter's value with the hold's place in its run.
 #[tokio::test]
 async fn lost_redis_fence_counters_restart_above_mysql() {
     let (cluster, _factory) = redis_factory().await;
     let mysql = cluster.mysql().await;
     let floor = |service: &'static str| Arc::new(MySqlFenceFloor::new(mysql.clone(), service));
-    let redis = RedisLock::new(redis_client(), redis_pool(), &cluster.namespace, "r", LONG)
-        .with_fence_floor(floor("redis-lock"));
+    let redis = Cohort::new(
+        RedisLock::new(redis_client(), redis_pool(), &cluster.namespace, "r", LONG)
+            .with_fence_floor(floor("redis-lock")),
+    );
     let nodes = redlock_urls().iter().map(|url| pool_for(url)).collect();
-    let redlock =
-        Redlock::new(nodes, &cluster.namespace, "r", LONG).with_fence_floor(floor("redlock"));
+    let redlock = Cohort::new(
+        Redlock::new(nodes, &cluster.namespace, "r", LONG).with_fence_floor(floor("redlock")),
+    );
+    let written = token_in_run(1000, 5).expect("small");
 
     let first = fence_of(&redis, "sku-1").await;
     let first_redlock = fence_of(&redlock, "sku-1").await;
@@ -1309,13 +1317,12 @@ async fn lost_redis_fence_counters_restart_above_mysql() {
 
     // Fenced writes moved MySQL's fence far ahead; then Redis lost the counters.
     for service in ["redis-lock", "redlock"] {
-        sqlx::query(
-            "INSERT INTO product_fences (sku, lock_service, fence) VALUES ('sku-1', ?, 1000)",
-        )
-        .bind(service)
-        .execute(&mysql)
-        .await
-        .expect("fence");
+        sqlx::query("INSERT INTO product_fences (sku, lock_service, fence) VALUES ('sku-1', ?, ?)")
+            .bind(service)
+            .bind(written)
+            .execute(&mysql)
+            .await
+            .expect("fence");
     }
     let mut conn = redis_pool().get().await.expect("redis");
     let () = conn
@@ -1332,12 +1339,12 @@ async fn lost_redis_fence_counters_restart_above_mysql() {
     let after = fence_of(&redis, "sku-1").await;
     let after_redlock = fence_of(&redlock, "sku-1").await;
     assert!(
-        after > 1000,
-        "redis-lock token {after} is above MySQL's fence"
+        after > written,
+        "redis-lock token {after} is above MySQL's fence {written}"
     );
     assert!(
-        after_redlock > 1000,
-        "redlock token {after_redlock} is above MySQL's fence"
+        after_redlock > written,
+        "redlock token {after_redlock} is above MySQL's fence {written}"
     );
     assert!(
         fence_of(&redis, "sku-1").await > after,
