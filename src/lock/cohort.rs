@@ -29,6 +29,7 @@
 //! Off (`PUT /api/admin/cohort`), every request goes straight to the lock: the lesson's
 //! "before".
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -172,7 +173,7 @@ impl<L: DistributedLock> Cohort<L> {
             guard: Some(guard),
             run,
             fenced,
-            turn,
+            turn: Mutex::new(turn),
             spoiled: AtomicBool::new(false),
             tasks: self.tasks.clone(),
             hold_back: !self.hold_back.is_zero(),
@@ -250,7 +251,8 @@ pub struct CohortGuard<G: HeldLock + 'static> {
     guard: Option<G>,
     run: u32,
     fenced: bool,
-    turn: Option<Turn<Left<G>>>,
+    /// Given up early by a paused holder (`suspend_renewal`).
+    turn: Mutex<Option<Turn<Left<G>>>>,
     /// A check found the lock gone, or renewal was suspended: not to be handed on.
     spoiled: AtomicBool,
     tasks: Tasks,
@@ -262,6 +264,10 @@ impl<G: HeldLock + 'static> CohortGuard<G> {
     /// The lock's own guard (for inspection and tests).
     pub fn lock_guard(&self) -> Option<&G> {
         self.guard.as_ref()
+    }
+
+    fn turn_now(&self) -> std::sync::MutexGuard<'_, Option<Turn<Left<G>>>> {
+        self.turn.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn inner(&self) -> Result<&G, LockError> {
@@ -293,18 +299,23 @@ impl<G: HeldLock + 'static> HeldLock for CohortGuard<G> {
         self.run > 0
     }
 
+    /// The paused-holder fault. The replica's turn goes too: a pause of the whole
+    /// process would stop its other requests as well, and the lesson is that someone
+    /// else takes the lock once the lease runs out, which may be this replica's next
+    /// request.
     fn suspend_renewal(&self) {
         self.spoiled.store(true, Ordering::SeqCst);
         if let Some(guard) = &self.guard {
             guard.suspend_renewal();
         }
+        drop(self.turn_now().take());
     }
 
     async fn release(mut self) -> Result<(), LockError> {
         let Some(guard) = self.guard.take() else {
             return Ok(());
         };
-        let turn = self.turn.take();
+        let turn = self.turn_now().take();
         if let Some(turn) = &turn
             && turn.hands_over(self.run)
             && !self.spoiled.load(Ordering::SeqCst)
@@ -337,7 +348,6 @@ impl<G: HeldLock + 'static> HeldLock for CohortGuard<G> {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
-    use std::sync::Mutex;
     use std::sync::atomic::AtomicU64;
 
     use super::*;
@@ -452,7 +462,11 @@ mod tests {
                 async move { cohort.acquire_in("sku", WAIT, ON).await }
             });
             // The next request is queued before this one lets go.
-            while !guard.turn.as_ref().is_some_and(|t| t.others_waiting()) {
+            while !guard
+                .turn_now()
+                .as_ref()
+                .is_some_and(|t| t.others_waiting())
+            {
                 tokio::task::yield_now().await;
             }
             tokens.push(guard.fencing_token().expect("a token"));
@@ -508,7 +522,11 @@ mod tests {
             let cohort = cohort.clone();
             async move { cohort.acquire_in("sku", WAIT, next_mode).await }
         });
-        while !first.turn.as_ref().is_some_and(|t| t.others_waiting()) {
+        while !first
+            .turn_now()
+            .as_ref()
+            .is_some_and(|t| t.others_waiting())
+        {
             tokio::task::yield_now().await;
         }
         spoil(&first).await;
@@ -552,7 +570,11 @@ mod tests {
             let cohort = cohort.clone();
             async move { cohort.acquire_in("sku", WAIT, ON).await }
         });
-        while !first.turn.as_ref().is_some_and(|t| t.others_waiting()) {
+        while !first
+            .turn_now()
+            .as_ref()
+            .is_some_and(|t| t.others_waiting())
+        {
             tokio::task::yield_now().await;
         }
         first.release().await.expect("released");
@@ -574,7 +596,11 @@ mod tests {
             let cohort = cohort.clone();
             async move { cohort.acquire_in("sku", WAIT, ON).await.map(drop) }
         });
-        while !first.turn.as_ref().is_some_and(|t| t.others_waiting()) {
+        while !first
+            .turn_now()
+            .as_ref()
+            .is_some_and(|t| t.others_waiting())
+        {
             tokio::task::yield_now().await;
         }
         first.release().await.expect("handed on");
@@ -632,5 +658,29 @@ mod tests {
             waited <= 2 * u64::from(RUN_LIMIT + 1),
             "waited {waited} holds"
         );
+    }
+
+    /// A paused holder (the fault) stops holding up the replica's queue: once its
+    /// lease is gone (here: taken from it by hand), the replica's next request gets
+    /// the lock from the lock itself. Without the turn given up, that request waits
+    /// behind the paused one in the queue for as long as the pause lasts.
+    #[tokio::test]
+    async fn a_paused_holder_gives_up_the_replicas_turn() {
+        let cohort = Arc::new(Cohort::new(Memory::default()));
+        let paused = cohort.acquire_in("sku", WAIT, ON).await.expect("free");
+        paused.suspend_renewal();
+        let next = tokio::spawn({
+            let cohort = cohort.clone();
+            async move { cohort.acquire_in("sku", WAIT, ON).await }
+        });
+        cohort.lock().held.lock().expect("held").remove("sku");
+        let next = tokio::time::timeout(WAIT, next)
+            .await
+            .expect("not stuck behind the paused holder")
+            .expect("joined")
+            .expect("acquired");
+        assert!(!next.handed_over());
+        assert!(next.fencing_token() > paused.fencing_token());
+        drop((next, paused));
     }
 }
