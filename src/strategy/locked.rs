@@ -10,10 +10,27 @@ use crate::lock::DistributedLock;
 use crate::lock::cohort::Cohort;
 use crate::model::{NewOrder, Order, Sku};
 
+/// What the cohort layer adds to every lock, said on each lock's card.
+const COHORT: &str = "Around the lock, the cohort layer (on unless switched off): a \
+                      replica's requests for a SKU queue locally, and a holder hands the \
+                      lock to the next of them instead of releasing it, up to 8 in a row.";
+
 pub struct LockStrategy<L: DistributedLock> {
-    pub explanation: Explanation,
+    explanation: Explanation,
     /// The lock, with the cohort layer around it (on or off per order).
-    pub lock: Cohort<L>,
+    lock: Cohort<L>,
+}
+
+impl<L: DistributedLock> LockStrategy<L> {
+    /// `lock` with the layer around it; its card says what the layer adds. (The card
+    /// is made once per replica: its text is kept for the process's life.)
+    pub fn new(mut explanation: Explanation, lock: L) -> Self {
+        explanation.adds = format!("{} {COHORT}", explanation.adds).leak();
+        LockStrategy {
+            explanation,
+            lock: Cohort::new(lock),
+        }
+    }
 }
 
 #[async_trait]
