@@ -24,7 +24,6 @@ pub mod notices;
 pub mod redis;
 pub mod redlock;
 pub mod replica_queue;
-pub mod signals;
 pub mod table;
 pub mod task;
 pub mod zookeeper;
