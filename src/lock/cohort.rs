@@ -45,6 +45,11 @@ use super::{DistributedLock, HeldLock, LockError, LockView};
 /// that queues its waiters itself needs none).
 pub const HOLD_BACK: Duration = Duration::from_millis(5);
 
+/// How long the layer waits for a lock's release while it keeps the replica's turn: a
+/// release whose answer never comes (a half-open connection) must not keep the
+/// replica's requests for the name out for good.
+const RELEASE_BOUND: Duration = Duration::from_secs(2);
+
 /// A lock with the cohort layer around it.
 pub struct Cohort<L: DistributedLock> {
     lock: L,
@@ -87,8 +92,11 @@ impl<G: HeldLock + 'static> Passed for Left<G> {
             return;
         };
         tasks.spawn_detached(async move {
-            if let Err(error) = guard.release().await {
-                tracing::debug!(%error, "releasing a hold nobody took");
+            // Unanswered, the lock's guard is dropped and releases in the background.
+            match tokio::time::timeout(RELEASE_BOUND, guard.release()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => tracing::debug!(%error, "releasing a hold nobody took"),
+                Err(_) => tracing::debug!("releasing a hold nobody took: unanswered"),
             }
             drop(turn);
         });
@@ -144,9 +152,9 @@ impl<L: DistributedLock> Cohort<L> {
         match turn.take_passed() {
             Some(Left::Hold(handed)) => {
                 if handed.guard.known_lost() || (mode.fenced && !handed.fenced) {
-                    // Given back before this turn asks for a new hold; dropped midway,
-                    // the lock's own guard releases it in the background.
-                    let _ = handed.guard.release().await;
+                    // Given back before this turn asks for a new hold; dropped midway
+                    // or unanswered, the lock's own guard releases it in the background.
+                    let _ = tokio::time::timeout_at(deadline, handed.guard.release()).await;
                 } else {
                     let (run, fenced) = (handed.run + 1, handed.fenced);
                     return Ok(self.guard(handed.guard, run, fenced, Some(turn)));
@@ -311,10 +319,38 @@ impl<G: HeldLock + 'static> HeldLock for CohortGuard<G> {
         drop(self.turn_now().take());
     }
 
+    fn mark_lost(&self) {
+        self.spoiled.store(true, Ordering::SeqCst);
+    }
+
     async fn release(mut self) -> Result<(), LockError> {
-        let Some(guard) = self.guard.take() else {
+        let Some((guard, turn)) = self.hand_on() else {
             return Ok(());
         };
+        // The turn is kept until the lock answered, so the replica's next request does
+        // not start against this hold; dropped midway or unanswered, the lock's guard
+        // releases in the background and the turn goes.
+        let released = tokio::time::timeout(RELEASE_BOUND, guard.release())
+            .await
+            .unwrap_or_else(|_| Err(LockError::backend("lock", "release unanswered")));
+        if let Some(turn) = &turn
+            && self.hold_back
+            && self.run >= RUN_LIMIT
+            && turn.others_waiting()
+        {
+            turn.pass_on(Left::RunEnded(Instant::now()));
+        }
+        drop(turn);
+        released
+    }
+}
+
+impl<G: HeldLock + 'static> CohortGuard<G> {
+    /// Hands the hold to the replica's next request if it can be; otherwise gives back
+    /// the hold and the turn for the caller to release (`None`: handed on, or already
+    /// released).
+    fn hand_on(&mut self) -> Option<(G, Option<Turn<Left<G>>>)> {
+        let guard = self.guard.take()?;
         let turn = self.turn_now().take();
         if let Some(turn) = &turn
             && turn.hands_over(self.run)
@@ -327,21 +363,25 @@ impl<G: HeldLock + 'static> HeldLock for CohortGuard<G> {
                 fenced: self.fenced,
                 tasks: self.tasks.clone(),
             }));
-            return Ok(());
+            return None;
         }
-        // The turn is kept until the lock answered, so the replica's next request does
-        // not start against this hold; dropped midway, the lock's guard releases in the
-        // background and the turn goes with this future.
-        let released = guard.release().await;
-        if let Some(turn) = &turn
-            && self.hold_back
-            && self.run >= RUN_LIMIT
-            && turn.others_waiting()
-        {
-            turn.pass_on(Left::RunEnded(Instant::now()));
+        Some((guard, turn))
+    }
+}
+
+/// A hold dropped instead of released (its shopper left as the lock came) is handed on
+/// like a released one, or released in the background under the replica's turn.
+impl<G: HeldLock + 'static> Drop for CohortGuard<G> {
+    fn drop(&mut self) {
+        if let Some((guard, turn)) = self.hand_on() {
+            let handed = Handed {
+                guard,
+                run: self.run,
+                fenced: self.fenced,
+                tasks: self.tasks.clone(),
+            };
+            Left::Hold(handed).abandoned(turn);
         }
-        drop(turn);
-        released
     }
 }
 
@@ -362,6 +402,8 @@ mod tests {
         released: Arc<AtomicU64>,
         /// Names whose holds are gone behind the holder's back.
         lost: Arc<Mutex<std::collections::HashSet<String>>>,
+        /// Releases free the lock but their answer never comes.
+        unanswered: Arc<AtomicBool>,
     }
 
     struct MemoryGuard {
@@ -430,6 +472,11 @@ mod tests {
             self.suspended.store(true, Ordering::SeqCst);
         }
         async fn release(self) -> Result<(), LockError> {
+            let unanswered = self.lock.unanswered.load(Ordering::SeqCst);
+            drop(self);
+            if unanswered {
+                std::future::pending::<()>().await;
+            }
             Ok(())
         }
     }
@@ -682,5 +729,84 @@ mod tests {
         assert!(!next.handed_over());
         assert!(next.fencing_token() > paused.fencing_token());
         drop((next, paused));
+    }
+
+    /// Hands `first` to a request queued behind it and returns that request's guard.
+    async fn handed_on(
+        cohort: &Arc<Cohort<Memory>>,
+        first: CohortGuard<MemoryGuard>,
+    ) -> CohortGuard<MemoryGuard> {
+        let next = tokio::spawn({
+            let cohort = cohort.clone();
+            async move { cohort.acquire_in("sku", WAIT, ON).await }
+        });
+        while !first
+            .turn_now()
+            .as_ref()
+            .is_some_and(|t| t.others_waiting())
+        {
+            tokio::task::yield_now().await;
+        }
+        first.release().await.expect("handed on");
+        next.await.expect("joined").expect("acquired")
+    }
+
+    /// A hold dropped instead of released (its shopper left as the lock came) goes to
+    /// the request queued behind it like a released one. Without `Drop` handing it on,
+    /// the lock's own guard released it and the next request acquired afresh.
+    #[tokio::test]
+    async fn a_dropped_hold_is_handed_on() {
+        let cohort = Arc::new(Cohort::new(Memory::default()));
+        let first = cohort.acquire_in("sku", WAIT, ON).await.expect("free");
+        let second = handed_on(&cohort, first).await;
+        let third = tokio::spawn({
+            let cohort = cohort.clone();
+            async move { cohort.acquire_in("sku", WAIT, ON).await }
+        });
+        while !second
+            .turn_now()
+            .as_ref()
+            .is_some_and(|t| t.others_waiting())
+        {
+            tokio::task::yield_now().await;
+        }
+        drop(second);
+        let third = third.await.expect("joined").expect("acquired");
+        assert!(third.handed_over());
+        assert_eq!(cohort.lock().acquired.load(Ordering::SeqCst), 1);
+        third.release().await.expect("released");
+    }
+
+    /// A release whose answer never comes (the lock freed, the reply lost) keeps the
+    /// replica's requests for the name out for `RELEASE_BOUND` at most, whether the
+    /// holder released it or the hold was abandoned by the request it was left for.
+    /// Unbounded, the turn stayed held and every later request timed out.
+    #[tokio::test(start_paused = true)]
+    async fn an_unanswered_release_does_not_keep_the_replica_out() {
+        let cohort = Arc::new(Cohort::new(Memory::default()));
+        cohort.lock().unanswered.store(true, Ordering::SeqCst);
+        let first = cohort.acquire_in("sku", WAIT, ON).await.expect("free");
+        assert!(first.release().await.is_err(), "unanswered");
+        let later = cohort
+            .acquire_in("sku", WAIT, ON)
+            .await
+            .expect("not kept out");
+
+        let gives_up = tokio::spawn({
+            let cohort = cohort.clone();
+            async move { cohort.acquire_in("sku", WAIT, ON).await.map(drop) }
+        });
+        while !later
+            .turn_now()
+            .as_ref()
+            .is_some_and(|t| t.others_waiting())
+        {
+            tokio::task::yield_now().await;
+        }
+        later.release().await.expect("handed on");
+        gives_up.abort();
+        let _ = gives_up.await;
+        let last = cohort.acquire_in("sku", WAIT, ON).await;
+        assert!(last.is_ok(), "kept out: {:?}", last.err());
     }
 }

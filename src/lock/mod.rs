@@ -122,6 +122,10 @@ pub trait HeldLock: Send + Sync {
         false
     }
 
+    /// The order found the lock gone or overtaken (a fencing refusal): the hold must
+    /// not be handed to another request (`cohort`).
+    fn mark_lost(&self) {}
+
     /// Whether this hold was handed over by another request of the replica rather
     /// than acquired from the lock service (`cohort`; the race timeline marks it).
     fn handed_over(&self) -> bool {

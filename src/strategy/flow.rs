@@ -77,6 +77,11 @@ impl SaleFlow {
         let holding = Instant::now();
         let critical = self.sell(order, strategy, Some(&guard), &options);
         let sold = self.section(order, strategy, Some(&guard), critical).await;
+        if let Err(OrderError::LockLost(_) | OrderError::Fenced { .. } | OrderError::StaleRead) =
+            &sold
+        {
+            guard.mark_lost();
+        }
         let released = timed(strategy, "release", guard.release())
             .instrument(debug_span!("release"))
             .await;
