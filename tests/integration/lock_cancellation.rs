@@ -226,8 +226,8 @@ async fn table_lock_survives_cancelled_acquisitions() {
 /// A cut on the free lock whose INSERT went in shows itself in the table's
 /// auto-increment counter: the next probe row's id is two past the last, not one. At
 /// least three cuts must land there, so the undo of a dropped INSERT (`PendingInsert`)
-/// is exercised; without it (its drop doing nothing) their rows stayed: "db-unique
-/// rows: left behind".
+/// is exercised. Without it (its drop doing nothing) the rows of INSERTs cut on their
+/// way stayed, nobody's: the holder's next acquisition waited out its 10 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
     let cluster = TestCluster::start(1, &[]).await;
@@ -355,7 +355,7 @@ async fn quiet(cut: &TableLock) -> Result<(), String> {
 /// on its way, after it), both waiters get the lock within their wait, each in turn:
 /// the row is deleted by the release or by the guard's background release. Without
 /// the background release (`LeaseGuard`'s drop doing nothing) a cut release left the
-/// row to its 60 s lease and the waiters gave up.
+/// row to its 60 s lease and the waiters gave up after their 10 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_lock_releases_cut_at_every_point_leave_the_lock_to_the_waiters() {
     let cluster = TestCluster::start(1, &[]).await;
