@@ -403,8 +403,7 @@ async fn contender_main(cli: &Cli, lock: LockKind, who: usize) -> anyhow::Result
                 .connect(&backends.database_url)
                 .await
                 .context("connecting to the run's database")?;
-            let lock = TableLock::new(pool, &owner, lease)
-                .with_release_notices(redis_pool(&backends.redis_url)?, &names.namespace);
+            let lock = TableLock::new(pool, &owner, lease);
             run.contend(&lock).await?
         }
         LockKind::Zookeeper => {

@@ -23,7 +23,6 @@ pub mod local_queue;
 pub mod notices;
 pub mod redis;
 pub mod redlock;
-pub mod replica_queue;
 pub mod table;
 pub mod task;
 pub mod zookeeper;

@@ -70,11 +70,7 @@ fn cards() -> Vec<(Explanation, Vec<&'static str>)> {
         ),
         (
             db_unique::explanation(),
-            vec![
-                include_str!("../lock/table.rs"),
-                include_str!("../lock/replica_queue.rs"),
-                include_str!("../lock/notices.rs"),
-            ],
+            vec![include_str!("../lock/table.rs")],
         ),
         (
             optimistic::OptimisticStrategy::new(10).explanation(),

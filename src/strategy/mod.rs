@@ -294,8 +294,7 @@ pub fn registry(backends: &Backends) -> Registry {
         )),
         Arc::new(LockStrategy::new(
             db_unique::explanation(),
-            TableLock::new(backends.mysql.clone(), owner, backends.lease)
-                .with_release_notices(backends.redis_pool.clone(), &backends.namespace),
+            TableLock::new(backends.mysql.clone(), owner, backends.lease),
         )),
         Arc::new(optimistic::OptimisticStrategy::new(
             backends.optimistic_attempts,

@@ -50,7 +50,7 @@ async fn table_pair(cluster: &TestCluster) -> Pair<TableLock> {
     let mut pools = pools.into_iter();
     pair(|owner| {
         let pool = pools.next().expect("two pools");
-        TableLock::new(pool, owner, LEASE).with_release_notices(redis_pool(), &cluster.namespace)
+        TableLock::new(pool, owner, LEASE)
     })
 }
 

@@ -670,7 +670,7 @@ async fn table_lock_statements_outlive_a_restart(stop: impl AsyncFnOnce(&mut Pri
     assert_eq!(
         acquiring.waiting(),
         0,
-        "the replica's turn is free once the acquisition that met the dead connection released"
+        "no acquisition left under way once the one that met the dead connection released"
     );
     assert_eq!(
         acquiring.inspect("held").await.expect("inspect"),

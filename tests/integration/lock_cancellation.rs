@@ -167,10 +167,9 @@ async fn redis_lock_survives_cancelled_acquisitions() {
     .await;
 }
 
-/// A lock table as a replica builds it: its own pool, release notices on Redis.
+/// A lock table as a replica builds it: its own pool.
 async fn table_lock(cluster: &TestCluster, owner: &str) -> TableLock {
     TableLock::new(cluster.mysql().await, owner, LONG_LEASE)
-        .with_release_notices(redis_pool(), &cluster.namespace)
 }
 
 /// The rows of `mysql`'s lock table, as the test reports them.
@@ -184,8 +183,7 @@ async fn lock_rows(mysql: &sqlx::MySqlPool) -> Vec<String> {
         .collect()
 }
 
-/// What the table locks still run or keep: background tasks, local queues and
-/// registrations for notices.
+/// What the table locks still run or wait for: background tasks and acquisitions.
 fn table_leftovers(locks: &[Arc<TableLock>]) -> Vec<String> {
     let tasks: usize = locks.iter().map(|lock| lock.background_tasks()).sum();
     let waiting: usize = locks.iter().map(|lock| lock.waiting()).sum();
@@ -194,7 +192,7 @@ fn table_leftovers(locks: &[Arc<TableLock>]) -> Vec<String> {
         left.push(format!("{tasks} background tasks"));
     }
     if waiting > 0 {
-        left.push(format!("{waiting} queues or registrations"));
+        left.push(format!("{waiting} acquisitions"));
     }
     left
 }
@@ -213,62 +211,50 @@ async fn table_lock_survives_cancelled_acquisitions() {
     report("db-unique", acquired, waited);
     let mysql = cluster.mysql().await;
     settles("db-unique", || lock_rows(&mysql)).await;
-    settles("watchdogs, queues and registrations ended", || async {
+    settles("watchdogs, undos and acquisitions ended", || async {
         table_leftovers(&locks)
     })
     .await;
 }
 
 /// The table lock's acquisition cut at every quarter millisecond of its first 10 ms,
-/// wherever that lands: mid-INSERT on a free lock (the undo), in the local queue and
-/// waiting for a notice behind another replica's hold, in the retry that follows
-/// another replica's release, and while a replica holds back after its release named
-/// another. No cut may leave a row, a task, a queue or a registration, nor keep the
-/// lock from the next holder.
+/// wherever that lands: before, during or after the INSERT on a free lock; while it
+/// polls behind another replica's hold (an INSERT refused, the look at the row, the
+/// backoff); and in the poll after that hold's release. No cut may leave a row, a task
+/// or an acquisition, nor keep the lock from the next holder.
 ///
-/// The cuts in the retry are steered there: each waits until the waiter is queued,
-/// then cuts a moment after the release, a little later each time the cut came before
-/// the retry's INSERT and a little earlier each time it came after it. A cut that lands
-/// while the retry's INSERT is on its way shows itself: the INSERT went in, and its
-/// undo deletes the row and announces that release under the cut replica's token.
-/// At least three must land there.
+/// A cut on the free lock whose INSERT went in shows itself in the table's
+/// auto-increment counter: the next probe row's id is two past the last, not one. At
+/// least three cuts must land there, so the undo of a dropped INSERT (`PendingInsert`)
+/// is exercised. Without it (its drop doing nothing) the rows of INSERTs cut on their
+/// way stayed, nobody's: the holder's next acquisition waited out its 10 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
     let cluster = TestCluster::start(1, &[]).await;
     let holder = Arc::new(table_lock(&cluster, "holder").await);
     let cut = Arc::new(table_lock(&cluster, "cut").await);
-    let listening = eventually(PATIENCE, || async {
-        holder.hears_releases() && cut.hears_releases()
-    })
-    .await;
-    assert!(listening, "release notices subscribed");
-    let mut notices = redis_client()
-        .get_async_pubsub()
-        .await
-        .expect("a subscription");
-    let channel = format!("{}:lock-row-released:woken", cluster.namespace);
-    notices.subscribe(&channel).await.expect("subscribed");
-    let mut notices = notices.into_on_message();
-    let redis = redis_pool();
-    let mut got = 0;
-    // How long after the release the cut in the retry comes, steered by each outcome.
-    let mut retry_cut = Duration::ZERO;
-    let (mut in_retry, mut before_retry, mut after_retry) = (0, 0, 0);
-    // Memberships a cut left in a queue of replicas, taken off by the test.
-    let mut stale = 0;
-    let mut step = 0;
-    while step < 40 || (in_retry < 3 && step < 400) {
+    let mysql = cluster.mysql().await;
+    let (mut got, mut undone, mut step) = (0, 0, 0);
+    while step < 40 || (undone < 3 && step < 400) {
         let after = Duration::from_micros(250 * (step % 40));
         step += 1;
 
         // A free lock: the cut lands before, during or after the INSERT.
+        let before = probe_id(&mysql).await;
         let attempt = tokio::time::timeout(after, cut.acquire("free", LONG_LEASE)).await;
-        got += usize::from(matches!(attempt, Ok(Ok(_))));
+        let acquired = matches!(attempt, Ok(Ok(_)));
+        got += usize::from(acquired);
         drop(attempt);
+        if let Err(left) = quiet(&cut).await {
+            panic!("step {step}: the cut's cleanups never ended: {left}");
+        }
+        if !acquired && probe_id(&mysql).await > before + 1 {
+            undone += 1;
+        }
 
-        // Held by another replica: a head and two requests queued behind it.
+        // Held by another replica: three requests polling behind it.
         let held = holder.acquire("held", PATIENCE).await.expect("held");
-        let queued = (0..3).map(|_| {
+        let polling = (0..3).map(|_| {
             let cut = cut.clone();
             tokio::spawn(async move {
                 let attempt = cut.acquire("held", LONG_LEASE);
@@ -278,109 +264,65 @@ async fn table_lock_acquisitions_cut_at_every_point_leave_nothing() {
                 );
             })
         });
-        for task in join_all(queued).await {
-            task.expect("queued request");
+        for task in join_all(polling).await {
+            task.expect("polling request");
         }
         held.release().await.expect("released");
 
-        // Another replica's release, with a waiter queued behind its hold: the cut
-        // lands in the retry that follows.
-        if let Err(left) = quiet(&cut, &redis, &cluster.namespace, "woken", &mut stale).await {
-            panic!("step {step}: the last cut's cleanups never ended: {left}");
-        }
+        // The poll after another replica's release: cut up to 60 ms after it.
         let held = holder.acquire("woken", PATIENCE).await.expect("held");
         let waiting = {
             let cut = cut.clone();
             tokio::spawn(async move { cut.acquire("woken", LONG_LEASE).await.map(drop) })
         };
-        // Queued once its first INSERT failed: it waits for a release now.
         assert!(
-            queued_in_redis(&redis, &cluster.namespace, "woken", "cut").await,
-            "step {step}: the waiter never queued"
+            eventually(PATIENCE, || async { cut.waiting() > 0 }).await,
+            "step {step}: the waiter never began"
         );
         held.release().await.expect("released");
-        spin(retry_cut).await;
+        spin(Duration::from_micros(rand::random_range(0..60_000))).await;
         waiting.abort();
-        let acquired = matches!(waiting.await, Ok(Ok(())));
-        if let Err(left) = quiet(&cut, &redis, &cluster.namespace, "woken", &mut stale).await {
+        got += usize::from(matches!(waiting.await, Ok(Ok(()))));
+        if let Err(left) = quiet(&cut).await {
             panic!("step {step}: the cut's cleanups never ended: {left}");
         }
-        let undone = undo_announced(&redis, &channel, &mut notices).await;
-        if acquired {
-            got += 1;
-            after_retry += 1;
-            retry_cut = retry_cut.saturating_sub(Duration::from_micros(150));
-        } else if undone {
-            in_retry += 1;
-        } else {
-            before_retry += 1;
-            retry_cut += Duration::from_micros(100);
-        }
-        if step > 40 {
-            continue;
-        }
-
-        // Right after its own release named another replica to go next: the next
-        // attempt holds back while that replica's head goes first.
-        if let Err(left) = quiet(&cut, &redis, &cluster.namespace, "own", &mut stale).await {
-            panic!("step {step}: the last cut's cleanups never ended: {left}");
-        }
-        let held = holder.acquire("own", PATIENCE).await.expect("held");
-        let contended = {
-            let cut = cut.clone();
-            tokio::spawn(async move { cut.acquire("own", PATIENCE).await })
-        };
-        assert!(
-            queued_in_redis(&redis, &cluster.namespace, "own", "cut").await,
-            "step {step}: the contender never queued"
-        );
-        held.release().await.expect("released");
-        let cut_holds = contended.await.expect("contender").expect("handed over");
-        let named = {
-            let holder = holder.clone();
-            tokio::spawn(async move { holder.acquire("own", PATIENCE).await.map(drop) })
-        };
-        assert!(
-            queued_in_redis(&redis, &cluster.namespace, "own", "holder").await,
-            "step {step}: the other replica never queued"
-        );
-        cut_holds.release().await.expect("released");
-        let attempt = tokio::time::timeout(after / 4, cut.acquire("own", LONG_LEASE)).await;
-        got += usize::from(matches!(attempt, Ok(Ok(_))));
-        // Not named after all (its head was not queued yet), it may have the lock.
-        drop(attempt);
-        named
-            .await
-            .expect("named")
-            .expect("the named replica got the lock");
     }
     println!(
-        "db-unique: {got} of the cut acquisitions got the lock before their cut; cuts after \
-         a release: {before_retry} before the retry's INSERT, {in_retry} while it was on its \
-         way, {after_retry} after it (last {retry_cut:?} after the release); {stale} \
-         memberships left in a queue of replicas"
+        "db-unique: {got} of the cut acquisitions got the lock before their cut; {undone} \
+         INSERTs on the free lock cut on their way and undone, in {step} steps"
     );
     assert!(
-        in_retry >= 3,
-        "{in_retry} cuts landed while the retry's INSERT was on its way ({before_retry} \
-         before, {after_retry} after, in {step} steps)"
+        undone >= 3,
+        "{undone} cuts landed while the INSERT was on its way, in {step} steps"
     );
-
-    let mysql = cluster.mysql().await;
     settles("db-unique rows", || lock_rows(&mysql)).await;
     let locks = [cut.clone()];
-    settles("cleanups, queues and registrations", || async {
+    settles("cleanups and acquisitions", || async {
         table_leftovers(&locks)
     })
     .await;
-    let queues = format!("{}:lock-row-[wn]a*:*", cluster.namespace);
-    settles("queues of replicas", || async {
-        redis_keys(&redis, &queues).await
-    })
-    .await;
-    for name in ["free", "held", "woken", "own"] {
+    for name in ["free", "held", "woken"] {
         patient(&*holder, name).await;
     }
+}
+
+/// The id a probe row of the lock table gets now (the row is deleted at once): one
+/// past the last probe's, unless a row was inserted in between.
+async fn probe_id(mysql: &sqlx::MySqlPool) -> u64 {
+    let id = sqlx::query(
+        "INSERT INTO distributed_locks (lock_name, owner, expires_at)
+         VALUES ('probe', 'probe', UTC_TIMESTAMP(6))",
+    )
+    .execute(mysql)
+    .await
+    .expect("probe row")
+    .last_insert_id();
+    sqlx::query("DELETE FROM distributed_locks WHERE id = ?")
+        .bind(id)
+        .execute(mysql)
+        .await
+        .expect("probe row deleted");
+    id
 }
 
 /// Waits without the timer's millisecond granularity: cuts a fraction of a
@@ -392,91 +334,57 @@ async fn spin(pause: Duration) {
     }
 }
 
-/// Whether `replica` is in the Redis queue of replicas waiting for `name` (it joins
-/// at its head's first failed INSERT), within `PATIENCE`.
-async fn queued_in_redis(
-    redis: &flashsale::redis_pool::Pool,
-    namespace: &str,
-    name: &str,
-    replica: &str,
-) -> bool {
-    let key = format!("{namespace}:lock-row-waiting:{name}");
-    eventually(PATIENCE, || async {
-        let mut conn = redis.get().await.expect("redis");
-        let score: Option<String> = deadpool_redis::redis::cmd("ZSCORE")
-            .arg(&key)
-            .arg(replica)
-            .query_async(&mut conn)
-            .await
-            .expect("ZSCORE");
-        score.is_some()
-    })
-    .await
-}
-
 /// Whether the cut lock service has nothing running or waiting, within `PATIENCE`;
-/// if not, what was left. Its replica is then taken off the queue of `name` if a cut
-/// left it there (the queue is a hint: the releases' missed turns or its expiry take
-/// such a member off in time), so that the next step's wait for a join sees a fresh
-/// one; `stale` counts those.
-async fn quiet(
-    cut: &TableLock,
-    redis: &flashsale::redis_pool::Pool,
-    namespace: &str,
-    name: &str,
-    stale: &mut usize,
-) -> Result<(), String> {
+/// if not, what was left.
+async fn quiet(cut: &TableLock) -> Result<(), String> {
     let left = std::cell::Cell::new((0, 0));
     let quiet = eventually(PATIENCE, || async {
         left.set((cut.background_tasks(), cut.waiting()));
         left.get() == (0, 0)
     })
     .await;
-    if !quiet {
-        let (tasks, waiting) = left.get();
-        return Err(format!("{tasks} tasks, {waiting} waiting"));
+    if quiet {
+        return Ok(());
     }
-    let mut conn = redis.get().await.expect("redis");
-    let removed: i64 = deadpool_redis::redis::cmd("ZREM")
-        .arg(format!("{namespace}:lock-row-waiting:{name}"))
-        .arg("cut")
-        .query_async(&mut conn)
-        .await
-        .expect("ZREM");
-    *stale += usize::try_from(removed).unwrap_or(0);
-    Ok(())
+    let (tasks, waiting) = left.get();
+    Err(format!("{tasks} tasks, {waiting} waiting"))
 }
 
-/// Whether a release of the cut replica was announced on `channel` since the last
-/// call: a row of its own deleted, which only the undo of an INSERT cut on its way
-/// does here. A marker published after the cleanups ended comes after any notice they
-/// sent.
-async fn undo_announced(
-    redis: &flashsale::redis_pool::Pool,
-    channel: &str,
-    notices: &mut (impl futures::Stream<Item = deadpool_redis::redis::Msg> + Unpin),
-) -> bool {
-    use futures::StreamExt;
-    let marker = format!("marker:{:x}", rand::random::<u64>());
-    let mut conn = redis.get().await.expect("redis");
-    let _: i64 = deadpool_redis::redis::cmd("PUBLISH")
-        .arg(channel)
-        .arg(&marker)
-        .query_async(&mut conn)
-        .await
-        .expect("PUBLISH");
-    let mut undone = false;
-    loop {
-        let notice = tokio::time::timeout(PATIENCE, notices.next())
-            .await
-            .expect("the marker came back")
-            .expect("subscribed");
-        let payload: String = notice.get_payload().expect("a payload");
-        if payload == marker {
-            return undone;
+/// A release cut at every 50 µs of its first 2 ms, with a waiter on the holder's
+/// replica and one on another. Wherever the cut lands (before the DELETE, while it is
+/// on its way, after it), both waiters get the lock within their wait, each in turn:
+/// the row is deleted by the release or by the guard's background release. Without
+/// the background release (`LeaseGuard`'s drop doing nothing) a cut release left the
+/// row to its 60 s lease and the waiters gave up after their 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_lock_releases_cut_at_every_point_leave_the_lock_to_the_waiters() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let holder = Arc::new(table_lock(&cluster, "holder").await);
+    let other = Arc::new(table_lock(&cluster, "other").await);
+    let inside = Arc::new(AtomicUsize::new(0));
+    for step in 0..40 {
+        let after = Duration::from_micros(50 * step);
+        let guard = holder.acquire("item", PATIENCE).await.expect("acquired");
+        let waiters = [holder.clone(), other.clone()].map(|lock| {
+            let inside = inside.clone();
+            tokio::spawn(async move {
+                let guard = lock.acquire("item", PATIENCE).await.expect("the lock came");
+                assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                inside.fetch_sub(1, Ordering::SeqCst);
+                guard.release().await.expect("released");
+            })
+        });
+        let _ = tokio::time::timeout(after, guard.release()).await;
+        for waiter in join_all(waiters).await {
+            waiter.unwrap_or_else(|error| panic!("cut at {after:?}: {error}"));
         }
-        undone |= payload.starts_with("cut:");
     }
+    let mysql = cluster.mysql().await;
+    settles("db-unique rows", || lock_rows(&mysql)).await;
+    settles("cleanups and acquisitions", || async {
+        table_leftovers(&[holder.clone(), other.clone()])
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -103,7 +103,7 @@ impl LockFactory for Redis {
     }
 }
 
-/// Lock tables as the service builds them: release notices on the stack's Redis.
+/// Lock tables, each on a MySQL pool of its own, as replicas have.
 struct Table {
     database_url: String,
     namespace: String,
@@ -115,7 +115,7 @@ impl LockFactory for Table {
         let pool = sqlx::MySqlPool::connect(&self.database_url)
             .await
             .expect("MySQL");
-        TableLock::new(pool, owner, lease).with_release_notices(redis_pool(), &self.namespace)
+        TableLock::new(pool, owner, lease)
     }
     async fn lease_left(lock: &TableLock, name: &str) -> Option<i64> {
         lock.inspect(name)
@@ -126,7 +126,7 @@ impl LockFactory for Table {
     fn tasks(lock: &TableLock) -> usize {
         lock.background_tasks()
     }
-    /// A request holds the replica's turn or waits for a notice.
+    /// An acquisition of it is under way (polling).
     async fn waits(lock: &TableLock, _name: &str) -> bool {
         lock.waiting() > 0
     }
@@ -667,19 +667,18 @@ async fn zookeeper_lock_waiter_wakes_on_release() {
     );
 }
 
-/// After a 3 s hold, a waiter of the table lock still gets it soon after the release:
-/// woken by the notice, or at worst by its poll, capped at 50 ms (an uncapped doubling
-/// backoff would be sleeping for seconds by then). The two cover for each other, so
-/// removing one leaves this passing: the notice alone is checked by
-/// `table_lock_waiters_are_woken_by_releases`, the poll alone by
-/// `table_lock_hands_over_by_polling_with_redis_down` and `..._hung`.
+/// The table lock's wake-up is its poll (MySQL cannot tell a waiter that a row was
+/// deleted): after a 3 s hold, a waiter still gets the lock soon after the release,
+/// its backoff capped at 250 ms. Without the cap (`BACKOFF_CAP` at a minute, as an
+/// uncapped doubling backoff would be by then) the waiter slept through the release:
+/// it got the lock 1.8 s after it.
 #[tokio::test]
-async fn table_lock_waiter_notices_release() {
+async fn table_lock_waiter_polls_the_lock_soon_after_the_release() {
     let (_cluster, factory) = table_factory().await;
     let wake = wake_after_release(factory, "db-unique", Duration::from_secs(3)).await;
     assert!(
         wake < Duration::from_secs(1),
-        "noticed within a capped poll: {wake:?}"
+        "found free by a capped poll: {wake:?}"
     );
 }
 
@@ -1916,103 +1915,47 @@ async fn table_lock_leases_agree_across_session_time_zones() {
     );
 }
 
-/// Waits (at most 10 s) until every lock of `locks` hears the others' releases.
-pub(crate) async fn subscribed(locks: &[&TableLock]) {
+/// Waits (at most 10 s) until no row is left and the locks run and wait for nothing.
+pub(crate) async fn nothing_left(cluster: &TestCluster, locks: &[&TableLock]) {
+    let mysql = cluster.mysql().await;
     let started = Instant::now();
-    while !locks.iter().all(|lock| lock.hears_releases()) {
+    loop {
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SELECT lock_name, owner FROM distributed_locks")
+                .fetch_all(&mysql)
+                .await
+                .expect("lock rows");
+        let busy: usize = locks
+            .iter()
+            .map(|lock| lock.background_tasks() + lock.waiting())
+            .sum();
+        if rows.is_empty() && busy == 0 {
+            return;
+        }
         assert!(
             started.elapsed() < Duration::from_secs(10),
-            "release notices never subscribed"
+            "left behind: rows {rows:?}, {busy} tasks or acquisitions"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
-/// A table lock of its own pool that publishes and listens through Redis at `url`.
-async fn table_lock_via(cluster: &TestCluster, url: &str, owner: &str) -> TableLock {
-    TableLock::new(cluster.mysql().await, owner, LONG)
-        .with_release_notices(pool_for(url), &cluster.namespace)
-}
-
-/// Handoffs to another replica's waiting head come from the release notice, not the
-/// poll: here the waiter polls at most once a minute (`TableLock::with_poll_cap`), so
-/// only a notice can hand it the lock within its 10 s wait. (With its usual 25-50 ms
-/// poll no timing on a loaded machine tells the two apart.) Each round the holder
-/// releases once the waiter's first INSERT failed (it joined the queue of replicas).
-/// Without the notice (`Rows::released` publishing nothing) the first round's waiter
-/// gave up after its 10 s.
-#[tokio::test]
-async fn table_lock_waiters_are_woken_by_releases() {
-    const HANDOFFS: usize = 24;
-    let (cluster, factory) = table_factory().await;
-    let holder = factory.make("holder", LONG).await;
-    let waiter = Arc::new(
-        TableLock::new(cluster.mysql().await, "waiter", LONG)
-            .with_poll_cap(Duration::from_secs(60))
-            .with_release_notices(redis_pool(), &cluster.namespace),
-    );
-    subscribed(&[&holder, &waiter]).await;
-    let redis = redis_pool();
-    let queue = format!("{}:lock-row-waiting:item", cluster.namespace);
-    let mut handoffs = Vec::with_capacity(HANDOFFS);
-    for round in 0..HANDOFFS {
-        let guard = holder.acquire("item", LONG).await.expect("acquired");
-        let waiting = {
-            let waiter = waiter.clone();
-            tokio::spawn(async move {
-                let guard = waiter.acquire("item", Duration::from_secs(10)).await;
-                let acquired_at = Instant::now();
-                let guard = guard.unwrap_or_else(|error| {
-                    panic!("round {round}: no notice handed the lock over: {error}")
-                });
-                guard.release().await.expect("released");
-                acquired_at
-            })
-        };
-        let (redis, queue) = (&redis, queue.as_str());
-        until("the waiter's first INSERT failed", || async move {
-            crate::lock_handover::queued(redis, queue).await == ["waiter"]
-        })
-        .await;
-        assert!(!waiting.is_finished(), "the waiter got a held lock");
-        let released_at = Instant::now();
-        guard.release().await.expect("released");
-        let acquired_at = bounded("the waiter", waiting)
-            .await
-            .expect("waiter finished");
-        handoffs.push(acquired_at.duration_since(released_at));
-    }
-    handoffs.sort();
-    println!(
-        "db-unique: {HANDOFFS} handoffs by notice; median {:?}, slowest {:?}",
-        handoffs[HANDOFFS / 2],
-        handoffs[HANDOFFS - 1]
-    );
-}
-
-/// Several replicas (each its own MySQL pool and Redis subscription, one of them
-/// without notices: it polls) and several requests on each contend for one name for
-/// two seconds, holding it for a moment each time. Never two holders at once, as
-/// counted by the test itself; every notified replica holds it; and afterwards nothing
-/// is left: no row, no task, no queue or registration. How often it moved between
-/// replicas is printed, not asserted (4 moves in 2 s once, on a loaded machine).
+/// Four replicas (each its own MySQL pool) and five requests on each contend for one
+/// name for two seconds, holding it for a moment each time. Never two holders at
+/// once, as counted by the test itself; every replica holds it; and afterwards nothing
+/// is left: no row, no task, no acquisition. How often it moved between replicas is
+/// printed, not asserted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn table_locks_exclude_across_replicas_under_real_concurrency() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     const REQUESTS: usize = 5;
     let (cluster, factory) = table_factory().await;
     let mut locks = Vec::new();
-    for replica in 0..3 {
+    for replica in 0..4 {
         locks.push(Arc::new(
             factory.make(&format!("replica-{replica}"), LONG).await,
         ));
     }
-    locks.push(Arc::new(TableLock::new(
-        cluster.mysql().await,
-        "poller",
-        LONG,
-    )));
-    subscribed(&locks[..3].iter().map(|lock| &**lock).collect::<Vec<_>>()).await;
     let inside = Arc::new(AtomicUsize::new(0));
     let violations = Arc::new(AtomicUsize::new(0));
     let holders = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -2044,79 +1987,154 @@ async fn table_locks_exclude_across_replicas_under_real_concurrency() {
     }
     let moves = holders.windows(2).filter(|pair| pair[0] != pair[1]).count();
     println!(
-        "db-unique: {} holds (per replica {per_replica:?}, the last polls), {moves} between replicas",
+        "db-unique: {} holds (per replica {per_replica:?}), {moves} between replicas",
         holders.len()
     );
     assert_eq!(violations.load(Ordering::SeqCst), 0, "two holders at once");
     assert!(
-        per_replica[..3].iter().all(|&holds| holds > 0),
-        "every notified replica held it: {per_replica:?}"
+        per_replica.iter().all(|&holds| holds > 0),
+        "every replica held it: {per_replica:?}"
     );
     let locks: Vec<&TableLock> = locks.iter().map(|lock| &**lock).collect();
-    crate::lock_handover::nothing_left(&cluster, &locks).await;
+    nothing_left(&cluster, &locks).await;
 }
 
-/// Redis down: no notice is sent or heard, and the table lock works as it did by
-/// polling alone. A release is not held up by the notice it cannot send, and a waiter
-/// still gets the lock within a poll. With the poll paused 60 s (`poll_pause`) the
-/// waiter waited out its 30 s, here and with Redis hung.
-#[tokio::test]
-async fn table_lock_hands_over_by_polling_with_redis_down() {
-    let (cluster, _factory) = table_factory().await;
-    let nowhere = format!("redis://127.0.0.1:{}", free_port());
-    let holder = table_lock_via(&cluster, &nowhere, "holder").await;
-    let waiter = Arc::new(table_lock_via(&cluster, &nowhere, "waiter").await);
-    hand_over_without_notices(&holder, waiter, "redis down").await;
-}
+/// Issue 37, defect 2: a replica beaten each time by the other replicas' fresh INSERTs
+/// must still get the lock within its wait (5 s, the service's default), three times
+/// in three. The other replicas are played by the test: one task holds their row
+/// 20 ms, deletes it and INSERTs the next one at once, the fresh INSERT that beats a
+/// waiter woken by the release; another publishes release notices as the replicas'
+/// releases did when they kept a queue of replicas (`<owner>\n<replica named next>`),
+/// every 3 ms, on a clock rather than after each DELETE because this machine's MariaDB
+/// takes longer than that for a DELETE and an INSERT. The first three notices after
+/// the replica began waiting name it, the rest another replica, as after its third
+/// miss in that queue, where the issue traced a head holding back 5 ms at every
+/// notice naming another and so never sending an INSERT.
+///
+/// On the code of that queue (cc251e0) this did NOT fail: the replica got the lock
+/// after 28 ms to 958 ms (six runs of three, 3 s waits). Its INSERTs got through
+/// anyway: one sent while the others' DELETE is running waits for it inside InnoDB and
+/// wins, and two notices delivered together leave the hold-back a wake-up without a
+/// name, which ends it.
+///
+/// The polling lock ignores the notices and is unfair in its own way: only an INSERT
+/// that arrives during the others' DELETE wins, a few milliseconds in every 25, and
+/// a waiter at its 250 ms backoff cap tries a dozen times in 3 s. With 3 s waits one
+/// attempt in 45 gave up (15 runs); with 5 s none of 18 did, the slowest taking
+/// 1.0 s. Ignored all the same, since nothing bounds how often the others win; run it
+/// with `--run-ignored ignored-only`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "a polling waiter is beaten now and then too: see the doc comment"]
+async fn table_lock_replica_beaten_by_fresh_inserts_still_gets_the_lock() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-/// Redis hung (connections open, nothing answered) after the subscription was made:
-/// the release's notice gives up within its bound, and the waiter, whose
-/// subscription looks alive, gets the lock from its poll.
-#[tokio::test]
-async fn table_lock_hands_over_by_polling_with_redis_hung() {
-    let (cluster, _factory) = table_factory().await;
-    let proxy = StallProxy::start(&redis_url().replace("redis://", "")).await;
-    let through = format!("redis://{}", proxy.address);
-    let holder = table_lock_via(&cluster, &through, "holder").await;
-    let waiter = Arc::new(table_lock_via(&cluster, &through, "waiter").await);
-    subscribed(&[&holder, &waiter]).await;
-    // The publisher's connection opened before the stall, as a replica's would be.
-    holder
-        .acquire("warm", LONG)
+    use sqlx::Connection;
+    const WAIT: Duration = Duration::from_secs(5);
+    const INSERT: &str = "INSERT INTO distributed_locks (lock_name, owner, expires_at)
+         VALUES ('hot', ?, UTC_TIMESTAMP(6) + INTERVAL 30 SECOND)";
+    let (cluster, factory) = table_factory().await;
+    let victim = factory.make("victim", LONG).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let released = Arc::new(AtomicUsize::new(0));
+    let rows = {
+        let (stop, released, url) = (stop.clone(), released.clone(), cluster.database_url.clone());
+        tokio::spawn(async move {
+            let mut mysql = sqlx::MySqlConnection::connect(&url).await.expect("MySQL");
+            let mut held: Option<String> = None;
+            let mut sequence = 0;
+            while !stop.load(Ordering::SeqCst) {
+                if let Some(owner) = held.take() {
+                    sqlx::query(
+                        "DELETE FROM distributed_locks WHERE lock_name = 'hot' AND owner = ?",
+                    )
+                    .bind(&owner)
+                    .execute(&mut mysql)
+                    .await
+                    .expect("the others' release");
+                    released.fetch_add(1, Ordering::SeqCst);
+                }
+                sequence += 1;
+                let next = format!("other-{}:{sequence}", sequence % 2);
+                match sqlx::query(INSERT).bind(&next).execute(&mut mysql).await {
+                    Ok(_) => {
+                        held = Some(next);
+                        // The others' hold: the work of an order, the row untouched.
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    // The victim holds it, or a deadlock refused the INSERT.
+                    Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+                }
+            }
+            if let Some(owner) = held {
+                sqlx::query("DELETE FROM distributed_locks WHERE owner = ?")
+                    .bind(&owner)
+                    .execute(&mut mysql)
+                    .await
+                    .expect("the others' last release");
+            }
+        })
+    };
+    // Notices since the victim began waiting (the first three name it).
+    let notices_since = Arc::new(AtomicUsize::new(usize::MAX));
+    let notices = {
+        let (stop, notices_since) = (stop.clone(), notices_since.clone());
+        let channel = format!("{}:lock-row-released:hot", cluster.namespace);
+        tokio::spawn(async move {
+            let mut redis = redis_pool().get().await.expect("redis");
+            let mut every = tokio::time::interval(Duration::from_millis(3));
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut sent = 0;
+            while !stop.load(Ordering::SeqCst) {
+                every.tick().await;
+                let named = if notices_since.fetch_add(1, Ordering::SeqCst) < 3 {
+                    "victim"
+                } else {
+                    "other-1"
+                };
+                sent += 1;
+                let () = deadpool_redis::redis::cmd("PUBLISH")
+                    .arg(&channel)
+                    .arg(format!("other-0:{sent}\n{named}"))
+                    .query_async(&mut redis)
+                    .await
+                    .map(|_: i64| ())
+                    .expect("PUBLISH");
+            }
+            sent
+        })
+    };
+    let mut outcomes = Vec::new();
+    for _ in 0..3 {
+        // The others have the lock to themselves again: a few releases.
+        let since = released.load(Ordering::SeqCst);
+        let released = &released;
+        until("the others take turns", || async move {
+            released.load(Ordering::SeqCst) >= since + 5
+        })
+        .await;
+        let asked = Instant::now();
+        notices_since.store(0, Ordering::SeqCst);
+        let outcome = match victim.acquire("hot", WAIT).await {
+            Ok(guard) => {
+                guard.release().await.expect("released");
+                Ok(asked.elapsed())
+            }
+            Err(error) => Err(format!("{error} after {:?}", asked.elapsed())),
+        };
+        outcomes.push(outcome);
+    }
+    stop.store(true, Ordering::SeqCst);
+    bounded("the others' rows", rows).await.expect("rows");
+    let sent = bounded("the others' notices", notices)
         .await
-        .expect("acquired")
-        .release()
-        .await
-        .expect("released");
-    proxy.stall(true);
-    hand_over_without_notices(&holder, waiter, "redis hung").await;
-    proxy.stall(false);
-}
-
-/// `holder` holds while `waiter` waits (seen waiting, then 300 ms of polls: the hold),
-/// then releases.
-async fn hand_over_without_notices(holder: &TableLock, waiter: Arc<TableLock>, what: &str) {
-    let guard = holder.acquire("item", LONG).await.expect("acquired");
-    let waiting = acquired_at_in_background(waiter.clone());
-    let waits_of = &*waiter;
-    until("the waiter waits", || async move { waits_of.waiting() > 0 }).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!waiting.is_finished(), "{what}: the waiter got a held lock");
-    let released_at = Instant::now();
-    guard.release().await.expect("released");
-    let releasing = released_at.elapsed();
-    let handoff = bounded("the waiter", waiting)
-        .await
-        .expect("waiter finished")
-        .duration_since(released_at);
-    println!("db-unique, {what}: release took {releasing:?}, handed over after {handoff:?}");
-    assert!(
-        releasing < Duration::from_millis(500),
-        "{what}: the release waited on Redis: {releasing:?}"
+        .expect("notices");
+    println!(
+        "db-unique: {} releases by the others, {sent} notices; the beaten replica: {outcomes:?}",
+        released.load(Ordering::SeqCst)
     );
     assert!(
-        handoff < Duration::from_secs(1),
-        "{what}: handed over within a poll: {handoff:?}"
+        outcomes.iter().all(Result::is_ok),
+        "the replica beaten by fresh INSERTs got the lock each time: {outcomes:?}"
     );
 }
 

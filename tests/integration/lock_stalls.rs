@@ -15,14 +15,12 @@ use flashsale::lock::table::TableLock;
 use flashsale::lock::{DistributedLock, HeldLock, LockError};
 use sqlx::Connection;
 
-use crate::lock_primitives::{bounded, subscribed, until};
 use crate::support::{TestCluster, free_port, pool_for, redis_client, redis_pool, redlock_urls};
 
 const LONG: Duration = Duration::from_secs(30);
 
 async fn table_lock(cluster: &TestCluster, owner: &str, lease: Duration) -> TableLock {
     TableLock::new(cluster.mysql().await, owner, lease)
-        .with_release_notices(redis_pool(), &cluster.namespace)
 }
 
 /// A session of the test's own, in a transaction that has run `statement`: until the
@@ -50,144 +48,6 @@ async fn row_locked(cluster: &TestCluster) -> sqlx::MySqlConnection {
         "SELECT id FROM distributed_locks WHERE lock_name = 'item' FOR UPDATE",
     )
     .await
-}
-
-/// Until a statement of the test's database that starts with `statement` is running
-/// inside MariaDB (waiting there for a row lock): the event, not a guess at how long
-/// the client takes to send it.
-async fn until_running(cluster: &TestCluster, statement: &str) {
-    let mysql = cluster.mysql().await;
-    let database = cluster
-        .database_url
-        .rsplit('/')
-        .next()
-        .expect("a database name")
-        .to_owned();
-    let (mysql, database) = (&mysql, database.as_str());
-    let pattern = format!("{statement}%");
-    let pattern = pattern.as_str();
-    until(statement, || async move {
-        let running: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = ? AND INFO LIKE ?",
-        )
-        .bind(database)
-        .bind(pattern)
-        .fetch_one(mysql)
-        .await
-        .expect("PROCESSLIST");
-        running > 0
-    })
-    .await;
-    mysql.close().await;
-}
-
-/// A hold that outlived its lease (its holder paused: renewals stopped, the row
-/// expired) has nothing to hand over: its release deletes the row instead of giving it,
-/// with a fresh lease, to the replica's next request, which then INSERTs a row of its
-/// own (a new id, run 0 in its token). Without the expiry check in the handover's
-/// UPDATE (`HAND_OVER_ROW`, `lock::table`) the waiter was handed the expired row: the
-/// same id, run 1.
-///
-/// This replaces a test of a handover stalled inside MariaDB past the lease, which
-/// passed without the check and could not be made to fail: a stalled UPDATE reads
-/// `UTC_TIMESTAMP(6)` as of its start, when the row was still live, so the check does
-/// not refuse it there. The row it hands over is born expired, and the taker's renewal
-/// (`with_lease_ahead`) refuses it; the turn that takes a row handed to it at every
-/// attempt covers what follows, and either guard alone kept that test passing.
-#[tokio::test]
-async fn table_lock_hold_past_its_lease_is_not_handed_over() {
-    let lease = Duration::from_millis(600);
-    let cluster = TestCluster::start(1, &[]).await;
-    let lock = Arc::new(table_lock(&cluster, "replica", lease).await);
-    let held = lock.acquire("item", LONG).await.expect("held");
-    let (id, _, _) = lock.inspect("item").await.expect("inspect").expect("a row");
-    held.suspend_renewal();
-    // The runtime has one thread: the waiter queues behind the hold at the test's
-    // first wait below.
-    let waiter = {
-        let lock = lock.clone();
-        tokio::spawn(async move {
-            let guard = lock
-                .acquire("item", Duration::from_secs(10))
-                .await
-                .expect("the lock came");
-            let token = guard.fencing_token().expect("a token");
-            guard.release().await.expect("released");
-            token
-        })
-    };
-    let lock_of = &lock;
-    until("the hold's lease ran out", || async move {
-        lock_of
-            .inspect("item")
-            .await
-            .expect("inspect")
-            .is_some_and(|(_, _, left_ms)| left_ms < 0)
-    })
-    .await;
-    // Lost or released: the hold outlived its lease either way.
-    let _ = held.release().await;
-    let token = bounded("the waiter", waiter).await.expect("waiter");
-    let (next_id, run) = (token >> 16, token & 0xffff);
-    println!(
-        "table lock: after an expired hold the waiter held row {next_id}, run {run} (the expired row was {id})"
-    );
-    assert!(
-        run == 0 && i64::try_from(next_id).ok() != Some(id),
-        "the expired row {id} was handed over: the waiter held row {next_id}, run {run}"
-    );
-}
-
-/// A replica's waiting head is dropped (its shopper left) while its INSERT waits
-/// inside MariaDB; the INSERT then fails with a duplicate key, the ordinary end of a
-/// head's try. The undo must give the replica's turn back at once: it took the
-/// INSERT's error, which sqlx hands to the next statement, for a broken connection and
-/// slept 500 ms holding the turn, while the lock was free (without the fix, treating
-/// that error as a broken connection: the replica's acquisition of the free lock timed
-/// out). Its wait, 450 ms, is a bound on time: under the 500 ms the undo slept, and
-/// 300 ms once proved too short on a loaded machine.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn table_lock_undo_of_a_failed_insert_gives_the_turn_back_at_once() {
-    let cluster = TestCluster::start(1, &[]).await;
-    let holder = table_lock(&cluster, "holder", LONG).await;
-    let cut = Arc::new(table_lock(&cluster, "cut", LONG).await);
-    subscribed(&[&holder, &cut]).await;
-    let held = holder.acquire("item", LONG).await.expect("held");
-    let mut session = row_locked(&cluster).await;
-
-    let head = {
-        let cut = cut.clone();
-        tokio::spawn(async move { cut.acquire("item", LONG).await.map(drop) })
-    };
-    until_running(&cluster, "INSERT INTO distributed_locks").await;
-    assert!(
-        !head.is_finished(),
-        "the head's INSERT waits inside MariaDB"
-    );
-    head.abort();
-    assert!(
-        bounded("the dropped head", head).await.is_err(),
-        "the head was dropped mid-INSERT"
-    );
-    // The INSERT now fails with 1062 (the row is there), then the lock is released.
-    sqlx::query("COMMIT")
-        .execute(&mut session)
-        .await
-        .expect("commit");
-    held.release().await.expect("released");
-
-    let started = Instant::now();
-    let attempt = cut.acquire("item", Duration::from_millis(450)).await;
-    println!(
-        "table lock: the replica whose head was dropped took the free lock: {:?} after {:?}",
-        attempt.as_ref().map(|_| ()),
-        started.elapsed()
-    );
-    attempt
-        .expect("the replica's turn was given back")
-        .release()
-        .await
-        .expect("released");
 }
 
 /// `acquire(name, wait)` waits at most `wait`, also while its INSERT waits inside
