@@ -77,6 +77,9 @@ pub trait Strategy: Send + Sync {
 pub struct OrderOptions {
     /// Lock holders register their token and their write must still carry the fence.
     pub fencing: bool,
+    /// Lock holders go through the cohort layer (`lock::cohort`): a replica's requests
+    /// queue locally and a holder hands the lock to the next.
+    pub cohort: bool,
     /// The sale epoch the order started under; its commit requires it unchanged.
     pub epoch: u64,
     /// Where an armed paused-holder fault stalls the next holder to claim it.
@@ -141,8 +144,8 @@ pub enum OrderError {
     /// MySQL refused the write: the stock it was computed from is no longer MySQL's.
     #[error("the stock read is no longer MySQL's")]
     StaleRead,
-    /// An admin changed the sale (strategy, fencing, reset, reconcile) while the order
-    /// was under way; nothing was written, and a retry runs under the new settings.
+    /// An admin changed the sale (strategy, fencing or cohort switch, reset, reconcile,
+    /// fence reset) while the order was under way; nothing was written, and a retry runs under the new settings.
     #[error("the sale changed while the order was under way")]
     SaleChanged,
     /// optimistic: every attempt conflicted with another writer.
