@@ -5,10 +5,11 @@
 //! exclusive lock on the epoch row serialises the changes; orders never lock that
 //! row). Then it gives the new epoch to the SKUs it concerns (`products.epoch`): every
 //! SKU for a strategy, fencing or cohort switch and a reconcile or fence reset of
-//! everything, one SKU for a reset, a reconcile or a fence reset of that SKU. Writing a product row waits for that SKU's order
-//! commits in flight (they hold the row, see `order_commit.rs`), and every order that
-//! began before the change and concerns one of those SKUs will find its commit
-//! refused; the orders of the other SKUs go on. Then:
+//! everything, one SKU for a reset, a reconcile or a fence reset of that SKU. Writing
+//! a product row waits for that SKU's order commits in flight (they hold the row, see
+//! `order_commit.rs`), and every order that began before the change and concerns one
+//! of those SKUs will find its commit refused; the orders of the other SKUs go on.
+//! Then:
 //!
 //! - the row versions of the SKUs it concerns move forward too, and their Redis stock
 //!   is rewritten from MySQL with those versions. A cache write of an order that

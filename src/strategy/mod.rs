@@ -145,7 +145,8 @@ pub enum OrderError {
     #[error("the stock read is no longer MySQL's")]
     StaleRead,
     /// An admin changed the sale (strategy, fencing or cohort switch, reset, reconcile,
-    /// fence reset) while the order was under way; nothing was written, and a retry runs under the new settings.
+    /// fence reset) while the order was under way; nothing was written, and a retry
+    /// runs under the new settings.
     #[error("the sale changed while the order was under way")]
     SaleChanged,
     /// optimistic: every attempt conflicted with another writer.
