@@ -28,7 +28,8 @@
 #   FLASHSALE_LOCK_LEASE_MS and FLASHSALE_ZK_SESSION_MS as for `flashsale serve`;
 #   BENCH_ORDER_SECONDS (5), BENCH_CONNECTIONS (10 per replica), BENCH_PORT (8181,
 #   the first of the three replicas this script starts and stops), BENCH_STRATEGIES
-#   (space-separated, default all), BENCH_BIN_DIR (default target/release: the
+#   (space-separated, default all), BENCH_MODES ("cohort classic": each lock strategy
+#   with the cohort layer on and off; "cohort": on only), BENCH_BIN_DIR (default target/release: the
 #   binaries measured; any other folder is used as it is, without a build: scripts/test.sh
 #   points it at the debug build its tests made, so the workspace is not built twice),
 #   BENCH_STACK_DIR (the services' pidfiles, for the CPU table; default .stack);

@@ -464,11 +464,13 @@ function renderRace(sku, sections) {
     const bar = add("rect", {
       x: x(s.start_ms), y: rowTop.get(s.replica) + laneOf.get(s) * laneHeight,
       width: Math.max(x(s.end_ms) - x(s.start_ms), 2), height: laneHeight - 3,
-      class: `${known}${attempt[i] ? " attempt" : overlapping[i] ? " overlap" : ""}${stale[i] ? " stale" : ""}`,
+      class: `${known}${attempt[i] ? " attempt" : overlapping[i] ? " overlap" : ""}${stale[i] ? " stale" : ""}` +
+        (s.handed_over ? " handed" : ""),
     });
     const title = document.createElementNS(ns, "title");
     title.textContent = `${s.replica} ${s.strategy}: ${s.outcome}, ${(s.end_ms - s.start_ms).toFixed(1)} ms` +
-      (s.fence === null ? "" : `, token ${s.fence}`) + (s.order_id === null ? "" : `, order ${s.order_id}`);
+      (s.fence === null ? "" : `, token ${s.fence}`) + (s.order_id === null ? "" : `, order ${s.order_id}`) +
+      (s.handed_over ? ", lock handed over by the replica's previous holder" : "");
     bar.appendChild(title);
   });
   add("text", { x: label, y: height - 6 }, `${span.toFixed(0)} ms from the first section shown to the last`);
@@ -476,9 +478,11 @@ function renderRace(sku, sections) {
   const overlaps = overlapping.filter(Boolean).length;
   const staleSales = stale.filter(Boolean).length;
   const attempts = attempt.filter(Boolean).length;
+  const handed = sections.filter((s) => s.handed_over).length;
   document.getElementById("race-legend").textContent =
     `${overlaps} of ${sections.length} sections overlap another · green: sold · grey: sold out · red: refused (lock lost or fenced)` +
     (attempts ? ` · dashed: ${attempts} attempt(s) without a lock (optimistic, redis-atomic), which may overlap` : "") +
+    (handed ? ` · pale: ${handed} section(s) whose lock was handed over within the replica (cohort), not acquired` : "") +
     (staleSales ? ` · striped: ${staleSales} stale holder(s) sold after their lock had gone` : "");
 }
 

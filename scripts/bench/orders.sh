@@ -7,6 +7,8 @@ ORDER_SECONDS=${BENCH_ORDER_SECONDS:-5}
 CONNECTIONS=${BENCH_CONNECTIONS:-10}
 PORT=${BENCH_PORT:-8181}
 read -r -a STRATEGIES <<<"${BENCH_STRATEGIES:-none redis-lock db-unique optimistic zookeeper db-for-update etcd redlock redis-atomic}"
+# The lock strategies' modes (see modes_of): "cohort classic" or just "cohort".
+MODES=${BENCH_MODES:-cohort classic}
 # Another build to measure (e.g. an older commit's, for a before/after in one run).
 BINARY=${BENCH_BINARY:-target/release/flashsale}
 SKU=bench-hot
@@ -142,6 +144,16 @@ measure_costs() {
   printf '{"measured":%s,"before":%s,"after":%s}\n' "$measured" "$before" "$after"
 }
 
+# modes_of STRATEGY: the modes it is measured in: a lock strategy with the cohort layer
+# on ("cohort") and, if BENCH_MODES asks for it, off ("classic": the lock as the
+# articles teach it); the others have no layer.
+modes_of() {
+  case "$1" in
+    redis-lock | db-unique | zookeeper | etcd | redlock) echo "$MODES" ;;
+    *) echo cohort ;;
+  esac
+}
+
 start_replicas() {
   # A database and Redis namespace of their own (BENCH_DATABASE, default
   # flashsale_bench), so a demo running beside keeps its strategy and stock, and two
@@ -209,12 +221,18 @@ section_orders() {
     measure 1 1 warm "$repeat" "$PORT" >/dev/null
     measure_costs 1 "$ORDER_SECONDS" baseline "$repeat" "$PORT" >>"$results"
     for strategy in "${STRATEGIES[@]}"; do
-      log "orders: repeat $repeat of $REPEAT, $strategy"
-      admin PUT /api/admin/strategy "{\"strategy\":\"$strategy\"}"
-      admin POST /api/admin/reset "{\"sku\":\"$SKU\",\"stock\":$STOCK}"
-      measure "$CONNECTIONS" 1 warm "$repeat" "${ports[@]}" >/dev/null
-      measure_costs "$CONNECTIONS" "$ORDER_SECONDS" "$strategy" "$repeat" "${ports[@]}" >>"$results"
+      for mode in $(modes_of "$strategy"); do
+        local label=$strategy
+        [ "$mode" = classic ] && label="$strategy classic"
+        log "orders: repeat $repeat of $REPEAT, $label"
+        admin PUT /api/admin/cohort "{\"enabled\":$([ "$mode" = classic ] && echo false || echo true)}"
+        admin PUT /api/admin/strategy "{\"strategy\":\"$strategy\"}"
+        admin POST /api/admin/reset "{\"sku\":\"$SKU\",\"stock\":$STOCK}"
+        measure "$CONNECTIONS" 1 warm "$repeat" "${ports[@]}" >/dev/null
+        measure_costs "$CONNECTIONS" "$ORDER_SECONDS" "$label" "$repeat" "${ports[@]}" >>"$results"
+      done
     done
+    admin PUT /api/admin/cohort '{"enabled":true}'
   done
   stop_replicas
 
@@ -230,7 +248,10 @@ section_orders() {
     echo "for $ORDER_SECONDS s after a 1 s warm-up; orders are counted in MySQL (\`/api/stats\`),"
     echo "not by the client. The base is \`none\` with ONE connection to one replica, measured"
     echo "in the same repeat: the critical section with no lock and no contention. Every"
-    echo "strategy is measured $REPEAT times, the repeats interleaved."
+    echo "strategy is measured $REPEAT times, the repeats interleaved. A lock strategy's"
+    echo "row is its lock with the cohort layer (docs/cohort.md), the service's default;"
+    echo "its \`classic\` row is the same lock with the layer off, as the articles teach it:"
+    echo "reported, not judged."
     echo
     echo "    wrk -t1 -c$CONNECTIONS -d${ORDER_SECONDS}s -s scripts/bench/order.lua http://127.0.0.1:PORT   # per replica"
     echo

@@ -17,6 +17,7 @@ use sqlx::MySqlPool;
 use tokio::time::Instant;
 
 use super::LockError;
+use super::local_queue::acquisition_of;
 
 /// Bound on asking for a floor: the lock is held meanwhile.
 pub const FLOOR_TIMEOUT: Duration = Duration::from_secs(2);
@@ -65,6 +66,8 @@ impl FenceFloor for MySqlFenceFloor {
         .fetch_optional(&self.pool)
         .await
         .map_err(|error| LockError::backend("mysql", error))?;
-        Ok(fence.unwrap_or(0))
+        // The fence is a hold's token: the counter's value with the hold's place in its
+        // run (`cohort`).
+        Ok(fence.map_or(0, acquisition_of))
     }
 }

@@ -48,6 +48,12 @@ pub fn token_in_run(token: u64, run: u32) -> Option<u64> {
         .checked_add(u64::from(run))
 }
 
+/// The lock's own token inside a hold's token: the inverse of `token_in_run`, for a
+/// counter that must restart above the tokens already used.
+pub fn acquisition_of(token: u64) -> u64 {
+    token >> RUN_BITS
+}
+
 /// What a turn can leave for the next.
 pub trait Passed: Sized {
     /// Nobody took it: it must release what it holds, keeping `turn` (a turn on its

@@ -15,6 +15,7 @@
 //! each backend undoes a dropped attempt from a cleanup that owns what the attempt
 //! sent (`task` counts them, and tests check they end).
 
+pub mod cohort;
 pub mod etcd;
 pub mod fence_floor;
 pub mod lease;
@@ -23,7 +24,6 @@ pub mod notices;
 pub mod redis;
 pub mod redlock;
 pub mod replica_queue;
-pub mod signals;
 pub mod table;
 pub mod task;
 pub mod zookeeper;
@@ -61,7 +61,7 @@ impl LockError {
 /// A lock service: hands out exclusive holds on named locks.
 #[async_trait]
 pub trait DistributedLock: Send + Sync {
-    type Guard: HeldLock;
+    type Guard: HeldLock + 'static;
 
     /// Waits at most `wait` for the lock named `name`.
     async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError>;
@@ -75,6 +75,13 @@ pub trait DistributedLock: Send + Sync {
 
     /// The lock named `name` as anyone can see it from outside (the dashboard).
     async fn view(&self, name: &str) -> Result<LockView, LockError>;
+
+    /// Whether the lock service serves its waiters in the order they came (a queue of
+    /// nodes or keys), so a holder's replica cannot cut in ahead of the others after
+    /// releasing; the cohort layer holds back a replica whose run ended otherwise.
+    fn queues_waiters(&self) -> bool {
+        false
+    }
 }
 
 /// A lock as the dashboard shows it, the same shape for every mechanism.
@@ -112,6 +119,12 @@ pub trait HeldLock: Send + Sync {
     /// is never handed to another request (`cohort`). `false` when in doubt: the
     /// holder's check before it writes asks the service anyway.
     fn known_lost(&self) -> bool {
+        false
+    }
+
+    /// Whether this hold was handed over by another request of the replica rather
+    /// than acquired from the lock service (`cohort`; the race timeline marks it).
+    fn handed_over(&self) -> bool {
         false
     }
 

@@ -1,7 +1,7 @@
 //! Release notices over Redis pub/sub, shared by the locks whose waiters would
 //! otherwise poll: Redlock (its release script publishes) and the lock table (its
-//! releaser publishes after the DELETE). redis-lock wakes one waiter per release
-//! instead, through a signal list (`signals`).
+//! releaser publishes after the DELETE). redis-lock subscribes per lock instead
+//! (`redis`).
 //!
 //! A notice is a hint, never the lock's state: pub/sub delivers at most once, and
 //! not to a subscriber that was reconnecting. So a waiter woken by one still tries the

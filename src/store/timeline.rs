@@ -39,6 +39,10 @@ pub struct Section {
     /// The lock's fencing token, if it has one.
     pub fence: Option<u64>,
     pub order_id: Option<u64>,
+    /// The lock was handed over by the replica's previous holder (the cohort layer),
+    /// not acquired from the lock service.
+    #[serde(default)]
+    pub handed_over: bool,
 }
 
 #[derive(Clone)]

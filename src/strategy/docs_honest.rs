@@ -27,6 +27,7 @@ const COMMANDS: &[(&str, &[&str])] = &[
     ("ZRANGE", &[]),
     ("HSET", &[]),
     ("PUBLISH", &[]),
+    ("SUBSCRIBE", &[".subscribe("]),
     ("MGET", &[".mget("]),
     ("SELECT", &[]),
     ("INSERT", &[]),
@@ -64,7 +65,7 @@ fn cards() -> Vec<(Explanation, Vec<&'static str>)> {
             redis_lock::explanation(),
             vec![
                 include_str!("../lock/redis.rs"),
-                include_str!("../lock/signals.rs"),
+                include_str!("../lock/redis/subscriptions.rs"),
             ],
         ),
         (
@@ -93,6 +94,7 @@ fn cards() -> Vec<(Explanation, Vec<&'static str>)> {
             vec![
                 include_str!("../lock/redlock.rs"),
                 include_str!("../lock/redis.rs"),
+                include_str!("../lock/redis/pending_set.rs"),
                 include_str!("../lock/notices.rs"),
             ],
         ),

@@ -76,9 +76,7 @@ impl SaleFlow {
             .await?;
         let holding = Instant::now();
         let critical = self.sell(order, strategy, Some(&guard), &options);
-        let sold = self
-            .section(order, strategy, guard.fencing_token(), critical)
-            .await;
+        let sold = self.section(order, strategy, Some(&guard), critical).await;
         let released = timed(strategy, "release", guard.release())
             .instrument(debug_span!("release"))
             .await;
@@ -430,14 +428,14 @@ impl SaleFlow {
     }
 
     /// Runs an order's critical section and records it on the timeline (without
-    /// waiting): from now, when it begins, to its end; `fence` is the lock's token.
+    /// waiting): from now, when it begins, to its end; `hold` is the lock held, if any (its token and whether it was handed over).
     /// The section must end when the coordination ends (a row lock at its COMMIT), or
     /// the timeline shows the next holder overlapping this one.
     pub async fn section<T: Placed>(
         &self,
         order: &NewOrder,
         strategy: &str,
-        fence: Option<u64>,
+        hold: Option<&dyn HeldLock>,
         critical: impl Future<Output = Result<T, OrderError>>,
     ) -> Result<T, OrderError> {
         let start_ms = epoch_ms();
@@ -457,8 +455,9 @@ impl SaleFlow {
             start_ms,
             end_ms,
             outcome: outcome.code().to_owned(),
-            fence,
+            fence: hold.and_then(HeldLock::fencing_token),
             order_id,
+            handed_over: hold.is_some_and(HeldLock::handed_over),
         };
         self.store.timeline.record(&order.sku, section);
         result

@@ -7,11 +7,30 @@ use async_trait::async_trait;
 
 use super::{Explanation, LockView, OrderError, OrderOptions, SaleFlow, Strategy};
 use crate::lock::DistributedLock;
+use crate::lock::cohort::Cohort;
 use crate::model::{NewOrder, Order, Sku};
 
-pub struct LockStrategy<L> {
-    pub explanation: Explanation,
-    pub lock: L,
+/// What the cohort layer adds to every lock, said on each lock's card.
+const COHORT: &str = "Around the lock, the cohort layer (on unless switched off): a \
+                      replica's requests for a SKU queue locally, and a holder hands the \
+                      lock to the next of them instead of releasing it, up to 8 in a row.";
+
+pub struct LockStrategy<L: DistributedLock> {
+    explanation: Explanation,
+    /// The lock, with the cohort layer around it (on or off per order).
+    lock: Cohort<L>,
+}
+
+impl<L: DistributedLock> LockStrategy<L> {
+    /// `lock` with the layer around it; its card says what the layer adds. (The card
+    /// is made once per replica: its text is kept for the process's life.)
+    pub fn new(mut explanation: Explanation, lock: L) -> Self {
+        explanation.adds = format!("{} {COHORT}", explanation.adds).leak();
+        LockStrategy {
+            explanation,
+            lock: Cohort::new(lock),
+        }
+    }
 }
 
 #[async_trait]
@@ -30,11 +49,11 @@ impl<L: DistributedLock> Strategy for LockStrategy<L> {
         order: &NewOrder,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
-        flow.sell_locked(&self.lock, order, self.name(), options)
-            .await
+        let lock = self.lock.with(options.cohort);
+        flow.sell_locked(&lock, order, self.name(), options).await
     }
 
     async fn inspect(&self, _flow: &SaleFlow, sku: &Sku) -> Result<LockView, OrderError> {
-        Ok(self.lock.view(sku.as_str()).await?)
+        Ok(self.lock.lock().view(sku.as_str()).await?)
     }
 }

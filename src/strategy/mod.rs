@@ -282,9 +282,9 @@ pub fn registry(backends: &Backends) -> Registry {
     let owner = &backends.replica_id;
     Registry::new(vec![
         Arc::new(none::NoCoordination),
-        Arc::new(LockStrategy {
-            explanation: redis_lock::explanation(),
-            lock: RedisLock::new(
+        Arc::new(LockStrategy::new(
+            redis_lock::explanation(),
+            RedisLock::new(
                 backends.redis_client.clone(),
                 backends.redis_pool.clone(),
                 &backends.namespace,
@@ -292,39 +292,39 @@ pub fn registry(backends: &Backends) -> Registry {
                 backends.lease,
             )
             .with_fence_floor(fence_floor(backends, "redis-lock")),
-        }),
-        Arc::new(LockStrategy {
-            explanation: db_unique::explanation(),
-            lock: TableLock::new(backends.mysql.clone(), owner, backends.lease)
+        )),
+        Arc::new(LockStrategy::new(
+            db_unique::explanation(),
+            TableLock::new(backends.mysql.clone(), owner, backends.lease)
                 .with_release_notices(backends.redis_pool.clone(), &backends.namespace),
-        }),
+        )),
         Arc::new(optimistic::OptimisticStrategy::new(
             backends.optimistic_attempts,
         )),
-        Arc::new(LockStrategy {
-            explanation: zookeeper::explanation(),
-            lock: ZooKeeperLock::new(
+        Arc::new(LockStrategy::new(
+            zookeeper::explanation(),
+            ZooKeeperLock::new(
                 &backends.zookeeper,
                 backends.zookeeper_session_timeout,
                 &backends.namespace,
                 owner,
             ),
-        }),
+        )),
         Arc::new(db_for_update::DbForUpdateStrategy::default()),
-        Arc::new(LockStrategy {
-            explanation: etcd::explanation(),
-            lock: EtcdLock::new(&backends.etcd, &backends.namespace, backends.lease),
-        }),
-        Arc::new(LockStrategy {
-            explanation: redlock::explanation(),
-            lock: Redlock::new(
+        Arc::new(LockStrategy::new(
+            etcd::explanation(),
+            EtcdLock::new(&backends.etcd, &backends.namespace, backends.lease),
+        )),
+        Arc::new(LockStrategy::new(
+            redlock::explanation(),
+            Redlock::new(
                 backends.redlock_nodes.clone(),
                 &backends.namespace,
                 owner,
                 backends.lease,
             )
             .with_fence_floor(fence_floor(backends, "redlock")),
-        }),
+        )),
         Arc::new(redis_atomic::RedisAtomicStrategy::default()),
     ])
 }

@@ -12,18 +12,18 @@ pub fn explanation() -> Explanation {
         summary: "A replica takes the SKU's key with SET NX PX and a token unique to this \
                   acquisition, runs the order, and deletes the key only if it still holds \
                   its token. A watchdog renews the lease while the holder works.",
-        adds: "A fencing counter incremented in the acquiring script; one release signal \
-               taken by one waiting replica (BLPOP), whose try the lock is kept for (no \
-               barging); a retry when the TTL runs out, in case the holder crashed.",
+        adds: "A fencing counter incremented in the acquiring script (restarting above \
+               MySQL's fence if Redis lost it); an acquisition cancelled mid-SET undone on \
+               the same connection; waiters woken by the release's message, with the \
+               key's TTL as the fallback for a holder that crashed.",
         commands: vec![
             "acquire (Lua): SET <ns>:lock:<sku> <token> NX PX <lease>; if set, INCR <ns>:fence:<sku> \
-             (the fencing token); else PTTL to know when to retry (refused while the turn is kept \
-             for a woken waiter)",
+             (the fencing token); else PTTL, the longest a waiter waits before trying again",
             "watchdog (Lua, every lease/3) and the check before commit: if GET key == token then \
              PEXPIRE key <lease>; 0 means the lock was lost",
-            "release (Lua): if GET key == token then DEL key; RPUSH <ns>:lock-signal:<sku>; \
-             if waited for lately, SET <ns>:lock-reserved:<sku> PX 50",
-            "waiters: one reader per replica and SKU, BLPOP <ns>:lock-signal:<sku>",
+            "release (Lua): if GET key == token then DEL key; PUBLISH <ns>:lock-channel:<sku> <token>",
+            "waiters: SUBSCRIBE <ns>:lock-channel:<sku> (one pub/sub connection per replica), then \
+             try again; on a message or once the PTTL ran out, try again",
         ],
         failure_mode: "A holder that stalls longer than the lease (GC or VM pause, a stopped \
                        watchdog) loses the lock while still believing it holds it; another \

@@ -147,6 +147,24 @@ async fn redis_lock_survives_cancelled_acquisitions() {
         }
     })
     .await;
+    // Every replica unsubscribed from the lock's channel once its waiters were gone.
+    let channel = locks[0].channel("hot");
+    settles("release channel unsubscribed", || async {
+        let mut conn = pool.get().await.expect("redis");
+        let (_, subscribers): (String, i64) = deadpool_redis::redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(&channel)
+            .query_async(&mut conn)
+            .await
+            .expect("PUBSUB NUMSUB");
+        let waiting: usize = locks.iter().map(|lock| lock.waiting("hot")).sum();
+        if subscribers == 0 && waiting == 0 {
+            Vec::new()
+        } else {
+            vec![format!("{subscribers} subscribers, {waiting} waiters")]
+        }
+    })
+    .await;
 }
 
 /// A lock table as a replica builds it: its own pool, release notices on Redis.

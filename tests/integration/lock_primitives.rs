@@ -5,13 +5,14 @@
 //! their bounds leave room for a loaded 2-core machine.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use deadpool_redis::redis::AsyncCommands;
+use flashsale::lock::cohort::Cohort;
 use flashsale::lock::etcd::EtcdLock;
 use flashsale::lock::fence_floor::MySqlFenceFloor;
 use flashsale::lock::lease::{LeaseGuard, LeaseHold};
+use flashsale::lock::local_queue::token_in_run;
 use flashsale::lock::redis::RedisLock;
 use flashsale::lock::redlock::Redlock;
 use flashsale::lock::table::TableLock;
@@ -96,9 +97,9 @@ impl LockFactory for Redis {
     fn tasks(lock: &RedisLock) -> usize {
         lock.background_tasks()
     }
-    /// Its reader of release signals is up.
-    async fn waits(lock: &RedisLock, _name: &str) -> bool {
-        lock.signal_readers() > 0
+    /// Its replica is subscribed to the lock's release channel, as Redis counts it.
+    async fn waits(lock: &RedisLock, name: &str) -> bool {
+        subscribers(&lock.channel(name)).await > 0
     }
 }
 
@@ -472,20 +473,42 @@ async fn table_lock_lease_behaviour() {
     abandoned_hold_expires(factory).await;
 }
 
-/// How long a redis-lock signal reader blocks before it wakes a waiter without a signal
-/// (`lock::signals`: a signal lost with the process that took it is made up for after
-/// a whole quiet block). The reader begins blocking after its first waiter began
-/// waiting, so a waiter served within `SIGNAL_BLOCK * 3 / 4` of that was woken by a
-/// signal, however loaded the machine: the fallback can only come later than 2 s.
-const SIGNAL_BLOCK: Duration = Duration::from_secs(2);
+/// Subscribers of `channel` on the test Redis (`PUBSUB NUMSUB`).
+async fn subscribers(channel: &str) -> i64 {
+    let mut conn = redis_pool().get().await.expect("redis");
+    let (_, count): (String, i64) = deadpool_redis::redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(&mut conn)
+        .await
+        .expect("PUBSUB NUMSUB");
+    count
+}
 
-/// The waiter is woken by the release's signal: not by its reader's fallback (a whole
-/// 2 s block without a signal), nor by the 30 s lease running out. The holder releases
-/// as soon as the waiter waits on signals, and the waiter must hold the lock within
-/// 1.5 s of when it began waiting. Without the release's signal (the RPUSH in
-/// `lock::redis`' RELEASE) the fallback served it, 2 s after it began: the test fails.
+/// A redis-lock waiter that hears no release waits for the key's PTTL, which the
+/// holder's watchdog keeps between 2/3 and all of its lease (`LONG`, 30 s): at least
+/// 20 s. Served within a quarter of `LONG` (7.5 s) of its last refused try, it was
+/// woken by the release's message, however loaded the machine; a message takes
+/// milliseconds.
+const WOKEN_BEFORE_THE_TTL: Duration = Duration::from_secs(7);
+
+/// Until `waiter` has been refused `tries` times since `before` (its count then): its
+/// next step is the wait for a release, with the subscription it made before its
+/// last try.
+async fn until_refused(waiter: &RedisLock, before: u64, tries: u64) {
+    until("the waiter's tries were refused", || async move {
+        waiter.refused_tries() >= before + tries
+    })
+    .await;
+}
+
+/// The waiter is woken by the release's message, not by its fallback, the key's TTL.
+/// The holder releases once the waiter, subscribed, was refused twice (before and
+/// after subscribing) and so waits; the waiter must hold the lock within 7 s of the
+/// release. Without the PUBLISH in `lock::redis`' RELEASE, only the TTL, 30 s on,
+/// served it: the test fails.
 #[tokio::test]
-async fn redis_lock_waiter_wakes_on_release() {
+async fn redis_lock_waiter_wakes_on_the_release_message() {
     let (cluster, _factory) = redis_factory().await;
     let make = |owner: &str| {
         RedisLock::new(
@@ -498,26 +521,136 @@ async fn redis_lock_waiter_wakes_on_release() {
     };
     let holder = make("holder");
     let waiter = Arc::new(make("waiter"));
-    let guard = holder.acquire("item", LONG).await.expect("acquired");
-    let began = Instant::now();
-    let waiting = acquired_at_in_background(waiter.clone());
-    let reader_of = &waiter;
-    until("the waiter waits on release signals", || async move {
-        reader_of.signal_readers() == 1
+    until("the waiter's pub/sub connection is up", || async {
+        waiter.listening()
     })
     .await;
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    let waiting = acquired_at_in_background(waiter.clone());
+    until_refused(&waiter, 0, 2).await;
+    assert_eq!(subscribers(&waiter.channel("item")).await, 1, "subscribed");
     assert!(!waiting.is_finished(), "the waiter got a held lock");
     let released_at = Instant::now();
     guard.release().await.expect("released");
-    let acquired_at = bounded("the waiter", waiting).await.expect("waiter task");
-    let since_began = acquired_at.duration_since(began);
+    let acquired_at = within(
+        WOKEN_BEFORE_THE_TTL,
+        "the waiter, woken by the message",
+        waiting,
+    )
+    .await
+    .expect("waiter task");
     println!(
-        "redis-lock: waiter held the lock {:?} after the release, {since_began:?} after it began waiting",
+        "redis-lock: waiter held the lock {:?} after the release",
         acquired_at.duration_since(released_at)
     );
-    assert!(
-        since_began < SIGNAL_BLOCK * 3 / 4,
-        "woken by the release's signal, not a reader's fallback: {since_began:?} after it began waiting"
+    tasks_end::<Redis>(&waiter).await;
+    assert_eq!(waiter.waiting("item"), 0, "no waiter left");
+    until("the waiter's replica unsubscribed", || async {
+        subscribers(&waiter.channel("item")).await == 0
+    })
+    .await;
+}
+
+/// A release between the waiter's first try and its subscription is heard by nobody:
+/// the waiter tries again once subscribed. Here its pub/sub connection goes through a
+/// proxy that the test stalls, so its `SUBSCRIBE` hangs; the holder releases then, and
+/// the proxy lets the `SUBSCRIBE` through. The waiter must hold the lock within 7 s.
+/// Without the try after the subscription (the waiter going straight to its wait,
+/// `lock::redis`' acquire), only the TTL, 30 s on, served it: the test fails. After
+/// the lock was released with no waiter left, its replica unsubscribed.
+#[tokio::test]
+async fn redis_lock_release_before_the_subscription_is_not_missed() {
+    let (cluster, _factory) = redis_factory().await;
+    let proxy = StallProxy::start(&redis_url().replace("redis://", "")).await;
+    let through_proxy = format!("redis://{}", proxy.address);
+    let ns = &cluster.namespace;
+    let holder = RedisLock::new(redis_client(), redis_pool(), ns, "holder", LONG);
+    let waiter = Arc::new(RedisLock::new(
+        deadpool_redis::redis::Client::open(through_proxy.as_str()).expect("URL"),
+        redis_pool(),
+        ns,
+        "waiter",
+        LONG,
+    ));
+    until("the waiter's pub/sub connection is up", || async {
+        waiter.listening()
+    })
+    .await;
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    proxy.stall(true);
+    let before = waiter.refused_tries();
+    let waiting = acquired_at_in_background(waiter.clone());
+    until_refused(&waiter, before, 1).await;
+    until("the waiter subscribes", || async {
+        waiter.waiting("item") == 1
+    })
+    .await;
+    assert_eq!(
+        subscribers(&waiter.channel("item")).await,
+        0,
+        "SUBSCRIBE held back"
+    );
+    let released_at = Instant::now();
+    guard.release().await.expect("released");
+    proxy.stall(false);
+    let acquired_at = within(WOKEN_BEFORE_THE_TTL, "the waiter", waiting)
+        .await
+        .expect("waiter task");
+    println!(
+        "redis-lock: a release before the subscription; held {:?} after it",
+        acquired_at.duration_since(released_at)
+    );
+}
+
+/// The pub/sub connection comes back after Redis dropped it, subscribed again to the
+/// channels its waiters wait on: the waiter's connection goes through a proxy that
+/// the test cuts and heals while it waits. Then the holder releases, and the waiter
+/// must hold the lock within 7 s. Without subscribing again (`Releases::connected`)
+/// only the TTL, 30 s on, served it: the test fails.
+#[tokio::test]
+async fn redis_lock_waiters_hear_releases_after_a_reconnect() {
+    let (cluster, _factory) = redis_factory().await;
+    let proxy = PartitionProxy::start(&redis_url().replace("redis://", "")).await;
+    let through_proxy = format!("redis://{}", proxy.address);
+    let ns = &cluster.namespace;
+    let holder = RedisLock::new(redis_client(), redis_pool(), ns, "holder", LONG);
+    let waiter = Arc::new(RedisLock::new(
+        deadpool_redis::redis::Client::open(through_proxy.as_str()).expect("URL"),
+        redis_pool(),
+        ns,
+        "waiter",
+        LONG,
+    ));
+    until("the waiter's pub/sub connection is up", || async {
+        waiter.listening()
+    })
+    .await;
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    let waiting = acquired_at_in_background(waiter.clone());
+    until_refused(&waiter, 0, 2).await;
+    let channel = waiter.channel("item");
+    assert_eq!(subscribers(&channel).await, 1, "subscribed");
+    proxy.cut();
+    until("the subscription is gone", || async {
+        subscribers(&channel).await == 0
+    })
+    .await;
+    proxy.heal();
+    // Reconnected, subscribed again, and, woken by the reconnection, refused once more.
+    until("subscribed again", || async {
+        subscribers(&channel).await == 1
+    })
+    .await;
+    until_refused(&waiter, 0, 3).await;
+    assert!(!waiting.is_finished(), "the waiter got a held lock");
+    let released_at = Instant::now();
+    guard.release().await.expect("released");
+    let acquired_at = within(WOKEN_BEFORE_THE_TTL, "the waiter", waiting)
+        .await
+        .expect("waiter task");
+    println!(
+        "redis-lock: after a reconnect, held {:?} after the release",
+        acquired_at.duration_since(released_at)
     );
 }
 
@@ -776,154 +909,6 @@ async fn holder_outlived_by_its_session(
     (holder, guard)
 }
 
-/// A release signal wakes one waiter of a replica. When that waiter is dropped (its
-/// shopper hung up) before its try answers, the wake-up must pass to the replica's
-/// next waiter: otherwise that one sleeps until its reader's fallback (a whole 2 s
-/// block without a signal) or its deadline, while the lock is free. Without the
-/// passing on (`Waiting`'s drop in `lock::signals` waking the next local waiter) the
-/// next waiter was not served within the test's 1.5 s (only the fallback, at 2 s, would
-/// have served it).
-#[tokio::test]
-async fn redis_lock_wake_up_of_a_dropped_waiter_passes_on() {
-    dropped_woken_waiter_passes_on(NextWaiter::SameReplica).await;
-}
-
-/// The same when the woken waiter was its replica's only one: the signal must go back
-/// to Redis for another replica's waiter. Without the give-back (`Waiting`'s drop
-/// calling `give_back`) that waiter was not served within the 1.5 s.
-#[tokio::test]
-async fn redis_lock_signal_a_dropped_waiter_was_woken_by_goes_to_another_replica() {
-    dropped_woken_waiter_passes_on(NextWaiter::OtherReplica).await;
-}
-
-enum NextWaiter {
-    SameReplica,
-    OtherReplica,
-}
-
-/// Lines of Redis' `CLIENT LIST` that contain `matching` (a ` db=N ` or ` name=... `
-/// field with its spaces) and whose client is blocked (a `BLPOP`).
-async fn blocked_clients(matching: &str) -> usize {
-    let mut conn = redis_pool().get().await.expect("redis");
-    let clients: String = deadpool_redis::redis::cmd("CLIENT")
-        .arg("LIST")
-        .query_async(&mut conn)
-        .await
-        .expect("CLIENT LIST");
-    clients
-        .lines()
-        .map(|line| format!(" {line} "))
-        .filter(|line| line.contains(matching))
-        .filter(|line| {
-            line.split(' ')
-                .any(|field| field.starts_with("flags=") && field.contains('b'))
-        })
-        .count()
-}
-
-/// The test's own waited-for mark on a lock (`mark`), with a TTL (100 s) longer than
-/// any try sets (its wait plus 1 s): `until_a_try_marked` then sees the next try that
-/// was refused and will wait, which marks it again.
-async fn mark_before_a_try(conn: &mut flashsale::redis_pool::Connection, mark: &str) {
-    let () = conn.pset_ex(mark, "test", 100_000).await.expect("SET");
-}
-
-/// Until a try has marked `mark` again since `mark_before_a_try` (its TTL fell under
-/// 60 s).
-async fn until_a_try_marked(conn: &mut flashsale::redis_pool::Connection, mark: &str) {
-    let started = Instant::now();
-    loop {
-        let left: i64 = conn.pttl(mark).await.expect("PTTL");
-        if (0..60_000).contains(&left) {
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "no try marked {mark} within 10 s ({left} ms left)"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-/// A holder releases while two waiters wait; the first, woken, is held in its try by
-/// its replica's pool (one connection that the test keeps busy) and dropped there.
-/// The first waiter began waiting first, so its replica's reader is first in line for
-/// the signal and it is first in line for the wake-up. The test's locks use a Redis
-/// database of their own, where it sees its readers block. The runtime has one thread:
-/// a waiter registers in the same step as its try answers, so once the test has the
-/// pool's connection back, the second waiter is registered.
-async fn dropped_woken_waiter_passes_on(next: NextWaiter) {
-    let (cluster, _factory) = redis_factory().await;
-    let db = match next {
-        NextWaiter::SameReplica => 8,
-        NextWaiter::OtherReplica => 9,
-    };
-    let url = format!("{}/{db}", redis_url());
-    let in_db = format!(" db={db} ");
-    let make = |owner: &str, pool: flashsale::redis_pool::Pool| {
-        Arc::new(RedisLock::new(
-            deadpool_redis::redis::Client::open(url.as_str()).expect("URL"),
-            pool,
-            &cluster.namespace,
-            owner,
-            LONG,
-        ))
-    };
-    let holder = make("holder", pool_for(&url));
-    let pool = flashsale::redis_pool::pool(&url, 1).expect("pool");
-    let first_replica = make("first", pool.clone());
-    let next_replica = match next {
-        NextWaiter::SameReplica => first_replica.clone(),
-        NextWaiter::OtherReplica => make("other", pool_for(&url)),
-    };
-    let guard = holder.acquire("item", LONG).await.expect("acquired");
-    let wait = Duration::from_secs(10);
-    let waiter =
-        |replica: Arc<RedisLock>| tokio::spawn(async move { replica.acquire("item", wait).await });
-    let first = waiter(first_replica);
-    let in_db = in_db.as_str();
-    until("the first waiter's reader blocks", || async move {
-        blocked_clients(in_db).await == 1
-    })
-    .await;
-    let mark = format!("{}:lock-waiting:item", cluster.namespace);
-    let mut conn = pool_for(&url).get().await.expect("redis");
-    mark_before_a_try(&mut conn, &mark).await;
-    let began = Instant::now();
-    let second = waiter(next_replica);
-    match next {
-        NextWaiter::SameReplica => until_a_try_marked(&mut conn, &mark).await,
-        NextWaiter::OtherReplica => {
-            until("the other replica's reader blocks behind", || async move {
-                blocked_clients(in_db).await == 2
-            })
-            .await;
-        }
-    }
-    let busy = bounded("the first replica's only connection", pool.get())
-        .await
-        .expect("the first replica's only connection");
-    guard.release().await.expect("released");
-    // The first waiter, woken, now waits for the connection; its shopper leaves.
-    let pool_of = &pool;
-    until("the woken waiter waits for the connection", || async move {
-        pool_of.status().waiting == 1
-    })
-    .await;
-    assert!(!second.is_finished(), "the signal woke the first waiter");
-    first.abort();
-    assert!(
-        bounded("the dropped waiter", first)
-            .await
-            .is_err_and(|e| e.is_cancelled()),
-        "dropped while trying"
-    );
-    drop(busy);
-    let second = served_before_the_fallback(second, began, "the second waiter was woken").await;
-    println!("redis-lock: second waiter in {:?}", began.elapsed());
-    second.release().await.expect("released");
-}
-
 /// A task that takes `lock`'s "item", releases it at once and returns when it got it.
 fn acquired_at_in_background<L: DistributedLock + 'static>(
     lock: Arc<L>,
@@ -934,314 +919,6 @@ fn acquired_at_in_background<L: DistributedLock + 'static>(
         guard.release().await.expect("released");
         acquired_at
     })
-}
-
-/// What `waiter` acquired, which it must have within 1.5 s of `began` (`what`
-/// happened): its reader began blocking after `began`, so its fallback could not have
-/// served it yet (`SIGNAL_BLOCK`).
-async fn served_before_the_fallback<G>(
-    waiter: tokio::task::JoinHandle<Result<G, LockError>>,
-    began: Instant,
-    what: &str,
-) -> G {
-    let bound = SIGNAL_BLOCK * 3 / 4;
-    match tokio::time::timeout(bound.saturating_sub(began.elapsed()), waiter).await {
-        Ok(joined) => joined.expect("waiter task").expect("acquired"),
-        Err(_) => panic!(
-            "not served within {bound:?} of when it began waiting: {what}; \
-             only a reader's fallback would serve it later"
-        ),
-    }
-}
-
-/// A replica's reader may take a signal just after its last waiter left (it was
-/// blocked for it already). That signal must go back to Redis for another replica's
-/// waiter, or that one sleeps until its reader's fallback or its deadline while the
-/// lock is free. The release comes before the first reader's block ends, and the other
-/// replica must be served within 1.5 s of when it began waiting. Without the give-back
-/// (`Shared::hand_over` giving a signal back when no waiter is left) it was not served
-/// within the 1.5 s.
-#[tokio::test]
-async fn redis_lock_signal_taken_after_the_last_waiter_left_goes_to_another_replica() {
-    let (cluster, _factory) = redis_factory().await;
-    let make = |owner: &str| {
-        Arc::new(RedisLock::new(
-            redis_client(),
-            redis_pool(),
-            &cluster.namespace,
-            owner,
-            LONG,
-        ))
-    };
-    let (holder, gone, other) = (make("holder"), make("gone"), make("other"));
-    let guard = holder.acquire("item", LONG).await.expect("acquired");
-    // Its reader blocks first; its waiter gives up, the reader is still blocked.
-    let gave_up = gone.acquire("item", Duration::from_millis(300)).await;
-    assert!(
-        matches!(gave_up, Err(LockError::Timeout { .. })),
-        "gave up: {:?}",
-        gave_up.err()
-    );
-    let began = Instant::now();
-    let next = {
-        let other = other.clone();
-        tokio::spawn(async move { other.acquire("item", Duration::from_secs(10)).await })
-    };
-    let reader_of = &other;
-    until(
-        "the other replica waits on release signals",
-        || async move { reader_of.signal_readers() == 1 },
-    )
-    .await;
-    assert_eq!(
-        gone.signal_readers(),
-        1,
-        "the reader of the waiter that left is still up"
-    );
-    guard.release().await.expect("released");
-    let released_at = Instant::now();
-    let next =
-        served_before_the_fallback(next, began, "the waiting replica got the signal back").await;
-    println!("redis-lock: waiting replica in {:?}", released_at.elapsed());
-    next.release().await.expect("released");
-}
-
-/// A release hands the lock to the waiter its signal woke: a try that the releaser's
-/// replica sends at once, sooner than the woken waiter's, is refused. Without that, a
-/// releaser that asks again at once keeps the lock round after round (eight lockbench
-/// contenders' shares differed by 3.4 to 1). Without the kept turn (`RELEASE` setting
-/// the reserved key, `lock::redis`) the releaser's replica took the lock at once in
-/// every round.
-#[tokio::test]
-async fn redis_lock_release_hands_over_to_the_woken_waiter() {
-    handovers(10, Duration::ZERO).await;
-}
-
-/// The same after holds longer than the "waited for lately" mark (1 s): the waiter
-/// sleeps through the hold without trying again, and the mark must last as long (it
-/// runs until the waiter's next try plus 1 s). With the mark's TTL cut to 1 s the
-/// release kept no turn and the releaser's replica took the lock.
-#[tokio::test]
-async fn redis_lock_release_hands_over_after_a_long_hold() {
-    handovers(2, Duration::from_millis(1500)).await;
-}
-
-/// Rounds of: the releaser holds for `hold` after a waiter of another replica began
-/// waiting, releases, and its replica asks again at once (a lock service of its own
-/// each round, connected beforehand, so that the test sees it wait: its reader
-/// starts). The woken waiter's try is held back by its replica's pool, one connection
-/// the test keeps busy until the releaser's replica waits. Every round, its try must
-/// have been refused (the turn was kept for the waiter), and the waiter held first. The runtime has one thread: once the test has had the
-/// pool's connection back after the waiter's try, the waiter is registered.
-async fn handovers(rounds: usize, hold: Duration) {
-    let (cluster, _factory) = redis_factory().await;
-    let ns = &cluster.namespace;
-    // Its releases keep the turn 5 s: the try that follows must meet it however late
-    // a loaded machine sends it (how briefly a turn is kept by default is
-    // `redis_lock_turn_kept_for_a_waiter_that_never_tries_is_free_soon`'s).
-    let releaser = RedisLock::new(redis_client(), redis_pool(), ns, "releaser", LONG)
-        .with_kept_turn(Duration::from_secs(5));
-    let pool = flashsale::redis_pool::pool(&redis_url(), 1).expect("pool");
-    let waiter = Arc::new(RedisLock::new(
-        redis_client(),
-        pool.clone(),
-        ns,
-        "waiter",
-        LONG,
-    ));
-    let mark = format!("{ns}:lock-waiting:item");
-    let mut conn = redis_pool().get().await.expect("redis");
-    for round in 0..rounds {
-        let guard = releaser.acquire("item", LONG).await.expect("acquired");
-        mark_before_a_try(&mut conn, &mark).await;
-        let waiting = acquired_at_in_background(waiter.clone());
-        until_a_try_marked(&mut conn, &mark).await;
-        drop(
-            bounded("the waiter's try", pool.get())
-                .await
-                .expect("connection"),
-        );
-        // The hold itself.
-        tokio::time::sleep(hold).await;
-        let busy = bounded("the waiter's only connection", pool.get())
-            .await
-            .expect("the waiter's only connection");
-        let again = Arc::new(RedisLock::new(
-            redis_client(),
-            redis_pool(),
-            ns,
-            "releaser",
-            LONG,
-        ));
-        // Connected before the release, so that its try follows the release at once.
-        again.inspect("item").await.expect("inspect");
-        // The waiter's connection comes back once the releaser's replica waits, or got
-        // the lock.
-        let granted = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let freeing = {
-            let (again, granted) = (again.clone(), granted.clone());
-            tokio::spawn(async move {
-                while again.signal_readers() == 0 && !granted.load(Ordering::SeqCst) {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                drop(busy);
-            })
-        };
-        guard.release().await.expect("released");
-        let taken_again = again.acquire("item", LONG).await.expect("again");
-        let again_at = Instant::now();
-        granted.store(true, Ordering::SeqCst);
-        // It waited if it started a reader of release signals (which stays a while).
-        let refused = again.signal_readers() > 0;
-        taken_again.release().await.expect("released");
-        bounded("the waiter's connection", freeing)
-            .await
-            .expect("freed");
-        let waiter_at = bounded("the waiter", waiting).await.expect("waiter task");
-        assert!(
-            refused && waiter_at < again_at,
-            "round {round}: the releaser's replica took the lock back after a {hold:?} hold"
-        );
-    }
-    println!("redis-lock: {rounds} releases after {hold:?} holds went to the waiter");
-}
-
-/// A release keeps its turn for the waiter it woke only briefly: if the process that
-/// took the signal died before trying, anyone may take the lock 50 ms later instead
-/// of never. The test marks the lock as waited for and takes the signal itself.
-#[tokio::test]
-async fn redis_lock_turn_kept_for_a_waiter_that_never_tries_is_free_soon() {
-    let (cluster, _factory) = redis_factory().await;
-    let ns = &cluster.namespace;
-    let holder = RedisLock::new(redis_client(), redis_pool(), ns, "holder", LONG);
-    let fresh = RedisLock::new(redis_client(), redis_pool(), ns, "fresh", LONG);
-    let guard = holder.acquire("item", LONG).await.expect("acquired");
-    let mut conn = redis_pool().get().await.expect("redis");
-    let _: () = conn
-        .set_ex(format!("{ns}:lock-waiting:item"), 1, 10)
-        .await
-        .expect("waited for");
-    guard.release().await.expect("released");
-    let reserved: i64 = conn
-        .pttl(format!("{ns}:lock-reserved:item"))
-        .await
-        .expect("PTTL");
-    assert_ne!(reserved, -2, "the release kept the turn");
-    let signal: Option<(String, String)> = conn
-        .blpop(format!("{ns}:lock-signal:item"), 1.0)
-        .await
-        .expect("BLPOP");
-    assert!(signal.is_some(), "the release left a signal");
-    let asked = Instant::now();
-    let taken = fresh
-        .acquire("item", Duration::from_secs(5))
-        .await
-        .expect("taken once the kept turn ran out");
-    let waited = asked.elapsed();
-    println!("redis-lock: the kept turn was free again after {waited:?}");
-    assert!(waited < Duration::from_secs(2), "{waited:?}");
-    taken.release().await.expect("released");
-}
-
-/// A release's signal taken by a process that died before its waiter tried (the test
-/// takes it itself, having blocked on the list before the waiter's reader, so Redis
-/// serves it first) leaves the other processes' waiters without a wake-up. They try
-/// anyway once their reader has found no signal for a whole block (2 s), rather than
-/// when the holder's TTL would have run out (30 s here, past the wait). Without that
-/// fallback (`Signal::quiet_block` waking nobody) the waiter gave up after its 8 s.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_lock_signal_lost_with_its_taker_is_made_up_for_within_a_block() {
-    let (cluster, _factory) = redis_factory().await;
-    let ns = cluster.namespace.clone();
-    let holder = RedisLock::new(redis_client(), redis_pool(), &ns, "holder", LONG);
-    let waiter = Arc::new(RedisLock::new(
-        redis_client(),
-        redis_pool(),
-        &ns,
-        "waiter",
-        LONG,
-    ));
-    let guard = holder.acquire("item", LONG).await.expect("acquired");
-    let list = format!("{ns}:lock-signal:item");
-    let thief_name = format!("thief-{ns}");
-    let thief = {
-        let thief_name = thief_name.clone();
-        tokio::spawn(async move {
-            let blocking = deadpool_redis::redis::AsyncConnectionConfig::new()
-                .set_response_timeout(Some(Duration::from_secs(15)));
-            let mut conn = redis_client()
-                .get_multiplexed_async_connection_with_config(&blocking)
-                .await
-                .expect("redis");
-            let () = deadpool_redis::redis::cmd("CLIENT")
-                .arg("SETNAME")
-                .arg(thief_name)
-                .query_async(&mut conn)
-                .await
-                .expect("CLIENT SETNAME");
-            let taken: Option<(String, String)> = conn.blpop(list, 10.0).await.expect("BLPOP");
-            taken
-        })
-    };
-    let named = format!(" name={thief_name} ");
-    let named = named.as_str();
-    until("the thief blocks on the signal list", || async move {
-        blocked_clients(named).await == 1
-    })
-    .await;
-    let waiting = {
-        let waiter = waiter.clone();
-        tokio::spawn(async move { waiter.acquire("item", Duration::from_secs(8)).await })
-    };
-    // The waiter's first try was refused, and its reader blocks behind the thief.
-    let reader_of = &waiter;
-    until("the waiter waits on release signals", || async move {
-        reader_of.signal_readers() == 1
-    })
-    .await;
-    let released = Instant::now();
-    guard.release().await.expect("released");
-    let stolen = bounded("the thief", thief).await.expect("joined");
-    assert!(stolen.is_some(), "the thief took the release's signal");
-    let taken = bounded("the waiter", waiting)
-        .await
-        .expect("joined")
-        .expect("the waiter got the lock without a signal");
-    let waited = released.elapsed();
-    println!("redis-lock: a lost signal was made up for after {waited:?}");
-    assert!(waited < Duration::from_secs(4), "{waited:?}");
-    taken.release().await.expect("released");
-}
-
-/// A release keeps its turn only while the lock was found held lately: until a second
-/// after the waiter's wait. A try refused only by a kept turn does not count:
-/// otherwise a lock contended once would keep refusing every uncontended
-/// acquisition's first try, for ever, and a try-lock (no wait) on a free lock would
-/// fail.
-#[tokio::test]
-async fn redis_lock_contended_once_is_uncontended_again_a_second_later() {
-    let (cluster, _factory) = redis_factory().await;
-    let ns = &cluster.namespace;
-    let holder = RedisLock::new(redis_client(), redis_pool(), ns, "holder", LONG);
-    let rival = RedisLock::new(redis_client(), redis_pool(), ns, "rival", LONG);
-    let guard = holder.acquire("item", LONG).await.expect("acquired");
-    let refused = rival.acquire("item", Duration::from_millis(100)).await;
-    assert!(refused.is_err(), "held");
-    guard.release().await.expect("released");
-    let uncontended = Instant::now() + Duration::from_millis(1500);
-    // Each try comes right after a release, while a kept turn would still refuse it.
-    while Instant::now() < uncontended {
-        let guard = holder.acquire("item", LONG).await.expect("acquired");
-        guard.release().await.expect("released");
-    }
-    let guard = holder.acquire("item", LONG).await.expect("acquired");
-    guard.release().await.expect("released");
-    let tried = holder.acquire("item", Duration::ZERO).await;
-    assert!(
-        tried.is_ok(),
-        "a try-lock right after a release of an uncontended lock: {:?}",
-        tried.err()
-    );
 }
 
 /// A release whose delete fails (Redis unreachable for a moment) is not given up: the
@@ -1287,17 +964,23 @@ async fn failed_release_is_retried_in_the_background() {
 }
 
 /// Fencing counters kept in Redis restart above the fence MySQL has seen when Redis
-/// lost them: the next token is still greater than any token already written.
+/// lost them: the next token is still greater than any token already written. The
+/// locks go through the cohort layer, as the service's do: MySQL's fence is a hold's
+/// token, the counter's value with the hold's place in its run.
 #[tokio::test]
 async fn lost_redis_fence_counters_restart_above_mysql() {
     let (cluster, _factory) = redis_factory().await;
     let mysql = cluster.mysql().await;
     let floor = |service: &'static str| Arc::new(MySqlFenceFloor::new(mysql.clone(), service));
-    let redis = RedisLock::new(redis_client(), redis_pool(), &cluster.namespace, "r", LONG)
-        .with_fence_floor(floor("redis-lock"));
+    let redis = Cohort::new(
+        RedisLock::new(redis_client(), redis_pool(), &cluster.namespace, "r", LONG)
+            .with_fence_floor(floor("redis-lock")),
+    );
     let nodes = redlock_urls().iter().map(|url| pool_for(url)).collect();
-    let redlock =
-        Redlock::new(nodes, &cluster.namespace, "r", LONG).with_fence_floor(floor("redlock"));
+    let redlock = Cohort::new(
+        Redlock::new(nodes, &cluster.namespace, "r", LONG).with_fence_floor(floor("redlock")),
+    );
+    let written = token_in_run(1000, 5).expect("small");
 
     let first = fence_of(&redis, "sku-1").await;
     let first_redlock = fence_of(&redlock, "sku-1").await;
@@ -1309,13 +992,12 @@ async fn lost_redis_fence_counters_restart_above_mysql() {
 
     // Fenced writes moved MySQL's fence far ahead; then Redis lost the counters.
     for service in ["redis-lock", "redlock"] {
-        sqlx::query(
-            "INSERT INTO product_fences (sku, lock_service, fence) VALUES ('sku-1', ?, 1000)",
-        )
-        .bind(service)
-        .execute(&mysql)
-        .await
-        .expect("fence");
+        sqlx::query("INSERT INTO product_fences (sku, lock_service, fence) VALUES ('sku-1', ?, ?)")
+            .bind(service)
+            .bind(written)
+            .execute(&mysql)
+            .await
+            .expect("fence");
     }
     let mut conn = redis_pool().get().await.expect("redis");
     let () = conn
@@ -1332,12 +1014,12 @@ async fn lost_redis_fence_counters_restart_above_mysql() {
     let after = fence_of(&redis, "sku-1").await;
     let after_redlock = fence_of(&redlock, "sku-1").await;
     assert!(
-        after > 1000,
-        "redis-lock token {after} is above MySQL's fence"
+        after > written,
+        "redis-lock token {after} is above MySQL's fence {written}"
     );
     assert!(
-        after_redlock > 1000,
-        "redlock token {after_redlock} is above MySQL's fence"
+        after_redlock > written,
+        "redlock token {after_redlock} is above MySQL's fence {written}"
     );
     assert!(
         fence_of(&redis, "sku-1").await > after,

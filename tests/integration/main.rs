@@ -5,6 +5,7 @@ mod admin;
 mod admin_auth;
 mod bad_input;
 mod cluster;
+mod cohort;
 mod cohort_switch;
 mod dashboard;
 mod faults;

@@ -1,0 +1,686 @@
+//! Lock cohorting (Dice, Marathe and Shavit, PPoPP 2012): the two-level "local lock
+//! before the distributed lock" that production flash-sale systems use, around any
+//! lock of this folder.
+//!
+//! The lock modules are the mechanisms the articles teach and nothing else. What makes
+//! them fast is here, once, for all of them:
+//!
+//! 1. **A queue inside the replica.** A replica's requests for one lock name wait in a
+//!    FIFO (`local_queue`); only the head asks the lock service. Waiting there costs
+//!    no connection, no key, no node and no round trip.
+//! 2. **Handing over.** A holder whose replica has requests waiting for the name gives
+//!    them its hold instead of releasing it: the key, row, node or lease stays, kept
+//!    alive by the lock's own watchdog, and the next request uses it without a call to
+//!    the service. Its last check before it writes (`ensure_held`) still asks the
+//!    service.
+//! 3. **Bounded runs.** After `RUN_LIMIT` handovers in a row the hold is released to
+//!    everyone, so another replica waits a few holds more at most.
+//! 4. **A token per hold.** Every hold's fencing token is the lock's own token with the
+//!    hold's place in its run (`token_in_run`), so tokens grow in hold order within a
+//!    run too. Classic holds (the layer switched off) get place 0: the scheme is the
+//!    same whether the layer is on or off.
+//!
+//! A hold is never handed on when its holder knows it is gone (`HeldLock::known_lost`,
+//! a failed `ensure_held`), when its renewal was suspended (a paused holder), or when
+//! it has no token and the next request needs one. A hold handed to a request that
+//! gave up, with nobody behind it, is released under a turn of its own, so the
+//! replica's next request does not start against it.
+//!
+//! Off (`PUT /api/admin/cohort`), every request goes straight to the lock: the lesson's
+//! "before".
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::Instant;
+
+use super::local_queue::{LocalQueues, Passed, RUN_LIMIT, Turn, token_in_run};
+use super::task::Tasks;
+use super::{DistributedLock, HeldLock, LockError, LockView};
+
+/// How long a replica whose run just ended at its limit waits before it asks the lock
+/// again, while the other replicas' waiters, woken by the release, try first (a lock
+/// that queues its waiters itself needs none).
+pub const HOLD_BACK: Duration = Duration::from_millis(5);
+
+/// A lock with the cohort layer around it.
+pub struct Cohort<L: DistributedLock> {
+    lock: L,
+    queues: LocalQueues<Left<L::Guard>>,
+    tasks: Tasks,
+    hold_back: Duration,
+}
+
+/// How one acquisition goes through the layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mode {
+    /// Through the replica's queue, taking a hold handed over when there is one.
+    pub cohort: bool,
+    /// The caller needs a fencing token (fencing is on).
+    pub fenced: bool,
+}
+
+/// What one request leaves for the replica's next.
+enum Left<G: HeldLock + 'static> {
+    /// Its hold, still held.
+    Hold(Handed<G>),
+    /// Its run ended at the limit and was released at this instant.
+    RunEnded(Instant),
+}
+
+/// A hold left by one request for the replica's next.
+struct Handed<G: HeldLock + 'static> {
+    guard: G,
+    /// Holds before the next one in this run (0: the one that acquired it).
+    run: u32,
+    fenced: bool,
+    tasks: Tasks,
+}
+
+impl<G: HeldLock + 'static> Passed for Left<G> {
+    /// Nobody took it: a hold is released, keeping the name's turn until the service
+    /// answered.
+    fn abandoned(self, turn: Option<Turn<Self>>) {
+        let Left::Hold(Handed { guard, tasks, .. }) = self else {
+            return;
+        };
+        tasks.spawn_detached(async move {
+            if let Err(error) = guard.release().await {
+                tracing::debug!(%error, "releasing a hold nobody took");
+            }
+            drop(turn);
+        });
+    }
+}
+
+impl<L: DistributedLock> Cohort<L> {
+    pub fn new(lock: L) -> Cohort<L> {
+        Cohort {
+            queues: LocalQueues::default(),
+            tasks: Tasks::default(),
+            hold_back: if lock.queues_waiters() {
+                Duration::ZERO
+            } else {
+                HOLD_BACK
+            },
+            lock,
+        }
+    }
+
+    /// The lock itself, without the layer (for inspection and tests).
+    pub fn lock(&self) -> &L {
+        &self.lock
+    }
+
+    /// Releases of holds nobody took, running now.
+    pub fn background_tasks(&self) -> usize {
+        self.tasks.live()
+    }
+
+    /// This lock with the layer on or off, as the order flow takes a lock.
+    pub fn with(&self, on: bool) -> WithMode<'_, L> {
+        WithMode { cohort: self, on }
+    }
+
+    /// Waits at most `wait` for the lock named `name`, through the layer or not.
+    pub async fn acquire_in(
+        &self,
+        name: &str,
+        wait: Duration,
+        mode: Mode,
+    ) -> Result<CohortGuard<L::Guard>, LockError> {
+        if !mode.cohort {
+            let guard = self.acquire_from_lock(name, wait, mode.fenced).await?;
+            return Ok(self.guard(guard, 0, mode.fenced, None));
+        }
+        let deadline = Instant::now() + wait;
+        let turn = self
+            .queues
+            .turn(name, deadline)
+            .await
+            .ok_or(LockError::Timeout { waited: wait })?;
+        match turn.take_passed() {
+            Some(Left::Hold(handed)) => {
+                if handed.guard.known_lost() || (mode.fenced && !handed.fenced) {
+                    // Given back before this turn asks for a new hold; dropped midway,
+                    // the lock's own guard releases it in the background.
+                    let _ = handed.guard.release().await;
+                } else {
+                    let (run, fenced) = (handed.run + 1, handed.fenced);
+                    return Ok(self.guard(handed.guard, run, fenced, Some(turn)));
+                }
+            }
+            Some(Left::RunEnded(at)) => {
+                tokio::time::sleep_until(deadline.min(at + self.hold_back)).await;
+            }
+            None => {}
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        let guard = self.acquire_from_lock(name, left, mode.fenced).await?;
+        Ok(self.guard(guard, 0, mode.fenced, Some(turn)))
+    }
+
+    fn guard(
+        &self,
+        guard: L::Guard,
+        run: u32,
+        fenced: bool,
+        turn: Option<Turn<Left<L::Guard>>>,
+    ) -> CohortGuard<L::Guard> {
+        CohortGuard {
+            guard: Some(guard),
+            run,
+            fenced,
+            turn: Mutex::new(turn),
+            spoiled: AtomicBool::new(false),
+            tasks: self.tasks.clone(),
+            hold_back: !self.hold_back.is_zero(),
+        }
+    }
+
+    async fn acquire_from_lock(
+        &self,
+        name: &str,
+        wait: Duration,
+        fenced: bool,
+    ) -> Result<L::Guard, LockError> {
+        if fenced {
+            self.lock.acquire(name, wait).await
+        } else {
+            self.lock.acquire_unfenced(name, wait).await
+        }
+    }
+}
+
+/// The layer on, as a `DistributedLock`.
+#[async_trait]
+impl<L: DistributedLock> DistributedLock for Cohort<L> {
+    type Guard = CohortGuard<L::Guard>;
+
+    async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
+        self.with(true).acquire(name, wait).await
+    }
+
+    async fn acquire_unfenced(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
+        self.with(true).acquire_unfenced(name, wait).await
+    }
+
+    async fn view(&self, name: &str) -> Result<LockView, LockError> {
+        self.lock.view(name).await
+    }
+}
+
+/// A cohort lock with the layer on or off, as a `DistributedLock` (what the order flow
+/// takes).
+pub struct WithMode<'a, L: DistributedLock> {
+    cohort: &'a Cohort<L>,
+    on: bool,
+}
+
+#[async_trait]
+impl<L: DistributedLock> DistributedLock for WithMode<'_, L> {
+    type Guard = CohortGuard<L::Guard>;
+
+    async fn acquire(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
+        let mode = Mode {
+            cohort: self.on,
+            fenced: true,
+        };
+        self.cohort.acquire_in(name, wait, mode).await
+    }
+
+    async fn acquire_unfenced(&self, name: &str, wait: Duration) -> Result<Self::Guard, LockError> {
+        let mode = Mode {
+            cohort: self.on,
+            fenced: false,
+        };
+        self.cohort.acquire_in(name, wait, mode).await
+    }
+
+    async fn view(&self, name: &str) -> Result<LockView, LockError> {
+        self.cohort.lock.view(name).await
+    }
+}
+
+/// A hold through the layer: the lock's own guard, its place in its run, and the
+/// replica's turn on the name (none when the layer is off).
+pub struct CohortGuard<G: HeldLock + 'static> {
+    /// Always there but while it is released or handed on.
+    guard: Option<G>,
+    run: u32,
+    fenced: bool,
+    /// Given up early by a paused holder (`suspend_renewal`).
+    turn: Mutex<Option<Turn<Left<G>>>>,
+    /// A check found the lock gone, or renewal was suspended: not to be handed on.
+    spoiled: AtomicBool,
+    tasks: Tasks,
+    /// The replica's next request holds back after a run that ended at its limit.
+    hold_back: bool,
+}
+
+impl<G: HeldLock + 'static> CohortGuard<G> {
+    /// The lock's own guard (for inspection and tests).
+    pub fn lock_guard(&self) -> Option<&G> {
+        self.guard.as_ref()
+    }
+
+    fn turn_now(&self) -> std::sync::MutexGuard<'_, Option<Turn<Left<G>>>> {
+        self.turn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn inner(&self) -> Result<&G, LockError> {
+        self.guard
+            .as_ref()
+            .ok_or_else(|| LockError::Lost("released".to_owned()))
+    }
+}
+
+#[async_trait]
+impl<G: HeldLock + 'static> HeldLock for CohortGuard<G> {
+    async fn ensure_held(&self) -> Result<(), LockError> {
+        let held = self.inner()?.ensure_held().await;
+        if held.is_err() {
+            self.spoiled.store(true, Ordering::SeqCst);
+        }
+        held
+    }
+
+    fn fencing_token(&self) -> Option<u64> {
+        token_in_run(self.guard.as_ref()?.fencing_token()?, self.run)
+    }
+
+    fn known_lost(&self) -> bool {
+        self.spoiled.load(Ordering::SeqCst) || self.guard.as_ref().is_none_or(G::known_lost)
+    }
+
+    fn handed_over(&self) -> bool {
+        self.run > 0
+    }
+
+    /// The paused-holder fault. The replica's turn goes too: a pause of the whole
+    /// process would stop its other requests as well, and the lesson is that someone
+    /// else takes the lock once the lease runs out, which may be this replica's next
+    /// request.
+    fn suspend_renewal(&self) {
+        self.spoiled.store(true, Ordering::SeqCst);
+        if let Some(guard) = &self.guard {
+            guard.suspend_renewal();
+        }
+        drop(self.turn_now().take());
+    }
+
+    async fn release(mut self) -> Result<(), LockError> {
+        let Some(guard) = self.guard.take() else {
+            return Ok(());
+        };
+        let turn = self.turn_now().take();
+        if let Some(turn) = &turn
+            && turn.hands_over(self.run)
+            && !self.spoiled.load(Ordering::SeqCst)
+            && !guard.known_lost()
+        {
+            turn.pass_on(Left::Hold(Handed {
+                guard,
+                run: self.run,
+                fenced: self.fenced,
+                tasks: self.tasks.clone(),
+            }));
+            return Ok(());
+        }
+        // The turn is kept until the lock answered, so the replica's next request does
+        // not start against this hold; dropped midway, the lock's guard releases in the
+        // background and the turn goes with this future.
+        let released = guard.release().await;
+        if let Some(turn) = &turn
+            && self.hold_back
+            && self.run >= RUN_LIMIT
+            && turn.others_waiting()
+        {
+            turn.pass_on(Left::RunEnded(Instant::now()));
+        }
+        drop(turn);
+        released
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicU64;
+
+    use super::*;
+
+    /// A lock in memory: one holder per name, tokens counting acquisitions, and a log
+    /// of what was asked of it.
+    #[derive(Clone, Default)]
+    struct Memory {
+        held: Arc<Mutex<std::collections::HashSet<String>>>,
+        tokens: Arc<AtomicU64>,
+        acquired: Arc<AtomicU64>,
+        released: Arc<AtomicU64>,
+        /// Names whose holds are gone behind the holder's back.
+        lost: Arc<Mutex<std::collections::HashSet<String>>>,
+    }
+
+    struct MemoryGuard {
+        lock: Memory,
+        name: String,
+        token: Option<u64>,
+        suspended: AtomicBool,
+    }
+
+    #[async_trait]
+    impl DistributedLock for Memory {
+        type Guard = MemoryGuard;
+
+        async fn acquire(&self, name: &str, wait: Duration) -> Result<MemoryGuard, LockError> {
+            let deadline = Instant::now() + wait;
+            loop {
+                if self.held.lock().expect("held").insert(name.to_owned()) {
+                    self.acquired.fetch_add(1, Ordering::SeqCst);
+                    return Ok(MemoryGuard {
+                        lock: self.clone(),
+                        name: name.to_owned(),
+                        token: Some(self.tokens.fetch_add(1, Ordering::SeqCst) + 1),
+                        suspended: AtomicBool::new(false),
+                    });
+                }
+                if Instant::now() >= deadline {
+                    return Err(LockError::Timeout { waited: wait });
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+
+        async fn acquire_unfenced(
+            &self,
+            name: &str,
+            wait: Duration,
+        ) -> Result<MemoryGuard, LockError> {
+            let mut guard = self.acquire(name, wait).await?;
+            guard.token = None;
+            Ok(guard)
+        }
+
+        async fn view(&self, _name: &str) -> Result<LockView, LockError> {
+            Ok(LockView::default())
+        }
+    }
+
+    impl MemoryGuard {
+        fn gone(&self) -> bool {
+            self.lock.lost.lock().expect("lost").contains(&self.name)
+        }
+    }
+
+    #[async_trait]
+    impl HeldLock for MemoryGuard {
+        async fn ensure_held(&self) -> Result<(), LockError> {
+            if self.gone() {
+                return Err(LockError::Lost(self.name.clone()));
+            }
+            Ok(())
+        }
+        fn fencing_token(&self) -> Option<u64> {
+            self.token
+        }
+        fn suspend_renewal(&self) {
+            self.suspended.store(true, Ordering::SeqCst);
+        }
+        async fn release(self) -> Result<(), LockError> {
+            Ok(())
+        }
+    }
+
+    impl Drop for MemoryGuard {
+        fn drop(&mut self) {
+            self.lock.lost.lock().expect("lost").remove(&self.name);
+            self.lock.held.lock().expect("held").remove(&self.name);
+            self.lock.released.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    const WAIT: Duration = Duration::from_secs(5);
+    const ON: Mode = Mode {
+        cohort: true,
+        fenced: true,
+    };
+
+    /// Requests of one replica, one after another with the next always queued: runs of
+    /// handovers up to `RUN_LIMIT`, then a fresh acquisition; tokens grow in hold order.
+    #[tokio::test]
+    async fn holds_are_handed_to_the_next_request_in_bounded_runs() {
+        let cohort = Arc::new(Cohort::new(Memory::default()));
+        let holds = 3 * (RUN_LIMIT + 1);
+        let mut tokens = Vec::new();
+        let mut guard = cohort.acquire_in("sku", WAIT, ON).await.expect("free");
+        for _ in 1..holds {
+            let next = tokio::spawn({
+                let cohort = cohort.clone();
+                async move { cohort.acquire_in("sku", WAIT, ON).await }
+            });
+            // The next request is queued before this one lets go.
+            while !guard
+                .turn_now()
+                .as_ref()
+                .is_some_and(|t| t.others_waiting())
+            {
+                tokio::task::yield_now().await;
+            }
+            tokens.push(guard.fencing_token().expect("a token"));
+            guard.release().await.expect("released");
+            guard = next.await.expect("joined").expect("handed or acquired");
+        }
+        tokens.push(guard.fencing_token().expect("a token"));
+        guard.release().await.expect("released");
+        let lock = cohort.lock();
+        assert_eq!(
+            lock.acquired.load(Ordering::SeqCst),
+            3,
+            "one acquisition per run"
+        );
+        assert!(
+            tokens.windows(2).all(|pair| pair[0] < pair[1]),
+            "{tokens:?}"
+        );
+        assert_eq!(tokens[0], token_in_run(1, 0).expect("small"));
+        assert_eq!(
+            tokens[RUN_LIMIT as usize],
+            token_in_run(1, RUN_LIMIT).expect("small")
+        );
+    }
+
+    /// Off, every request acquires from the lock, and its token has the same shape as
+    /// a run's first: switching the layer never makes tokens go backwards.
+    #[tokio::test]
+    async fn off_every_request_acquires_with_the_same_token_scheme() {
+        let cohort = Cohort::new(Memory::default());
+        let off = Mode {
+            cohort: false,
+            fenced: true,
+        };
+        for expected in 1..=3 {
+            let guard = cohort.acquire_in("sku", WAIT, off).await.expect("free");
+            assert_eq!(guard.fencing_token(), token_in_run(expected, 0));
+            assert!(!guard.handed_over());
+            guard.release().await.expect("released");
+        }
+        assert_eq!(cohort.lock().acquired.load(Ordering::SeqCst), 3);
+    }
+
+    /// Hands over `first` to a request queued behind it after `spoil` did something to
+    /// it, and says whether the next request was handed the hold.
+    async fn handed_after(
+        cohort: &Arc<Cohort<Memory>>,
+        spoil: impl AsyncFnOnce(&CohortGuard<MemoryGuard>),
+        next_mode: Mode,
+    ) -> bool {
+        let first = cohort.acquire_in("sku", WAIT, ON).await.expect("free");
+        let next = tokio::spawn({
+            let cohort = cohort.clone();
+            async move { cohort.acquire_in("sku", WAIT, next_mode).await }
+        });
+        while !first
+            .turn_now()
+            .as_ref()
+            .is_some_and(|t| t.others_waiting())
+        {
+            tokio::task::yield_now().await;
+        }
+        spoil(&first).await;
+        let _ = first.release().await;
+        let next = next.await.expect("joined").expect("acquired");
+        let handed = next.handed_over();
+        next.release().await.expect("released");
+        handed
+    }
+
+    #[tokio::test]
+    async fn a_hold_is_handed_on_only_while_it_can_be_trusted() {
+        let cohort = Arc::new(Cohort::new(Memory::default()));
+        assert!(handed_after(&cohort, async |_| {}, ON).await, "the control");
+
+        let lock = cohort.lock().clone();
+        let lost_by_check = async |guard: &CohortGuard<MemoryGuard>| {
+            lock.lost.lock().expect("lost").insert("sku".to_owned());
+            assert!(guard.ensure_held().await.is_err());
+        };
+        assert!(
+            !handed_after(&cohort, lost_by_check, ON).await,
+            "a holder that saw its lock lost hands it to nobody (issue 37, defect 3)"
+        );
+
+        let paused = async |guard: &CohortGuard<MemoryGuard>| guard.suspend_renewal();
+        assert!(
+            !handed_after(&cohort, paused, ON).await,
+            "a paused holder's hold is not kept alive: not handed on"
+        );
+
+        let unfenced = Mode {
+            cohort: true,
+            fenced: false,
+        };
+        let first = cohort
+            .acquire_in("sku", WAIT, unfenced)
+            .await
+            .expect("free");
+        let next = tokio::spawn({
+            let cohort = cohort.clone();
+            async move { cohort.acquire_in("sku", WAIT, ON).await }
+        });
+        while !first
+            .turn_now()
+            .as_ref()
+            .is_some_and(|t| t.others_waiting())
+        {
+            tokio::task::yield_now().await;
+        }
+        first.release().await.expect("released");
+        let next = next.await.expect("joined").expect("acquired");
+        assert!(
+            !next.handed_over() && next.fencing_token().is_some(),
+            "a hold without a token is not handed to a request that needs one"
+        );
+        next.release().await.expect("released");
+    }
+
+    /// The request a hold was left for gives up before it comes: the hold is released
+    /// at once (not left to its lease), under the name's turn.
+    #[tokio::test]
+    async fn a_hold_left_for_a_request_that_gave_up_is_released() {
+        let cohort = Arc::new(Cohort::new(Memory::default()));
+        let first = cohort.acquire_in("sku", WAIT, ON).await.expect("free");
+        let gives_up = tokio::spawn({
+            let cohort = cohort.clone();
+            async move { cohort.acquire_in("sku", WAIT, ON).await.map(drop) }
+        });
+        while !first
+            .turn_now()
+            .as_ref()
+            .is_some_and(|t| t.others_waiting())
+        {
+            tokio::task::yield_now().await;
+        }
+        first.release().await.expect("handed on");
+        gives_up.abort();
+        let _ = gives_up.await;
+        let lock = cohort.lock().clone();
+        tokio::time::timeout(WAIT, async {
+            while !lock.held.lock().expect("held").is_empty() || cohort.background_tasks() > 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the hold nobody took is released");
+    }
+
+    /// Two replicas on one lock whose waiters poll (every millisecond here): one keeps
+    /// six requests asking, the other asks once and is served within two runs. Without
+    /// the hold-back after a run, the busy replica's next request asks the instant the
+    /// lock is free and the poller never finds it free (the test times out).
+    #[tokio::test]
+    async fn a_replica_whose_run_ended_lets_a_polling_replica_in() {
+        let lock = Memory::default();
+        let busy = Arc::new(Cohort::new(lock.clone()));
+        let other = Cohort::new(lock.clone());
+        let holds = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let loops: Vec<_> = (0..6)
+            .map(|_| {
+                let (busy, holds, stop) = (busy.clone(), holds.clone(), stop.clone());
+                tokio::spawn(async move {
+                    while !stop.load(Ordering::SeqCst) {
+                        let guard = busy.acquire_in("sku", WAIT, ON).await.expect("held");
+                        holds.fetch_add(1, Ordering::SeqCst);
+                        tokio::task::yield_now().await;
+                        guard.release().await.expect("released");
+                    }
+                })
+            })
+            .collect();
+        while holds.load(Ordering::SeqCst) < 20 {
+            tokio::task::yield_now().await;
+        }
+        let asked = holds.load(Ordering::SeqCst);
+        let guard = tokio::time::timeout(WAIT, other.acquire_in("sku", WAIT, ON))
+            .await
+            .expect("the other replica is let in")
+            .expect("acquired");
+        let waited = holds.load(Ordering::SeqCst) - asked;
+        stop.store(true, Ordering::SeqCst);
+        guard.release().await.expect("released");
+        for task in loops {
+            task.await.expect("joined");
+        }
+        assert!(
+            waited <= 2 * u64::from(RUN_LIMIT + 1),
+            "waited {waited} holds"
+        );
+    }
+
+    /// A paused holder (the fault) stops holding up the replica's queue: once its
+    /// lease is gone (here: taken from it by hand), the replica's next request gets
+    /// the lock from the lock itself. Without the turn given up, that request waits
+    /// behind the paused one in the queue for as long as the pause lasts.
+    #[tokio::test]
+    async fn a_paused_holder_gives_up_the_replicas_turn() {
+        let cohort = Arc::new(Cohort::new(Memory::default()));
+        let paused = cohort.acquire_in("sku", WAIT, ON).await.expect("free");
+        paused.suspend_renewal();
+        let next = tokio::spawn({
+            let cohort = cohort.clone();
+            async move { cohort.acquire_in("sku", WAIT, ON).await }
+        });
+        cohort.lock().held.lock().expect("held").remove("sku");
+        let next = tokio::time::timeout(WAIT, next)
+            .await
+            .expect("not stuck behind the paused holder")
+            .expect("joined")
+            .expect("acquired");
+        assert!(!next.handed_over());
+        assert!(next.fencing_token() > paused.fencing_token());
+        drop((next, paused));
+    }
+}
