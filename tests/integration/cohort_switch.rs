@@ -184,3 +184,45 @@ async fn a_bad_cohort_body_names_what_is_wrong_and_changes_nothing() {
         "no change of the sale"
     );
 }
+
+/// The switch reaches the locks: with the layer on, 20 buyers at once on one replica
+/// get holds handed over within the replica (the timeline marks them); switched off,
+/// every one of 20 takes the lock from the lock service.
+///
+/// With the order's `cohort` not read from the switch (it was `true` for every order
+/// before the switch existed), the second crowd's holds are handed over too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_switch_reaches_the_locks() {
+    let cluster = TestCluster::start(1, &["--work-ms", "20", "--lock-wait-ms", "20000"]).await;
+    cluster.set_strategy("redis-lock").await;
+    let mut handed = Vec::new();
+    for (enabled, sku) in [(true, "cohort-on"), (false, "cohort-off")] {
+        let (status, body) = set_cohort(&cluster, 0, &json!({ "enabled": enabled })).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        cluster.reset(sku, 100).await;
+        let statuses = cluster.crowd(sku, 20).await;
+        assert!(
+            statuses.iter().all(|s| *s == StatusCode::CREATED),
+            "{sku}: {statuses:?}"
+        );
+        // The timeline is written by a task of its own: wait for every section.
+        let path = format!("/api/timeline?sku={sku}");
+        let recorded = crate::support::eventually(std::time::Duration::from_secs(10), || async {
+            cluster.get_json(0, &path).await["sections"]
+                .as_array()
+                .is_some_and(|s| s.len() == 20)
+        })
+        .await;
+        assert!(recorded, "{sku}: 20 sections in the timeline");
+        let sections = cluster.get_json(0, &path).await["sections"].clone();
+        let count = sections
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|s| s["handed_over"] == true)
+            .count();
+        handed.push(count);
+    }
+    assert!(handed[0] > 0, "on: some holds handed over: {handed:?}");
+    assert_eq!(handed[1], 0, "off: none handed over: {handed:?}");
+}
