@@ -227,6 +227,19 @@ function setUpControls() {
     }
   });
 
+  document.getElementById("cohort-toggle").addEventListener("change", async (event) => {
+    const enabled = event.target.checked;
+    try {
+      await api("PUT", "/api/admin/cohort", { enabled });
+      say(enabled
+        ? "Cohort on: a replica's requests for a SKU queue locally and the holder hands the lock to the next one, up to 8 in a row, instead of releasing it."
+        : "Cohort off: every order takes the lock from the lock service and gives it back.");
+    } catch (error) {
+      event.target.checked = !enabled;
+      say(`Could not switch the cohort layer: ${error.message}`, true);
+    }
+  });
+
   document.getElementById("fault-form").addEventListener("submit", async (event) => {
     event.preventDefault();
     try {
@@ -360,6 +373,13 @@ function onSnapshot(snapshot) {
   const fencing = document.getElementById("fencing-toggle");
   if (document.activeElement !== fencing) fencing.checked = stats.fencing;
   document.getElementById("fencing-state").textContent = stats.fencing ? "on: MySQL refuses stale holders" : "off";
+  // A replica older than the switch leaves it out: the box is left as it was.
+  if (typeof stats.cohort === "boolean") {
+    const cohort = document.getElementById("cohort-toggle");
+    if (document.activeElement !== cohort) cohort.checked = stats.cohort;
+    document.getElementById("cohort-state").textContent = stats.cohort
+      ? "on: local requests queue, the lock is handed on (up to 8 in a row)" : "off: every order asks the lock service";
+  }
   document.getElementById("fault-state").textContent = stats.pause_armed_ms
     ? `armed: the next holder stalls ${span(stats.pause_armed_ms)} (${(stats.pause_armed_at || "before_commit").replace("_", " ")})` : "";
   renderSkus(stats.skus);

@@ -16,7 +16,9 @@ function runSettings(report) {
   const parts = [crowd, stockSaid(report)];
   if (config.repeat > 1) parts.push(`each strategy ${config.repeat}×`);
   if (config.work_ms !== undefined && config.work_ms !== null) parts.push(`work ${config.work_ms} ms`);
-  parts.push(`fencing ${config.fencing ? "on" : "off"}`, config.fault ? `fault: ${config.fault}` : "no fault");
+  parts.push(`fencing ${config.fencing ? "on" : "off"}`);
+  if (typeof config.cohort === "boolean") parts.push(`cohort ${config.cohort ? "on" : "off"}`);
+  parts.push(config.fault ? `fault: ${config.fault}` : "no fault");
   return parts.join(" · ");
 }
 

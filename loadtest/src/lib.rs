@@ -84,7 +84,10 @@ pub async fn run(
     if let Some(switch) = options.fencing {
         service.set_fencing(switch == Switch::On).await?;
     }
-    let fencing = service.stats(None).await?.fencing;
+    if let Some(switch) = options.cohort {
+        service.set_cohort(switch == Switch::On).await?;
+    }
+    let switches = Switches::of(&service.stats(None).await?);
     let mut runs = Vec::new();
     // Interleaved (every strategy, then every strategy again), so a slow spell of
     // the machine spreads over all of them instead of spoiling one.
@@ -105,13 +108,33 @@ pub async fn run(
     }
     Ok(LoadReport {
         generated_at: Utc::now(),
-        config: load_config(options, strategies, fencing),
+        config: load_config(options, strategies, switches),
         runs,
     })
 }
 
+/// The cluster's switches as the service reported them, for the report.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Switches {
+    pub fencing: bool,
+    pub cohort: Option<bool>,
+}
+
+impl Switches {
+    pub fn of(stats: &flashsale_wire::stats::Stats) -> Switches {
+        Switches {
+            fencing: stats.fencing,
+            cohort: stats.cohort,
+        }
+    }
+}
+
 /// How the run was made, for its report.
-pub(crate) fn load_config(options: &Options, strategies: &[String], fencing: bool) -> LoadConfig {
+pub(crate) fn load_config(
+    options: &Options,
+    strategies: &[String],
+    switches: Switches,
+) -> LoadConfig {
     LoadConfig {
         targets: options.targets.clone(),
         users: options.users,
@@ -121,7 +144,8 @@ pub(crate) fn load_config(options: &Options, strategies: &[String], fencing: boo
         grace_ms: options.grace_ms,
         strategies: strategies.to_vec(),
         fault: options.fault.map(|_| "pause-holder".to_owned()),
-        fencing,
+        fencing: switches.fencing,
+        cohort: switches.cohort,
         repeat: options.repeat,
         rate: options.rate,
         parts: options.part.map_or(1, |part| part.of),

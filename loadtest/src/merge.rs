@@ -146,10 +146,12 @@ fn first_number(parts: &BTreeMap<u32, PartialReport>) -> Option<u32> {
     parts.keys().next().copied()
 }
 
-/// Every setting but fencing, which part 1 sets and the others only observe.
+/// Every setting but the switches (fencing, cohort), which part 1 sets and the others
+/// only observe.
 fn same_settings(a: &LoadConfig, b: &LoadConfig) -> bool {
     LoadConfig {
         fencing: b.fencing,
+        cohort: b.cohort,
         ..a.clone()
     } == *b
 }
@@ -240,6 +242,7 @@ mod tests {
             strategies: vec!["redis-lock".into()],
             fault: None,
             fencing: false,
+            cohort: Some(true),
             repeat: 1,
             rate: None,
             parts: 2,

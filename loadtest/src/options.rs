@@ -98,6 +98,12 @@ pub struct Options {
     #[arg(long, value_enum)]
     pub fencing: Option<Switch>,
 
+    /// Switch the cohort layer on or off for the runs (default: leave as it is). On, a
+    /// replica's requests for a SKU queue locally and the lock is handed on within the
+    /// replica; off, every order takes the lock from the lock service.
+    #[arg(long, value_enum)]
+    pub cohort: Option<Switch>,
+
     /// Run every strategy this many times (interleaved: all strategies, then all
     /// again); the table shows each figure's median and min-max.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]

@@ -283,6 +283,15 @@ pub fn markdown(report: &LoadReport) -> String {
         "off"
     };
     let _ = writeln!(md, "Fencing tokens: {fencing}.\n");
+    if let Some(cohort) = c.cohort {
+        let cohort = if cohort {
+            "on (a replica's requests for a SKU queue locally and the holder hands the \
+             lock to the next one, up to 8 in a row)"
+        } else {
+            "off (every order takes the lock from the lock service)"
+        };
+        let _ = writeln!(md, "Cohort layer: {cohort}.\n");
+    }
     if c.parts > 1 {
         let _ = writeln!(
             md,
@@ -454,6 +463,7 @@ mod tests {
                 strategies: vec![],
                 fault: None,
                 fencing: false,
+                cohort: None,
                 repeat: 1,
                 rate: None,
                 parts: 1,

@@ -158,6 +158,17 @@ impl Service {
         Ok(())
     }
 
+    pub async fn set_cohort(&self, enabled: bool) -> anyhow::Result<()> {
+        self.http
+            .put(self.admin_url("/api/admin/cohort"))
+            .json(&json!({ "enabled": enabled }))
+            .send()
+            .await?
+            .error_for_status()
+            .context("switching the cohort layer")?;
+        Ok(())
+    }
+
     /// Arms the paused-holder fault with the service's default pause; returns it in ms.
     pub async fn arm_pause(&self) -> anyhow::Result<u64> {
         #[derive(Deserialize)]

@@ -233,11 +233,14 @@ pub async fn run_part(
         "part {}/{}: doors open in {lead:.1} s",
         part.number, part.of
     );
-    if part.coordinates()
-        && let Some(switch) = options.fencing
-    {
+    if part.coordinates() && (options.fencing.is_some() || options.cohort.is_some()) {
         sleep_until(minus(doors_open, PREPARE_LEAD)).await;
-        service.set_fencing(switch == Switch::On).await?;
+        if let Some(switch) = options.fencing {
+            service.set_fencing(switch == Switch::On).await?;
+        }
+        if let Some(switch) = options.cohort {
+            service.set_cohort(switch == Switch::On).await?;
+        }
     }
     let slots: Vec<(u32, &String)> = (1..=options.repeat)
         .flat_map(|repeat| strategies.iter().map(move |s| (repeat, s)))
@@ -276,13 +279,13 @@ pub async fn run_part(
         );
         runs.push(run);
     }
-    let fencing = service.stats(None).await?.fencing;
+    let switches = crate::Switches::of(&service.stats(None).await?);
     Ok(PartialReport {
         part: part.number,
         parts: part.of,
         doors_open,
         generated_at: Utc::now(),
-        config: crate::load_config(options, strategies, fencing),
+        config: crate::load_config(options, strategies, switches),
         runs,
     })
 }

@@ -1,9 +1,10 @@
-//! Admin calls shared by all replicas: the active strategy, fencing, stock resets,
-//! reconcile and faults.
+//! Admin calls shared by all replicas: the active strategy, fencing, the cohort layer,
+//! stock resets, reconcile, fence resets and faults.
 //!
 //! Every change of the sale goes through `Store::change_sale`, which moves the sale
 //! epoch forward and gives it to the SKUs the change concerns (every SKU for a switch
-//! or a reconcile of everything, one for a reset or a reconcile of that SKU): orders of
+//! or a reconcile or fence reset of everything, one for a reset, a reconcile or a fence
+//! reset of that SKU): orders of
 //! those SKUs already under way that have not committed are refused with
 //! `sale_changed` (and retried by their clients under the new settings), so an old and
 //! a new strategy never sell the same SKU at once. Orders of the other SKUs go on.
@@ -139,6 +140,65 @@ pub async fn set_fencing(
     Ok(ApiJson(body))
 }
 
+/// The cohort switch. Its body is read field by field so that a wrong `enabled` is
+/// named in the answer (serde's message for a wrong type does not name the field).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CohortBody {
+    /// On: a replica's requests for a SKU queue locally and the holder hands the lock
+    /// to the next one, up to 8 in a row, instead of releasing it. Off: every order
+    /// takes the lock from the lock service (the textbook lock).
+    enabled: bool,
+}
+
+impl CohortBody {
+    fn parse(body: &serde_json::Map<String, serde_json::Value>) -> Result<CohortBody, AppError> {
+        match body.get("enabled") {
+            Some(serde_json::Value::Bool(enabled)) => Ok(CohortBody { enabled: *enabled }),
+            Some(other) => Err(AppError::Malformed(format!(
+                "`enabled` must be true or false, not {other}"
+            ))),
+            None => Err(AppError::Malformed(
+                "missing field `enabled` (true or false)".into(),
+            )),
+        }
+    }
+}
+
+/// Whether lock strategies run under the cohort layer.
+#[utoipa::path(get, path = "/api/admin/cohort", tag = "admin",
+    responses((status = 200, description = "The cohort switch", body = CohortBody)))]
+pub async fn cohort(State(state): State<AppState>) -> Result<ApiJson<CohortBody>, AppError> {
+    let (settings, _) = state.settings_and_strategy().await?;
+    Ok(ApiJson(CohortBody {
+        enabled: settings.cohort,
+    }))
+}
+
+/// Switches the cohort layer for every replica (each reads the switch with each
+/// order). Like every change of the sale it moves the epoch: orders begun under the
+/// other mode that have not committed are refused (`sale_changed`), so the two modes
+/// never hold one SKU's lock at once.
+#[utoipa::path(put, path = "/api/admin/cohort", tag = "admin",
+    request_body = CohortBody,
+    responses(
+        (status = 200, description = "The cohort switch as now set", body = CohortBody),
+        (status = 400, description = "`malformed_request`: `enabled` missing or not a \
+            boolean", body = ErrorBody),
+    ))]
+pub async fn set_cohort(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<serde_json::Map<String, serde_json::Value>>,
+) -> Result<ApiJson<CohortBody>, AppError> {
+    let body = CohortBody::parse(&body)?;
+    state
+        .flow
+        .store
+        .change_sale(SaleChange::Cohort(body.enabled))
+        .await?;
+    tracing::info!(enabled = body.enabled, "cohort layer switched");
+    Ok(ApiJson(body))
+}
+
 /// Longest pause the fault may ask for.
 pub const MAX_PAUSE_MS: i64 = 120_000;
 
@@ -263,11 +323,20 @@ pub struct ReconcileBody {
     sku: Option<String>,
 }
 
-/// The reconcile's body, which may be left out: a request without a Content-Type and
-/// with an empty body reconciles every SKU, as before the body existed.
-pub struct OptionalReconcileBody(ReconcileBody);
+/// Whose fences to reset: one SKU, or (no body, or no `sku`) every SKU.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+pub struct FenceResetBody {
+    #[schema(value_type = Option<Sku>)]
+    #[serde(default)]
+    sku: Option<String>,
+}
 
-impl<S: Send + Sync> FromRequest<S> for OptionalReconcileBody {
+/// A body that may be left out: a request without a Content-Type and with an empty
+/// body (or a JSON `null`) reads as the default, e.g. a reconcile of every SKU, as
+/// before the body existed.
+pub struct OptionalBody<T>(T);
+
+impl<S: Send + Sync, T: Default + serde::de::DeserializeOwned> FromRequest<S> for OptionalBody<T> {
     type Rejection = AppError;
 
     async fn from_request(request: Request, state: &S) -> Result<Self, AppError> {
@@ -277,9 +346,9 @@ impl<S: Send + Sync> FromRequest<S> for OptionalReconcileBody {
                 .await
                 .map_err(AppError::from)?;
             return match body {
-                serde_json::Value::Null => Ok(OptionalReconcileBody(ReconcileBody::default())),
+                serde_json::Value::Null => Ok(OptionalBody(T::default())),
                 serde_json::Value::Object(_) => serde_json::from_value(body)
-                    .map(OptionalReconcileBody)
+                    .map(OptionalBody)
                     .map_err(|error| {
                         AppError::Malformed(format!("the body does not fit: {error}"))
                     }),
@@ -292,7 +361,7 @@ impl<S: Send + Sync> FromRequest<S> for OptionalReconcileBody {
             .await
             .map_err(|rejection| AppError::Malformed(rejection.body_text()))?;
         if bytes.is_empty() {
-            Ok(OptionalReconcileBody(ReconcileBody::default()))
+            Ok(OptionalBody(T::default()))
         } else {
             Err(AppError::UnsupportedMediaType(
                 "expected a JSON body with Content-Type: application/json".into(),
@@ -325,25 +394,9 @@ pub struct Reconciled {
     ))]
 pub async fn reconcile(
     State(state): State<AppState>,
-    OptionalReconcileBody(body): OptionalReconcileBody,
+    OptionalBody(body): OptionalBody<ReconcileBody>,
 ) -> Result<ApiJson<Reconciled>, AppError> {
-    let sku = body
-        .sku
-        .as_deref()
-        .map(Sku::parse)
-        .transpose()
-        .map_err(AppError::Invalid)?;
-    if let Some(sku) = &sku
-        && state
-            .flow
-            .store
-            .records
-            .stock_and_version(sku)
-            .await?
-            .is_none()
-    {
-        return Err(AppError::NotFound(format!("unknown SKU '{sku}'")));
-    }
+    let sku = known_sku(&state, body.sku.as_deref()).await?;
     let rewritten = state
         .flow
         .store
@@ -358,4 +411,66 @@ pub async fn reconcile(
         .collect();
     tracing::warn!(skus = skus.len(), "Redis stock rewritten from MySQL");
     Ok(ApiJson(Reconciled { skus }))
+}
+
+/// The SKU a body names, if any: 422 if it is not a valid SKU, 404 if MySQL has no
+/// such product.
+async fn known_sku(state: &AppState, sku: Option<&str>) -> Result<Option<Sku>, AppError> {
+    let sku = sku.map(Sku::parse).transpose().map_err(AppError::Invalid)?;
+    if let Some(sku) = &sku
+        && state
+            .flow
+            .store
+            .records
+            .stock_and_version(sku)
+            .await?
+            .is_none()
+    {
+        return Err(AppError::NotFound(format!("unknown SKU '{sku}'")));
+    }
+    Ok(sku)
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FencesReset {
+    /// The SKUs whose fences were reset.
+    #[schema(value_type = Vec<Sku>)]
+    skus: Vec<Sku>,
+}
+
+/// Moves the fence of one SKU (`{"sku": ...}`) or of every SKU (no body, `null` or no
+/// `sku`) back to the lock service's current tokens: its fences (every lock service's)
+/// are deleted, so the next holder's token becomes the fence however low it is. The
+/// fence only moves forward otherwise, so a lock service that came back with lower
+/// counters (data lost, re-created) would have every fenced order refused for good.
+///
+/// The sale's orders and stock are kept (the Redis stock is rewritten from MySQL, as a
+/// reconcile does). What it trusts: the call moves the SKU's epoch, so every order
+/// begun before it is refused at its commit and no holder from before can register
+/// or write under the lowered fence; and the lock service's tokens grow again from
+/// where they are now.
+#[utoipa::path(post, path = "/api/admin/fences/reset", tag = "admin",
+    request_body(content = Option<FenceResetBody>,
+        description = "`{\"sku\": ...}` for one SKU; no body (or `null`) for every SKU"),
+    responses(
+        (status = 200, description = "The SKUs whose fences were reset", body = FencesReset),
+        (status = 404, description = "`not_found`: unknown SKU", body = ErrorBody),
+        (status = 422, description = "`invalid_value`: not a valid SKU", body = ErrorBody),
+    ))]
+pub async fn reset_fences(
+    State(state): State<AppState>,
+    OptionalBody(body): OptionalBody<FenceResetBody>,
+) -> Result<ApiJson<FencesReset>, AppError> {
+    let sku = known_sku(&state, body.sku.as_deref()).await?;
+    let reset = state
+        .flow
+        .store
+        .change_sale(SaleChange::ResetFences { sku })
+        .await?;
+    let skus: Vec<Sku> = reset.into_iter().map(|at| at.sku).collect();
+    tracing::warn!(
+        skus = skus.len(),
+        "fences reset to the lock services' current tokens"
+    );
+    Ok(ApiJson(FencesReset { skus }))
 }

@@ -1,5 +1,5 @@
 //! Admin protection. With `FLASHSALE_ADMIN_TOKEN` set, admin calls (strategy, reset,
-//! fencing, faults, starting load tests, saving reports) need
+//! fencing, cohort, fence resets, faults, starting load tests, saving reports) need
 //! `Authorization: Bearer <token>`: none gives 401, a wrong one 403. Without a token
 //! they are open, which the service only allows when it listens on loopback (checked
 //! at start, see `config`).

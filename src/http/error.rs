@@ -227,13 +227,15 @@ fn order_message(error: &OrderError) -> String {
         ),
         OrderError::Fenced { token } => format!(
             "MySQL refused fencing token {token}: a newer lock holder began since; nothing \
-             was written"
+             was written (if every order is refused so, the lock service's tokens went \
+             back below the fence: an admin resets it with POST /api/admin/fences/reset)"
         ),
         OrderError::StaleRead => "MySQL refused the write: the stock it was computed from \
              had changed; nothing was written"
             .into(),
-        OrderError::SaleChanged => "the sale changed (strategy, fencing, reset or \
-             reconcile) while the order was under way; nothing was written, try again"
+        OrderError::SaleChanged => "the sale changed (strategy, fencing or cohort \
+             switch, reset, reconcile or fence reset) while the order was under way; \
+             nothing was written, try again"
             .into(),
         OrderError::Abandoned => {
             "the shopper left before the order was placed; nothing was written".into()

@@ -75,6 +75,11 @@ pub fn router(
             get(admin::fencing).put(admin::set_fencing),
         )
         .route(
+            "/api/admin/cohort",
+            get(admin::cohort).put(admin::set_cohort),
+        )
+        .route("/api/admin/fences/reset", post(admin::reset_fences))
+        .route(
             "/api/admin/faults",
             post(admin::arm_fault).delete(admin::disarm_fault),
         )

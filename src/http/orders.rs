@@ -95,7 +95,7 @@ pub async fn place_order(
     let _leaving = client_gone.clone().drop_guard();
     let options = OrderOptions {
         fencing: settings.fencing,
-        cohort: true,
+        cohort: settings.cohort,
         epoch: settings.epoch,
         pause: settings.pause.map(|p| p.at),
         client_gone,

@@ -76,6 +76,7 @@ pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppEr
     Ok(Stats {
         strategy: strategy.name().to_owned(),
         fencing: settings.fencing,
+        cohort: Some(settings.cohort),
         epoch: settings.epoch,
         pause_armed_ms: settings.pause.map(|p| p.ms),
         pause_armed_at: settings.pause.map(|p| p.at),

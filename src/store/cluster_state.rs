@@ -1,6 +1,6 @@
 //! State every replica must agree on, kept in Redis: the active strategy, the fencing
-//! switch and the sale epoch (published by `sale.rs`), an armed fault, and the registry
-//! of live replicas.
+//! and cohort switches and the sale epoch (published by `sale.rs`), an armed fault, and
+//! the registry of live replicas.
 //!
 //! The settings are read from Redis on each order (one MGET) rather than cached, so a
 //! switch takes effect on every replica for the very next request: a load test that
@@ -116,7 +116,8 @@ pub struct ClusterState {
     namespace: String,
 }
 
-pub(super) fn fencing_value(enabled: bool) -> &'static str {
+/// How a switch (fencing, cohort) is written in Redis and MySQL.
+pub(super) fn switch_value(enabled: bool) -> &'static str {
     if enabled { "on" } else { "off" }
 }
 
@@ -125,9 +126,19 @@ pub(super) fn fencing_value(enabled: bool) -> &'static str {
 pub struct CachedSettings {
     pub strategy: Option<String>,
     pub fencing: Option<bool>,
+    pub cohort: Option<bool>,
     pub epoch: Option<u64>,
     pub pause: Option<PauseFault>,
 }
+
+/// Strategy, fencing, epoch, pause and cohort as one MGET returns them.
+type RawSettings = (
+    Option<String>,
+    Option<String>,
+    Option<u64>,
+    Option<String>,
+    Option<String>,
+);
 
 /// The cluster-wide switches an order needs.
 #[derive(Debug, Clone, PartialEq)]
@@ -135,6 +146,9 @@ pub struct ClusterSettings {
     pub strategy: String,
     /// Whether lock holders' writes are fenced by their tokens.
     pub fencing: bool,
+    /// Whether lock strategies run under the cohort layer (a replica's requests queue
+    /// locally and the lock is handed on within the replica).
+    pub cohort: bool,
     /// The sale epoch the order runs under; its commit requires that no change of its
     /// SKU came after it.
     pub epoch: u64,
@@ -176,6 +190,10 @@ impl ClusterState {
         format!("{}:fencing", self.namespace)
     }
 
+    fn cohort_key(&self) -> String {
+        format!("{}:cohort", self.namespace)
+    }
+
     fn pause_key(&self) -> String {
         format!("{}:fault:pause-holder-ms", self.namespace)
     }
@@ -186,10 +204,15 @@ impl ClusterState {
         format!("{}:epoch", self.namespace)
     }
 
-    /// The strategy, fencing and epoch keys, in that order (for `sale.rs`, which
-    /// publishes them with the stocks in one script).
-    pub(super) fn settings_keys(&self) -> [String; 3] {
-        [self.strategy_key(), self.fencing_key(), self.epoch_key()]
+    /// The strategy, fencing, epoch and cohort keys, in that order (for `sale.rs`,
+    /// which publishes them with the stocks in one script).
+    pub(super) fn settings_keys(&self) -> [String; 4] {
+        [
+            self.strategy_key(),
+            self.fencing_key(),
+            self.epoch_key(),
+            self.cohort_key(),
+        ]
     }
 
     fn counters_key(&self) -> String {
@@ -204,22 +227,19 @@ impl ClusterState {
     /// setting Redis does not have (never set, or lost in a restart).
     pub async fn cached_settings(&self) -> Result<CachedSettings, StoreError> {
         let mut conn = self.pool.get().await?;
-        let (strategy, fencing, epoch, pause): (
-            Option<String>,
-            Option<String>,
-            Option<u64>,
-            Option<String>,
-        ) = conn
+        let (strategy, fencing, epoch, pause, cohort): RawSettings = conn
             .mget(&[
                 self.strategy_key(),
                 self.fencing_key(),
                 self.epoch_key(),
                 self.pause_key(),
+                self.cohort_key(),
             ])
             .await?;
         Ok(CachedSettings {
             strategy,
             fencing: fencing.map(|f| f == "on"),
+            cohort: cohort.map(|c| c == "on"),
             epoch,
             pause: pause.as_deref().and_then(PauseFault::decode),
         })

@@ -1,14 +1,15 @@
-//! Admin changes of the sale (switch the strategy or fencing, reset a SKU, reconcile
-//! the cache) and the settings every order reads.
+//! Admin changes of the sale (switch the strategy, fencing or the cohort layer, reset
+//! a SKU, reconcile the cache, reset fences) and the settings every order reads.
 //!
 //! Each change is one MySQL transaction that first moves the sale epoch forward (its
 //! exclusive lock on the epoch row serialises the changes; orders never lock that
 //! row). Then it gives the new epoch to the SKUs it concerns (`products.epoch`): every
-//! SKU for a strategy or fencing switch and a reconcile of everything, one SKU for a
-//! reset or a reconcile of that SKU. Writing a product row waits for that SKU's order
-//! commits in flight (they hold the row, see `order_commit.rs`), and every order that
-//! began before the change and concerns one of those SKUs will find its commit
-//! refused; the orders of the other SKUs go on. Then:
+//! SKU for a strategy, fencing or cohort switch and a reconcile or fence reset of
+//! everything, one SKU for a reset, a reconcile or a fence reset of that SKU. Writing
+//! a product row waits for that SKU's order commits in flight (they hold the row, see
+//! `order_commit.rs`), and every order that began before the change and concerns one
+//! of those SKUs will find its commit refused; the orders of the other SKUs go on.
+//! Then:
 //!
 //! - the row versions of the SKUs it concerns move forward too, and their Redis stock
 //!   is rewritten from MySQL with those versions. A cache write of an order that
@@ -38,7 +39,7 @@ use std::sync::LazyLock;
 
 use deadpool_redis::redis::Script;
 
-use super::cluster_state::fencing_value;
+use super::cluster_state::switch_value;
 use super::{ClusterSettings, Store, StoreError};
 use crate::model::Sku;
 use crate::store::order_commit::{DEADLOCK, mysql_error_number};
@@ -49,6 +50,8 @@ use crate::store::records::Records;
 pub enum SaleChange {
     Strategy(String),
     Fencing(bool),
+    /// The cohort layer on or off: orders begun under the other mode are refused.
+    Cohort(bool),
     /// New stock for a SKU (created if new); its orders and fences are cleared.
     Reset {
         sku: Sku,
@@ -59,15 +62,22 @@ pub enum SaleChange {
     Reconcile {
         sku: Option<Sku>,
     },
+    /// Forget the fences of `sku`, or of every SKU, for every lock service: the next
+    /// holder's token becomes the fence, however low the lock service's tokens went.
+    /// Orders and stock are kept; the Redis stock is rewritten from MySQL as by a
+    /// reconcile (the change concerns the SKU: its orders in flight are refused).
+    ResetFences {
+        sku: Option<Sku>,
+    },
 }
 
 impl SaleChange {
     /// The one SKU the change concerns, or `None` when it concerns every SKU.
     fn only_sku(&self) -> Option<&Sku> {
         match self {
-            SaleChange::Strategy(_) | SaleChange::Fencing(_) => None,
+            SaleChange::Strategy(_) | SaleChange::Fencing(_) | SaleChange::Cohort(_) => None,
             SaleChange::Reset { sku, .. } => Some(sku),
-            SaleChange::Reconcile { sku } => sku.as_ref(),
+            SaleChange::Reconcile { sku } | SaleChange::ResetFences { sku } => sku.as_ref(),
         }
     }
 }
@@ -77,6 +87,8 @@ impl SaleChange {
 pub struct SaleSettings {
     pub strategy: String,
     pub fencing: bool,
+    /// On unless switched off: MySQL has no row for it until the first switch.
+    pub cohort: bool,
     pub epoch: u64,
 }
 
@@ -91,9 +103,9 @@ pub struct StockAt {
 }
 
 /// Rewrites stocks and publishes the settings in one step. KEYS: strategy, fencing,
-/// epoch, then stock, version, pending and epoch keys per SKU; ARGV: strategy,
-/// fencing, epoch, the mode, the epoch the caller saw in Redis, then stock, version
-/// and epoch per SKU. Returns the indexes of the SKUs whose value changed.
+/// epoch, cohort, then stock, version, pending and epoch keys per SKU; ARGV: strategy,
+/// fencing, epoch, the mode, the epoch the caller saw in Redis, cohort, then stock,
+/// version and epoch per SKU. Returns the indexes of the SKUs whose value changed.
 ///
 /// One script, so the sale's epoch never reaches Redis without the stocks of the SKUs
 /// it changed. A SKU's stock, version and epoch are written together, and only where
@@ -121,8 +133,8 @@ local seen = redis.call('GET', KEYS[3])
 local newer = ARGV[4] == 'newer'
 if not newer and (seen or '') ~= ARGV[5] then return {} end
 local rewritten = {}
-for i = 0, (#KEYS - 3) / 4 - 1 do
-  local k, a = 4 + 4 * i, 6 + 3 * i
+for i = 0, (#KEYS - 4) / 4 - 1 do
+  local k, a = 5 + 4 * i, 7 + 3 * i
   local cached = tonumber(redis.call('GET', KEYS[k + 3]) or '0')
   local published = tonumber(ARGV[a + 2])
   -- A missing stock (Redis lost it) is left missing unless this change concerns the
@@ -141,6 +153,7 @@ if not newer or tonumber(ARGV[3]) >= tonumber(seen or '-1') then
   redis.call('SET', KEYS[1], ARGV[1])
   redis.call('SET', KEYS[2], ARGV[2])
   redis.call('SET', KEYS[3], ARGV[3])
+  redis.call('SET', KEYS[4], ARGV[6])
 end
 return rewritten
 ",
@@ -163,7 +176,8 @@ const DEADLOCK_RETRIES: u32 = 5;
 
 impl Store {
     /// Applies an admin change; returns the SKUs whose Redis stock it rewrote with a
-    /// different value (for reconcile's answer), or for a reset the SKU reset.
+    /// different value (for reconcile's answer), for a reset the SKU reset, for a
+    /// fence reset the SKUs whose fences were reset.
     ///
     /// The change runs in a task of its own: an admin who hangs up, or a request
     /// timeout, must not stop it between its MySQL commit and its publication (Redis
@@ -188,11 +202,17 @@ impl Store {
     async fn apply_and_publish(&self, change: SaleChange) -> Result<Vec<StockAt>, StoreError> {
         let (settings, stocks) = self.records.apply_change(&change).await?;
         let rewritten = self.publish(&settings, &stocks, Publish::IfNewer).await?;
-        if let SaleChange::Reset { sku, .. } = &change {
-            self.timeline.clear(sku).await?;
-            return Ok(stocks.into_iter().filter(|at| at.sku == *sku).collect());
+        match &change {
+            SaleChange::Reset { sku, .. } => {
+                self.timeline.clear(sku).await?;
+                Ok(stocks.into_iter().filter(|at| at.sku == *sku).collect())
+            }
+            SaleChange::ResetFences { sku } => Ok(stocks
+                .into_iter()
+                .filter(|at| sku.as_ref().is_none_or(|sku| at.sku == *sku))
+                .collect()),
+            _ => Ok(rewritten),
         }
-        Ok(rewritten)
     }
 
     /// Rewrites `stocks` in Redis and publishes `settings`, in one script (see
@@ -209,7 +229,7 @@ impl Store {
         }
         script
             .arg(&settings.strategy)
-            .arg(fencing_value(settings.fencing))
+            .arg(switch_value(settings.fencing))
             .arg(settings.epoch)
             .arg(match mode {
                 Publish::IfNewer => "newer",
@@ -218,7 +238,8 @@ impl Store {
             .arg(match mode {
                 Publish::IfStill(Some(seen)) => seen.to_string(),
                 _ => String::new(),
-            });
+            })
+            .arg(switch_value(settings.cohort));
         for at in stocks {
             for key in self.cache.keys(&at.sku) {
                 script.key(key);
@@ -267,12 +288,13 @@ impl Store {
     /// than silently falling back to a default.
     pub async fn settings(&self) -> Result<ClusterSettings, StoreError> {
         let cached = self.cluster.cached_settings().await?;
-        if let (Some(strategy), Some(fencing), Some(epoch)) =
-            (cached.strategy, cached.fencing, cached.epoch)
+        if let (Some(strategy), Some(fencing), Some(cohort), Some(epoch)) =
+            (cached.strategy, cached.fencing, cached.cohort, cached.epoch)
         {
             return Ok(ClusterSettings {
                 strategy,
                 fencing,
+                cohort,
                 epoch,
                 pause: cached.pause,
             });
@@ -302,6 +324,7 @@ impl Store {
         Ok(ClusterSettings {
             strategy: durable.strategy,
             fencing: durable.fencing,
+            cohort: durable.cohort,
             epoch: durable.epoch,
             pause: cached.pause,
         })
@@ -368,7 +391,14 @@ impl Records {
             SaleChange::Fencing(enabled) => {
                 sqlx::query(save)
                     .bind("fencing")
-                    .bind(if *enabled { "on" } else { "off" })
+                    .bind(switch_value(*enabled))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            SaleChange::Cohort(enabled) => {
+                sqlx::query(save)
+                    .bind("cohort")
+                    .bind(switch_value(*enabled))
                     .execute(&mut *tx)
                     .await?;
             }
@@ -396,7 +426,8 @@ impl Records {
                     .execute(&mut *tx)
                     .await?;
             }
-            SaleChange::Reconcile { .. } => {}
+            // The fences go once the product rows are locked, below.
+            SaleChange::Reconcile { .. } | SaleChange::ResetFences { .. } => {}
         }
         // The SKUs the change concerns get its epoch: their orders from before it are
         // refused from now on, those of the other SKUs go on. A switch concerns every
@@ -423,6 +454,27 @@ impl Records {
                 sqlx::query(covered).execute(&mut *tx).await?;
             }
         }
+        // After the product rows, in the order a holder's registration takes them
+        // (product row shared, then the fence): a holder that began before this
+        // change either registered already, and its fence goes now, or waits for the
+        // product row, finds the new epoch and registers nothing. Its commit is refused
+        // for the epoch either way: no holder from before writes under the lowered
+        // fence, and none can put its old token back.
+        if let SaleChange::ResetFences { sku } = change {
+            match sku {
+                Some(sku) => {
+                    sqlx::query("DELETE FROM product_fences WHERE sku = ?")
+                        .bind(sku.as_str())
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                None => {
+                    sqlx::query("DELETE FROM product_fences")
+                        .execute(&mut *tx)
+                        .await?;
+                }
+            }
+        }
         // Every SKU's: the script rewrites those whose epoch moved, here or in an
         // earlier change whose publication this one overtakes (or that was lost).
         let rows: Vec<(String, i64, i64, u64)> = sqlx::query_as(STOCKS).fetch_all(&mut *tx).await?;
@@ -434,8 +486,8 @@ impl Records {
     }
 }
 
-const SETTINGS: &str =
-    "SELECT name, value FROM cluster_settings WHERE name IN ('strategy', 'fencing', 'epoch')";
+const SETTINGS: &str = "SELECT name, value FROM cluster_settings
+     WHERE name IN ('strategy', 'fencing', 'cohort', 'epoch')";
 
 const STOCKS: &str = "SELECT sku, stock, version, epoch FROM products ORDER BY sku";
 
@@ -456,6 +508,7 @@ fn parse_settings(rows: &[(String, String)]) -> Result<SaleSettings, StoreError>
             .unwrap_or(super::DEFAULT_STRATEGY)
             .to_owned(),
         fencing: value("fencing") == Some("on"),
+        cohort: value("cohort") != Some("off"),
         epoch,
     })
 }

@@ -144,8 +144,9 @@ pub enum OrderError {
     /// MySQL refused the write: the stock it was computed from is no longer MySQL's.
     #[error("the stock read is no longer MySQL's")]
     StaleRead,
-    /// An admin changed the sale (strategy, fencing, reset, reconcile) while the order
-    /// was under way; nothing was written, and a retry runs under the new settings.
+    /// An admin changed the sale (strategy, fencing or cohort switch, reset, reconcile,
+    /// fence reset) while the order was under way; nothing was written, and a retry
+    /// runs under the new settings.
     #[error("the sale changed while the order was under way")]
     SaleChanged,
     /// optimistic: every attempt conflicted with another writer.

@@ -1,5 +1,5 @@
 // Drives the dashboard in Debian's headless chromium against a running replica:
-// switch the strategy, reset a SKU, place orders, play the paused-holder walkthrough
+// switch the cohort layer off and on, switch the strategy, reset a SKU, place orders, play the paused-holder walkthrough
 // with the timings the page derives from the replica's settings, make `none` oversell,
 // lose and regain the live feed, compare strategies after a run, and lay the page out
 // on a phone. Screenshots go beside SCREENSHOT.png (race-locked.png, race-none.png,
@@ -52,6 +52,18 @@ try {
       !(ms(pause) > ms(latest) && ms(latest) > ms(earliest) && ms(earliest) > stats.lock_lease_ms + stats.work_ms - stats.lock_wait_ms)) {
     throw new Error(`walkthrough timings do not fit the settings: ${text}`);
   }
+
+  step("the cohort switch is on by default; the page switches it off and on again for the cluster");
+  const cohortBox = page.locator("#cohort-toggle");
+  await expectText(page.locator("#cohort-state"), /^on: /, "cohort on by default");
+  if (!(await cohortBox.isChecked())) throw new Error("the cohort box is not checked while the layer is on");
+  await cohortBox.uncheck();
+  await eventually(async () => (await getJson(`${base}/api/admin/cohort`)).enabled === false, "cohort off in the API");
+  await expectText(page.locator("#cohort-state"), /^off: /, "cohort off shown");
+  await expectText(page.locator("#control-message"), /^Cohort off: /, "the page says what it did");
+  await cohortBox.check();
+  await eventually(async () => (await getJson(`${base}/api/admin/cohort`)).enabled === true, "cohort on again in the API");
+  await expectText(page.locator("#cohort-state"), /^on: /, "cohort on shown");
 
   step("switch to redis-lock");
   await page.selectOption("#strategy-select", "redis-lock");

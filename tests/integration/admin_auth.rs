@@ -31,6 +31,17 @@ async fn admin_calls_need_the_token() {
             "/api/admin/fencing",
             json!({ "enabled": true }),
         ),
+        (
+            Method::PUT,
+            "/api/admin/cohort",
+            json!({ "enabled": false }),
+        ),
+        (Method::GET, "/api/admin/cohort", json!(null)),
+        (
+            Method::POST,
+            "/api/admin/fences/reset",
+            json!({ "sku": "guarded" }),
+        ),
         (Method::POST, "/api/admin/faults", json!({})),
         (
             Method::POST,
@@ -65,6 +76,11 @@ async fn admin_calls_need_the_token() {
         cluster.get_json(0, "/api/admin/fencing").await["enabled"],
         false,
         "fencing untouched"
+    );
+    assert_eq!(
+        cluster.get_json(0, "/api/admin/cohort").await["enabled"],
+        true,
+        "cohort untouched"
     );
 
     let order = anonymous

@@ -265,3 +265,61 @@ async fn bad_arguments_stop_before_any_load() {
         .expect("unknown strategy given a stock");
     assert!(error.to_string().contains("--stock-for"), "{error}");
 }
+
+/// `--cohort off|on` switches the cluster's cohort layer before the runs, as
+/// `--fencing` switches fencing, and the report's `config` records the mode the runs
+/// had (from the service's stats, not from the option); without the option the
+/// cluster is left as it is. Markdown says it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cohort_option_switches_the_cluster_and_is_recorded() {
+    let cluster = TestCluster::start(1, &["--lock-wait-ms", "20000"]).await;
+    let out = std::env::temp_dir().join(format!("flashsale-cohort-{}", cluster.namespace));
+    let run = |cohort: Option<&'static str>| {
+        let mut args = vec![
+            "loadtest".to_owned(),
+            "--targets".to_owned(),
+            cluster.replicas[0].base_url.clone(),
+            "--strategies".to_owned(),
+            "redis-lock".to_owned(),
+            "--users".to_owned(),
+            "4".to_owned(),
+            "--stock".to_owned(),
+            "5".to_owned(),
+            "--max-seconds".to_owned(),
+            "20".to_owned(),
+            "--grace-ms".to_owned(),
+            "0".to_owned(),
+            "--out".to_owned(),
+            out.to_string_lossy().into_owned(),
+        ];
+        if let Some(cohort) = cohort {
+            args.extend(["--cohort".to_owned(), cohort.to_owned()]);
+        }
+        async move {
+            let options = Options::parse_from(args);
+            let (service, strategies) = loadtest::prepare(&options).await.expect("ready");
+            loadtest::run(&options, &service, &strategies)
+                .await
+                .expect("load ran")
+        }
+    };
+    let cohort_now = || async { cluster.get_json(0, "/api/admin/cohort").await["enabled"].clone() };
+
+    let report = run(Some("off")).await;
+    assert_eq!(report.config.cohort, Some(false));
+    assert_eq!(cohort_now().await, false, "the cluster was switched off");
+    assert_eq!(
+        (report.runs[0].oversold, report.runs[0].consistent),
+        (0, true)
+    );
+    assert!(
+        loadtest::report::markdown(&report).contains("Cohort layer: off"),
+        "the markdown says the mode"
+    );
+    let report = run(None).await;
+    assert_eq!(report.config.cohort, Some(false), "left as it was");
+    let report = run(Some("on")).await;
+    assert_eq!(report.config.cohort, Some(true));
+    assert_eq!(cohort_now().await, true);
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -34,6 +34,11 @@ pub struct LoadConfig {
     /// Whether fencing tokens were checked during the runs.
     #[serde(default)]
     pub fencing: bool,
+    /// Whether the lock strategies ran under the cohort layer (a replica's requests
+    /// for a SKU queue locally and the lock is handed on within the replica); `None`
+    /// in reports of services older than the switch.
+    #[serde(default)]
+    pub cohort: Option<bool>,
     /// How often each strategy was run (`--repeat`); its runs are interleaved.
     #[serde(default = "one")]
     pub repeat: u32,

@@ -16,6 +16,11 @@ pub struct Stats {
     pub strategy: String,
     /// Whether lock holders' writes are fenced.
     pub fencing: bool,
+    /// Whether lock strategies run under the cohort layer (a replica's requests for a
+    /// SKU queue locally and the lock is handed on within the replica); `None` from
+    /// replicas older than the switch.
+    #[serde(default)]
+    pub cohort: Option<bool>,
     /// The sale epoch: moved forward by every admin change of the sale.
     #[serde(default)]
     pub epoch: u64,
@@ -86,5 +91,6 @@ mod tests {
             (stats.lock_lease_ms, stats.lock_wait_ms, stats.work_ms),
             (0, 0, 0)
         );
+        assert_eq!(stats.cohort, None);
     }
 }

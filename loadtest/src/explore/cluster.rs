@@ -197,6 +197,16 @@ impl Cluster {
         .map(drop)
     }
 
+    pub async fn set_cohort(&self, enabled: bool) -> anyhow::Result<()> {
+        self.call(
+            reqwest::Method::PUT,
+            "/api/admin/cohort",
+            Some(json!({ "enabled": enabled })),
+        )
+        .await
+        .map(drop)
+    }
+
     pub async fn reset(&self, sku: &str, stock: i64) -> anyhow::Result<()> {
         self.call(
             reqwest::Method::POST,

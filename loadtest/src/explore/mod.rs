@@ -73,6 +73,11 @@ pub struct ExploreOptions {
     #[arg(long)]
     pub no_kill: bool,
 
+    /// Switch the cohort layer on or off once before the first round (default: leave
+    /// it as it is), so each mode can be explored on its own.
+    #[arg(long, value_enum)]
+    pub cohort: Option<crate::options::Switch>,
+
     /// Also take backends away mid-sale, with the commands below. For a private stack
     /// only: every other user of those services sees the outage too.
     #[arg(long)]
@@ -122,6 +127,8 @@ pub struct Summary {
     /// Strategies the rounds started under.
     pub strategies: BTreeMap<String, u64>,
     pub fenced_rounds: u64,
+    /// The cohort layer as `--cohort` set it; `None`: left as the cluster had it.
+    pub cohort: Option<bool>,
     /// Rounds whose faults changed only the other SKU among the sale's settings, so
     /// that a `sale_changed` on the SKU under test broke guarantee 5 (`checker`).
     pub sku_scoped_rounds: u64,
@@ -179,6 +186,15 @@ pub async fn run(options: &ExploreOptions) -> anyhow::Result<Summary> {
         Some(url) => Some(Records::connect(url).await?),
         None => None,
     };
+    let cohort = options
+        .cohort
+        .map(|switch| switch == crate::options::Switch::On);
+    if let Some(enabled) = cohort {
+        cluster
+            .set_cohort(enabled)
+            .await
+            .context("switching the cohort layer")?;
+    }
     let checker = Checker {
         cluster: &cluster,
         records: records.as_ref(),
@@ -205,6 +221,7 @@ pub async fn run(options: &ExploreOptions) -> anyhow::Result<Summary> {
     );
 
     let mut summary = Summary::new(seed);
+    summary.cohort = cohort;
     for round in rounds {
         let plan = schedule::draw(seed, round, &powers, cluster.target_count());
         let sku = format!("x{seed}-{run_label}-r{round}");
@@ -251,6 +268,7 @@ impl Summary {
             faults_missed: 0,
             strategies: BTreeMap::new(),
             fenced_rounds: 0,
+            cohort: None,
             sku_scoped_rounds: 0,
             violations: Vec::new(),
             aborted: None,
@@ -419,6 +437,10 @@ fn replay_command(options: &ExploreOptions, seed: u64, round: u64) -> String {
     }
     if options.no_kill {
         command += " --no-kill";
+    }
+    if let Some(switch) = options.cohort {
+        let on = switch == crate::options::Switch::On;
+        command += if on { " --cohort on" } else { " --cohort off" };
     }
     if options.disruptive {
         command += " --disruptive";
