@@ -139,11 +139,6 @@ return 1
 /// Whom a release tells that the lock is free.
 #[derive(Clone)]
 pub(super) enum Wake {
-    /// Nobody: the undo of a Redlock round that did not reach a majority frees no
-    /// lock anyone waits for.
-    Nobody,
-    /// Every process listening on this pub/sub channel (Redlock).
-    Publish(String),
     /// One waiting process, through a signal list (redis-lock), with the turn
     /// reserved for it if the lock was waited for lately.
     Signal(SignalKeys),
@@ -472,23 +467,6 @@ impl PendingSet {
     pub(super) fn disarm(&mut self) {
         self.conn = None;
     }
-
-    /// Undoes the attempt now, on its connection, waiting at most `bound`. A delete
-    /// still unanswered then is queued behind the `SET` and will run after it; one
-    /// that failed leaves the attempt armed, for the drop to retry on fresh
-    /// connections.
-    pub(super) async fn undo(&mut self, bound: Duration) {
-        let Some(conn) = self.conn.as_mut() else {
-            return;
-        };
-        let Target {
-            key, wake, token, ..
-        } = &self.target;
-        let undone = tokio::time::timeout(bound, release_with(conn, key, wake, token)).await;
-        if !matches!(undone, Ok(Err(_))) {
-            self.conn = None;
-        }
-    }
 }
 
 impl Drop for PendingSet {
@@ -573,8 +551,6 @@ pub(super) async fn release_with(
     let mut release = RELEASE.key(key);
     release.arg(token);
     match wake {
-        Wake::Nobody => release.arg("nobody"),
-        Wake::Publish(channel) => release.arg("publish").arg(channel),
         Wake::Signal(keys) => release
             .key(&keys.list)
             .key(&keys.reserved)

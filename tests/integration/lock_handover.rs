@@ -416,41 +416,16 @@ async fn db_unique_releases_cut_at_every_point_leave_the_lock_to_the_waiters() {
     nothing_left(&cluster, &[&holder, &other]).await;
 }
 
-/// ZooKeeper and etcd hand over within a replica too, with no call to the service: the
-/// node or key, on the replica's session, stays, and the next request holds it. The
-/// same guarantees, checked on both.
+/// etcd hands over within a replica too, with no call to the service: the key, on the
+/// replica's lease, stays, and the next request holds it.
 mod session_locks {
     use flashsale::lock::etcd::EtcdLock;
-    use flashsale::lock::zookeeper::ZooKeeperLock;
 
     use super::*;
-    use crate::support::{etcd_endpoints, zookeeper};
-
-    async fn zookeeper_replicas(cluster: &TestCluster) -> [Arc<ZooKeeperLock>; 2] {
-        ["busy", "other"].map(|owner| {
-            Arc::new(ZooKeeperLock::new(
-                &zookeeper(),
-                Duration::from_secs(4),
-                &cluster.namespace,
-                owner,
-            ))
-        })
-    }
+    use crate::support::etcd_endpoints;
 
     fn etcd_replicas(cluster: &TestCluster) -> [Arc<EtcdLock>; 2] {
         [(), ()].map(|()| Arc::new(EtcdLock::new(&etcd_endpoints(), &cluster.namespace, LEASE)))
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn zookeeper_runs_of_handovers_are_bounded() {
-        let cluster = TestCluster::start(1, &[]).await;
-        let [busy, other] = zookeeper_replicas(&cluster).await;
-        runs_are_bounded("zookeeper", busy.clone(), other.clone()).await;
-        nothing_queued("zookeeper", || async {
-            busy.inspect("hot").await.expect("nodes").len()
-        })
-        .await;
-        assert_eq!(busy.background_tasks() + other.background_tasks(), 0);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -460,17 +435,6 @@ mod session_locks {
         runs_are_bounded("etcd", busy.clone(), other.clone()).await;
         nothing_queued("etcd", || async {
             busy.inspect("hot").await.expect("keys").0.len()
-        })
-        .await;
-    }
-
-    #[tokio::test(flavor = "current_thread")]
-    async fn zookeeper_node_handed_to_a_request_that_gave_up_is_deleted() {
-        let cluster = TestCluster::start(1, &[]).await;
-        let [holder, other] = zookeeper_replicas(&cluster).await;
-        handed_to_one_that_gave_up("zookeeper", holder.clone(), other.clone()).await;
-        nothing_queued("zookeeper", || async {
-            holder.inspect("item").await.expect("nodes").len()
         })
         .await;
     }
