@@ -91,6 +91,7 @@ pub struct Redlock {
 
 /// One node's part in a round: whether it granted the lock in time, and the connection
 /// its `SET` went on while that `SET` may have set the key (granted, or not answered).
+#[derive(Default)]
 struct Sent {
     granted: bool,
     conn: Option<Connection>,
@@ -170,6 +171,7 @@ impl Redlock {
         let granted: Vec<&Pool> = (self.nodes.iter().zip(&sent))
             .filter_map(|(node, sent)| sent.granted.then_some(node))
             .collect();
+        // `Some(token)` once acquired: the token is `None` unless `fenced`.
         let fence = match (granted.len() >= self.quorum(), fenced) {
             (false, _) => Ok(None),
             (true, false) => Ok(Some(None)),
@@ -283,28 +285,18 @@ impl Redlock {
 async fn set_on(node: &Pool, key: &str, token: &str, lease_ms: u64) -> Sent {
     let until = Instant::now() + NODE_TIMEOUT;
     let Ok(Ok(mut conn)) = timeout_at(until, node.get()).await else {
-        return Sent {
-            granted: false,
-            conn: None,
-        };
+        return Sent::default();
     };
     let mut set = redis::cmd("SET");
     set.arg(key).arg(token).arg("NX").arg("PX").arg(lease_ms);
-    match timeout_at(until, set.query_async::<Option<String>>(&mut conn)).await {
-        Ok(Ok(Some(_))) => Sent {
-            granted: true,
-            conn: Some(conn),
-        },
-        // Refused (someone else holds it), or failed: nothing set.
-        Ok(_) => Sent {
-            granted: false,
-            conn: None,
-        },
-        // Still in flight: it may set the key yet.
-        Err(_) => Sent {
-            granted: false,
-            conn: Some(conn),
-        },
+    let answer = timeout_at(until, set.query_async::<Option<String>>(&mut conn)).await;
+    let granted = matches!(answer, Ok(Ok(Some(_))));
+    // Refused (someone else holds it) or failed: nothing was set. Still in flight
+    // (`Err`): it may set the key yet.
+    let may_hold = granted || answer.is_err();
+    Sent {
+        granted,
+        conn: may_hold.then_some(conn),
     }
 }
 
