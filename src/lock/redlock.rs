@@ -61,11 +61,13 @@ use super::{
 /// Bound on one node's answer: far below the lease, so a dead node cannot eat the
 /// validity time.
 const NODE_TIMEOUT: Duration = Duration::from_millis(50);
-/// The random delay between rounds doubles from this up to `RETRY_CAP`. The cap is
-/// high for a lock: without it, a crowd of contenders (300 buyers of one SKU) kept
-/// splitting the nodes' votes so that no round reached a majority.
+/// The random delay between rounds doubles from this up to `RETRY_CAP` (with jitter).
+/// With a cap of 50 ms, 300 buyers of one SKU, each a contender of its own, kept
+/// splitting the nodes' votes so that hardly a round reached a majority (the crowd test
+/// timed out after 120 s; 7 to 17 s with 250 ms). A cap of 1 s left a waiter up to a
+/// second late for a lock whose holder's lease ran out.
 const RETRY_BASE: Duration = Duration::from_millis(5);
-const RETRY_CAP: Duration = Duration::from_secs(1);
+const RETRY_CAP: Duration = Duration::from_millis(250);
 
 /// Compare-and-delete: only the holder of the token deletes the key.
 static UNLOCK: LazyLock<Script> = LazyLock::new(|| {

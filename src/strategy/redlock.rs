@@ -21,7 +21,7 @@ pub fn explanation() -> Explanation {
         commands: vec![
             "on each node (50 ms timeout): SET <ns>:redlock:<sku> <token> NX PX <lease>",
             "else on every node: if GET key == token then DEL key (Lua); wait a random \
-             delay (from 5 ms, doubling up to 1 s); retry",
+             delay (from 5 ms, doubling up to 250 ms); retry",
             "watchdog and check before commit: compare-and-PEXPIRE on every node, majority",
             "fencing token: GET <ns>:redlock-fence:<sku> on a majority of the granting nodes, \
              SET the largest + 1 on a majority (Lua, while still holding there)",

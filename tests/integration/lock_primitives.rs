@@ -511,8 +511,8 @@ async fn redlock_lease_behaviour() {
 
 /// Redlock's waiters have no notice of a release (the article has none): a round that
 /// missed the majority is followed by another after a random delay, doubling from 5 ms
-/// up to 1 s. So after a 2 s hold the waiter holds the lock within about a second of
-/// the release, long before its 30 s wait ends. Without the retries (one round, then
+/// up to 250 ms. So after a 2 s hold the waiter holds the lock within about that of the
+/// release, long before its 30 s wait ends. Without the retries (one round, then
 /// `Timeout`) the waiter gave up while the lock was held, and the test fails.
 #[tokio::test]
 async fn redlock_waiter_retries_until_it_holds_the_released_lock() {
