@@ -23,7 +23,7 @@
 //! connection, which Redis runs after the `SET`. A fencing counter Redis lost (a
 //! restart) restarts above the floor a [`FenceFloor`] reports (the fence MySQL
 //! checks), not at 1. Watchdog and release-on-drop are the shared `lease::LeaseGuard`.
-//! Redlock reuses this module's scripts and the undo of a dropped `SET`.
+//! Redlock reuses this module's fencing script and renewal.
 
 mod pending_set;
 mod subscriptions;
@@ -104,16 +104,6 @@ return 1
 ",
     )
 });
-
-/// Whom a release tells that the lock is free.
-#[derive(Clone)]
-pub(super) enum Wake {
-    /// Nobody: the undo of a Redlock round that did not reach a majority frees no
-    /// lock anyone waits for.
-    Nobody,
-    /// Every process subscribed to this channel.
-    Publish(String),
-}
 
 /// How long a waiter sleeps when the lock exists but has no TTL (set by hand?) or
 /// vanished between the SET and the PTTL.
@@ -226,7 +216,7 @@ impl RedisLock {
         let target = Target {
             pool: self.pool.clone(),
             key: self.key(name),
-            wake: Wake::Publish(self.channel(name)),
+            channel: self.channel(name),
             token: token.to_owned(),
         };
         let mut pending = PendingSet::new(conn, target.clone(), &self.tasks);
@@ -366,29 +356,24 @@ pub(super) async fn renew_on(
     Ok(renewed == 1)
 }
 
-/// Compare-and-delete on one node, telling the waiters as `wake` says: `true` if it
-/// was ours.
+/// Compare-and-delete, telling the waiters on `channel`: `true` if it was ours.
 pub(super) async fn delete_on(
     pool: &Pool,
     key: &str,
-    wake: &Wake,
+    channel: &str,
     token: &str,
 ) -> Result<bool, LockError> {
     let mut conn = pool.get().await.map_err(redis_error)?;
-    release_with(&mut conn, key, wake, token).await
+    release_with(&mut conn, key, channel, token).await
 }
 
 /// The same on a given connection.
 pub(super) async fn release_with(
     conn: &mut Connection,
     key: &str,
-    wake: &Wake,
+    channel: &str,
     token: &str,
 ) -> Result<bool, LockError> {
-    let channel = match wake {
-        Wake::Nobody => "",
-        Wake::Publish(channel) => channel,
-    };
     let mut release = RELEASE.key(key);
     let deleted = release
         .arg(token)
@@ -407,7 +392,7 @@ impl LeaseHold for RedisHold {
 
     async fn delete(&self) -> Result<bool, LockError> {
         let hold = &self.target;
-        delete_on(&hold.pool, &hold.key, &hold.wake, &hold.token).await
+        delete_on(&hold.pool, &hold.key, &hold.channel, &hold.token).await
     }
 
     fn describe(&self) -> String {

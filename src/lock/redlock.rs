@@ -1,126 +1,113 @@
-//! The Redlock algorithm over N independent Redis nodes (the stack starts three).
+//! Redlock, as antirez describes it ("Distributed locks with Redis"), over N
+//! independent Redis nodes (the stack starts three).
 //!
-//! - **Acquire**: with one random token, `SET key token NX PX lease` on every node,
-//!   each call bounded by a short timeout. The lock is held if a majority granted it
-//!   and time is left: validity = lease − time spent acquiring − clock drift
-//!   allowance (1% of the lease + 2 ms).
-//! - **Failure**: otherwise release on *all* nodes (a node may have set the key but
-//!   answered too late), wait a random moment, retry until the wait bound.
-//! - **Holding and release**: renewal and release are the single-node compare-and-
-//!   PEXPIRE / compare-and-delete scripts, run on every node, and count only with a
-//!   majority; the shared lease guard runs the watchdog.
-//! - **Cancellation**: each node's `SET` is sent on a connection its attempt keeps; a
-//!   round dropped midway (or a node that answered too late) is undone by a
-//!   compare-and-delete on that same connection, which Redis runs after the `SET`.
-//!   Unsettled late answers of a successful round stay with the hold and are undone
-//!   on their connection when it ends.
+//! 1. Pick a random value (the token) and note the time.
+//! 2. `SET key token NX PX lease` on every node (here all at once), each call bounded
+//!    by a timeout small against the lease (`NODE_TIMEOUT`), so a dead node cannot eat
+//!    the lock's validity.
+//! 3. The lock is held if a majority (N/2 + 1) answered OK and time is left: validity
+//!    = lease − time spent − clock drift allowance (1% of the lease + 2 ms).
+//! 4. Otherwise unlock on every node, also those that seemed not to answer (a node may
+//!    have set the key and answered too late), wait a random delay so that contenders
+//!    fall out of step (jittered backoff), and try again until the caller's wait is
+//!    over.
+//! 5. Release: the compare-and-delete script (`GET == token` then `DEL`) on every node.
 //!
-//! - **Fencing**: Redlock has no natural fencing token. A counter per node would not
-//!   do: the largest of the granting nodes' `INCR`s can repeat or go back when the next
-//!   majority is a different set of nodes (A and B at 5, then B and C give 6 and 1,
-//!   then A and C give 6 again). So a holder, still holding on the granting nodes,
-//!   reads their counters (a majority of answers will do), takes the largest as the
-//!   floor, and raises each granting node's counter to at least floor + 1 (a script
-//!   that writes only while the node still holds our token); the token, floor + 1,
-//!   counts only if a majority took the write. Any two majorities share a node, so
-//!   the next holder reads at least this token and goes above it. A node that lost
-//!   its data has no counter, and its answer does not count towards the majority read.
-//!   When too few nodes have one, the floor also comes from the fence MySQL checks
-//!   (`fence_floor`), which lags behind a holder that has not registered its token
-//!   yet: there a token can go back, and the low counters that round writes count as
-//!   real ones afterwards. A node restored from a snapshot, or from an AOF not synced
-//!   on every write, comes back with an old counter, which does the same unseen: only
-//!   `appendfsync always` on the nodes closes it (the stack runs them without
-//!   persistence). The stock compare-and-set in MySQL still refuses a double sale.
-//!   This rests, like the lock itself, on holders not overlapping.
-//!   Those are two more rounds on every granting node, so they are only made for a
-//!   caller that asked for a token (`acquire`; with fencing off the flow calls
-//!   `acquire_unfenced`, whose hold has none). Counters left alone meanwhile stay
-//!   valid floors: a fenced holder only ever raises them.
+//! The lab adds:
+//! - **Watchdog**: while held, a compare-and-`PEXPIRE` on every node every lease/3,
+//!   counting only with a majority (`lease::LeaseGuard`); the holder's last check
+//!   before it writes does the same.
+//! - **Fencing**: Redlock has no token of its own, and a counter per node would not
+//!   do: the largest of the granting nodes' `INCR`s can go back when the next majority
+//!   is a different set of nodes (A and B at 5, then B and C give 6 and 1, then A and C
+//!   give 6 again). So two more rounds on the granting nodes, while they hold our key:
+//!   read their counters (the first majority of answers), take the largest as the
+//!   floor, and raise each counter to floor + 1, the token, which counts once a
+//!   majority took it. Any two majorities share a node, so the next holder reads at
+//!   least this token and goes above it. Where fewer than a majority of nodes have a
+//!   counter (nodes restarted empty), the floor also comes from the fence MySQL checks
+//!   (`fence_floor`). Only a caller that asked for a token pays for these rounds
+//!   (`acquire`; with fencing off the flow calls `acquire_unfenced`).
 //!
-//! - **Local queue**: within one replica, contenders for the same key wait their turn
-//!   on a local FIFO mutex and only the first runs the algorithm (Redisson does the
-//!   same with a semaphore per lock). Without it, hundreds of contenders each win one
-//!   node, nobody reaches a majority, all back off and retry: a livelock seen here
-//!   with 300 buyers on one SKU.
-//! - **Woken, not polling**: a release publishes on every node (the single-node
-//!   release script), and each replica listens on every node, so the waiting head of
-//!   each replica's queue retries as soon as the lock is free, after a jitter of a few
-//!   milliseconds that keeps the replicas from splitting the nodes' votes. A local
-//!   successor starts with the same jitter, so the lock does not stay on one replica.
-//!   A lost notice costs only time: the random retry delay stays as the fallback.
-//!   (Polling alone, every 5-50 ms, made each handoff cost 27 ms on average: 84
-//!   orders/s on a hot SKU against 678 for redis-lock.)
+//! **Cancellation.** Each round runs in a task of its own, which an acquisition dropped
+//! midway does not stop: the round ends as it would have, unlocking what it did not
+//! get, and a hold nobody received is released by its guard's drop. A node that
+//! answered too late is unlocked on the connection its `SET` went on, so Redis runs the
+//! delete after the `SET`.
 //!
 //! Redlock's safety rests on timing: bounded network delay, bounded process pauses and
 //! clocks that drift by less than the allowance. A pause longer than the validity
-//! breaks it like any lease.
+//! breaks it like any lease; the fencing token is what the storage can check.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use crate::redis_pool::Pool;
+use crate::redis_pool::{Connection, Pool};
 use async_trait::async_trait;
-use deadpool_redis::redis;
+use deadpool_redis::redis::{self, Script};
 use futures::StreamExt;
 use futures::future::join_all;
 use futures::stream::FuturesUnordered;
-use tokio::time::{Instant, timeout};
+use tokio::time::{Instant, timeout, timeout_at};
 
 use super::fence_floor::{FenceFloor, bounded_floor};
 use super::lease::{LeaseGuard, LeaseHold};
-use super::local_queue::{LocalQueues, Turn};
-use super::notices::ReleaseNotices;
-use super::redis::{
-    PendingSet, SEED_FENCE, Target, Wake, delete_on, millis, redis_error, renew_on,
-};
+use super::redis::{SEED_FENCE, millis, redis_error, renew_on};
 use super::task::Tasks;
-use super::{DistributedLock, LockError, LockView, acquisition_token, token_owner};
+use super::{
+    DistributedLock, LockError, LockView, acquisition_token, jittered_backoff, token_owner,
+};
 
 /// Bound on one node's answer: far below the lease, so a dead node cannot eat the
 /// validity time.
 const NODE_TIMEOUT: Duration = Duration::from_millis(50);
-const RETRY_DELAY_MS: std::ops::RangeInclusive<u64> = 5..=50;
-/// The delay before a retry after a release notice, in microseconds: spread enough
-/// that the replicas' heads do not all send their `SET` in the same instant.
-const WAKE_JITTER_US: std::ops::RangeInclusive<u64> = 0..=3_000;
+/// The random delay between rounds doubles from this up to `RETRY_CAP` (with jitter).
+/// With a cap of 50 ms, 300 buyers of one SKU, each a contender of its own, kept
+/// splitting the nodes' votes so that hardly a round reached a majority (the crowd test
+/// timed out after 120 s; 7 to 17 s with 250 ms). A cap of 1 s left a waiter up to a
+/// second late for a lock whose holder's lease ran out.
+const RETRY_BASE: Duration = Duration::from_millis(5);
+const RETRY_CAP: Duration = Duration::from_millis(250);
 
+/// Compare-and-delete: only the holder of the token deletes the key.
+static UNLOCK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+",
+    )
+});
+
+#[derive(Clone)]
 pub struct Redlock {
     nodes: Arc<Vec<Pool>>,
     namespace: String,
     owner: String,
     lease: Duration,
-    /// This replica's queue per lock key; weak, so finished keys leave nothing behind.
-    local_queues: LocalQueues,
     fence_floor: Option<Arc<dyn FenceFloor>>,
     tasks: Tasks,
-    /// This replica's waiting heads, woken by the release notices of every node.
-    notices: ReleaseNotices,
 }
 
-/// One node's part in a round: the attempt on it, if a connection was had, and
-/// whether it granted the lock.
+/// One node's part in a round: whether it granted the lock in time, and the connection
+/// its `SET` went on while that `SET` may have set the key (granted, or not answered).
 #[derive(Default)]
-struct NodeAttempt {
-    pending: Option<PendingSet>,
+struct Sent {
     granted: bool,
+    conn: Option<Connection>,
 }
 
 impl Redlock {
-    /// Starts a release listener on each node (pub/sub needs a connection of its own).
     pub fn new(nodes: Vec<Pool>, namespace: &str, owner: &str, lease: Duration) -> Redlock {
-        let pattern = released_channel(&format!("{namespace}:redlock:*"));
-        let clients = nodes.iter().map(|node| node.manager().client().clone());
-        let notices = ReleaseNotices::listen(clients, &pattern, None);
         Redlock {
             nodes: Arc::new(nodes),
             namespace: namespace.to_owned(),
             owner: owner.to_owned(),
             lease,
-            local_queues: LocalQueues::default(),
             fence_floor: None,
             tasks: Tasks::default(),
-            notices,
         }
     }
 
@@ -130,13 +117,12 @@ impl Redlock {
         self
     }
 
-    /// Background tasks running now: watchdogs of holds and cleanups of dropped
-    /// acquisitions and releases.
+    /// Background tasks running now: rounds, watchdogs of holds, and releases of
+    /// dropped guards.
     pub fn background_tasks(&self) -> usize {
         self.tasks.live()
     }
 
-    /// This replica's FIFO queue for `key`.
     fn quorum(&self) -> usize {
         self.nodes.len() / 2 + 1
     }
@@ -166,225 +152,199 @@ impl Redlock {
         .await
     }
 
-    /// `SET NX PX` on every node, each bounded by `NODE_TIMEOUT`. Every attempt that
-    /// got a connection is returned, granted or not, so that it can be undone there.
-    async fn set_everywhere(&self, key: &str, token: &str) -> Vec<NodeAttempt> {
-        let mut attempts: Vec<NodeAttempt> =
-            self.nodes.iter().map(|_| NodeAttempt::default()).collect();
+    /// One round of steps 1 to 4 (and the fencing rounds if `fenced`): the guard, or
+    /// `None` if the lock was not had this time. Runs to its end even if its caller
+    /// went away (see the module doc).
+    async fn round(
+        self,
+        name: String,
+        fenced: bool,
+        deadline: Instant,
+    ) -> Result<Option<LeaseGuard<RedlockHold>>, LockError> {
+        let (key, token) = (self.key(&name), acquisition_token(&self.owner));
+        let started = Instant::now();
         let lease = millis(self.lease);
-        join_all(
-            attempts
-                .iter_mut()
-                .zip(self.nodes.iter())
-                .map(|(attempt, node)| async move {
-                    let _ = timeout(NODE_TIMEOUT, async {
-                        let conn = node.get().await.map_err(redis_error)?;
-                        let target = Target {
-                            pool: node.clone(),
-                            key: key.to_owned(),
-                            // Undoing a round that missed the majority publishes
-                            // nothing: the lock's holder still holds it, and a notice
-                            // would wake every head (this one too) into a retry storm.
-                            wake: Wake::Nobody,
-                            token: token.to_owned(),
-                        };
-                        let pending =
-                            attempt
-                                .pending
-                                .insert(PendingSet::new(conn, target, &self.tasks));
-                        let set: Option<String> = redis::cmd("SET")
-                            .arg(key)
-                            .arg(token)
-                            .arg("NX")
-                            .arg("PX")
-                            .arg(lease)
-                            .query_async(pending.conn()?)
-                            .await
-                            .map_err(redis_error)?;
-                        attempt.granted = set.is_some();
-                        if !attempt.granted {
-                            // Answered no: nothing to undo, and the connection goes
-                            // back to the pool instead of staying with a hold.
-                            pending.disarm();
-                            attempt.pending = None;
-                        }
-                        Ok::<_, LockError>(())
-                    })
-                    .await;
-                }),
+        let mut sent = join_all(
+            self.nodes
+                .iter()
+                .map(|node| set_on(node, &key, &token, lease)),
         )
         .await;
-        attempts
+        let granted: Vec<&Pool> = (self.nodes.iter().zip(&sent))
+            .filter_map(|(node, sent)| sent.granted.then_some(node))
+            .collect();
+        // `Some(token)` once acquired: the token is `None` unless `fenced`.
+        let fence = match (granted.len() >= self.quorum(), fenced) {
+            (false, _) => Ok(None),
+            (true, false) => Ok(Some(None)),
+            (true, true) => self
+                .next_fence(&name, &token, &granted, deadline)
+                .await
+                .map(|fence| fence.map(Some)),
+        };
+        // Step 3's validity, after the fencing rounds too; more than half the lease,
+        // since the watchdog first renews a third of a lease after the hold starts.
+        let drift = self.lease / 100 + Duration::from_millis(2);
+        if let Ok(Some(fence)) = fence
+            && started.elapsed() + drift < self.lease / 2
+        {
+            // Nodes that answered too late may set the key yet: unlocked behind their
+            // `SET`, in the background. The majority holds the lock without them.
+            sent.retain(|s| !s.granted && s.conn.is_some());
+            if !sent.is_empty() {
+                let unlock = unlock_all(sent, key.clone(), token.clone());
+                self.tasks.spawn_detached(unlock);
+            }
+            let quorum = self.quorum();
+            let hold = RedlockHold {
+                nodes: self.nodes.clone(),
+                quorum,
+                key,
+                token,
+                fence,
+            };
+            return Ok(Some(LeaseGuard::start(hold, self.lease, &self.tasks)));
+        }
+        // Step 4: unlock everywhere it may have been set.
+        unlock_all(sent, key, token).await;
+        fence.map(|_| None)
     }
 
-    /// The next fencing token, written to a majority of the nodes (see the module
-    /// comment); `None` if too few answered in time. `deadline` bounds its MySQL floor.
+    /// The fencing rounds (module doc) on the nodes that granted the lock: the next
+    /// token, or `None` if too few answered in time. `deadline` bounds the MySQL floor.
     async fn next_fence(
         &self,
         name: &str,
         token: &str,
-        attempts: &mut [NodeAttempt],
+        granted: &[&Pool],
         deadline: Instant,
     ) -> Result<Option<u64>, LockError> {
         let (key, fence_key) = (self.key(name), self.fence_key(name));
-        // The first majority of counters is enough, and waiting for every granting node
-        // would not be: one slow to answer (a fork, a pause) failed every round it
-        // granted, while a dead one costs nothing. Any majority overlaps the one that
-        // took the last token. A node that lost its counter (restarted empty) answers
-        // but does not count towards it: taking its answer for one, a round that read
-        // it and a stale node before the node holding the last token went below that
-        // token (12 times in 30 in a review's test).
-        let reads = attempts
-            .iter_mut()
-            .filter(|a| a.granted)
-            .map(|attempt| async {
-                let conn = attempt.pending.as_mut()?.conn().ok()?;
+        // The first majority of answers with a counter is enough: a node slow to answer
+        // would otherwise fail every round it granted. A node that lost its counter
+        // answers without one and does not count towards that majority (taking it for
+        // one, a round could read only stale counters and go back).
+        let reads = granted.iter().map(|node| {
+            within(async {
+                let mut conn = node.get().await.map_err(redis_error)?;
                 let mut get = redis::cmd("GET");
                 get.arg(&fence_key);
-                timeout(NODE_TIMEOUT, get.query_async::<Option<u64>>(conn))
-                    .await
-                    .ok()?
-                    .ok()
-            });
-        let counters = first_answers(reads, self.quorum(), Option::is_some).await;
+                get.query_async(&mut conn).await.map_err(redis_error)
+            })
+        });
+        let counters: Vec<Option<u64>> = first_answers(reads, self.quorum(), Option::is_some).await;
         if counters.len() < self.quorum() {
             return Ok(None);
         }
         let mut floor = counters.iter().flatten().copied().max().unwrap_or(0);
-        // Fewer counters than a majority (nodes lost their data): the floor also comes
-        // from the fence MySQL checks, which only knows the tokens registered so far.
         if counters.iter().flatten().count() < self.quorum()
             && let Some(source) = &self.fence_floor
         {
             floor = floor.max(bounded_floor(&**source, name, deadline).await?);
         }
-        let writes = attempts
-            .iter_mut()
-            .filter(|a| a.granted)
-            .map(|attempt| async {
-                let conn = attempt.pending.as_mut()?.conn().ok()?;
+        // Written only where the key is still ours; -1 (gone) is no answer.
+        let writes = granted.iter().map(|node| {
+            within(async {
+                let mut conn = node.get().await.map_err(redis_error)?;
                 let mut seed = SEED_FENCE.prepare_invoke();
                 seed.key(&key).key(&fence_key).arg(token).arg(floor);
-                let fence = timeout(NODE_TIMEOUT, seed.invoke_async::<i64>(conn))
-                    .await
-                    .ok()?
-                    .ok()?;
-                u64::try_from(fence).ok()
-            });
+                let fence: i64 = seed.invoke_async(&mut conn).await.map_err(redis_error)?;
+                u64::try_from(fence).map_err(redis_error)
+            })
+        });
         let written = first_answers(writes, self.quorum(), |_| true).await;
-        // The token is floor + 1 whatever a node answered: a node not read may hold a
-        // higher counter (raised by a round that missed its majority) and answer more,
-        // but the next holder may not read that node; every node that took the write
-        // holds at least floor + 1, and the next holder reads one of them.
+        // floor + 1 whatever a node answered: every node that took the write holds at
+        // least that, and the next holder reads one of them.
         Ok((written.len() >= self.quorum()).then_some(floor + 1))
     }
 
-    /// The algorithm (module comment); with `fenced`, the hold also takes a fencing
-    /// token, two more rounds on the granting nodes.
+    /// Rounds until one gets the lock or `wait` is over, with a random delay between.
     async fn acquire_with(
         &self,
         name: &str,
         wait: Duration,
         fenced: bool,
     ) -> Result<LeaseGuard<RedlockHold>, LockError> {
-        let key = self.key(name);
         let deadline = Instant::now() + wait;
-        let turn = self
-            .local_queues
-            .turn(&key, deadline)
-            .await
-            .ok_or(LockError::Timeout { waited: wait })?;
-        let wakeup = self.notices.register(&released_channel(&key));
-        if turn.waited {
-            // Our turn came because a local holder released: start with the same
-            // jitter as the other replicas' heads, woken by the same release, or this
-            // replica would keep the lock to itself.
-            tokio::time::sleep_until(deadline.min(Instant::now() + wake_jitter())).await;
-        }
-        let turn = Arc::new(turn);
-        let drift = self.lease / 100 + Duration::from_millis(2);
-        loop {
-            // Listen before trying, so a release between the try and the wait is seen.
-            let released = wakeup.notified();
-            tokio::pin!(released);
-            released.as_mut().enable();
-            let token = acquisition_token(&self.owner);
-            let started = Instant::now();
-            let mut attempts = self.set_everywhere(&key, &token).await;
-            let mut failed = None;
-            let granted = attempts.iter().filter(|a| a.granted).count();
-            if granted >= self.quorum() && started.elapsed() + drift < self.lease {
-                // The token if asked for one; `None` when its rounds missed the
-                // majority, which fails the whole round.
-                let fence = if fenced {
-                    match self.next_fence(name, &token, &mut attempts, deadline).await {
-                        Ok(fence) => fence.map(Some),
-                        // Undone below first: the replica's turn passes on only once
-                        // the round's keys are gone.
-                        Err(error) => {
-                            failed = Some(error);
-                            None
-                        }
-                    }
-                } else {
-                    Some(None)
-                };
-                // Granted with at least half the lease left: the watchdog first
-                // renews a third of a lease after the hold starts, and the fencing
-                // rounds (a MySQL floor among them) can take a good part of a short
-                // lease; the keys must outlive that first renewal.
-                if let Some(fence) = fence
-                    && started.elapsed() + drift < self.lease / 2
-                {
-                    // Granted attempts are settled; late ones stay armed with the hold.
-                    let late = attempts
-                        .into_iter()
-                        .filter_map(|mut attempt| {
-                            if attempt.granted
-                                && let Some(pending) = attempt.pending.as_mut()
-                            {
-                                pending.disarm();
-                            }
-                            attempt.pending
-                        })
-                        .collect();
-                    let hold = RedlockHold {
-                        nodes: self.nodes.clone(),
-                        quorum: self.quorum(),
-                        key: key.clone(),
-                        token,
-                        fence,
-                        _late: Arc::new(late),
-                        _turn: turn.clone(),
-                    };
-                    return Ok(LeaseGuard::start(hold, self.lease, &self.tasks));
-                }
-            }
-            // Not acquired: undo everywhere, also on nodes that answered too late.
-            join_all(
-                attempts
-                    .iter_mut()
-                    .filter_map(|attempt| attempt.pending.as_mut())
-                    .map(|pending| pending.undo(NODE_TIMEOUT)),
-            )
-            .await;
-            drop(attempts);
-            if let Some(error) = failed {
-                return Err(error);
+        for attempt in 0.. {
+            let round = self.clone().round(name.to_owned(), fenced, deadline);
+            let outcome = self.tasks.spawn_awaited(round).await;
+            if let Some(guard) = outcome.map_err(|error| LockError::backend("redlock", error))?? {
+                return Ok(guard);
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(LockError::Timeout { waited: wait });
+                break;
             }
-            let pause = Duration::from_millis(rand::random_range(RETRY_DELAY_MS));
-            tokio::select! {
-                () = &mut released => {
-                    tokio::time::sleep_until(deadline.min(Instant::now() + wake_jitter())).await;
-                }
-                () = tokio::time::sleep_until(deadline.min(now + pause)) => {}
-            }
+            let pause = jittered_backoff(attempt, RETRY_BASE, RETRY_CAP);
+            tokio::time::sleep_until(deadline.min(now + pause)).await;
         }
+        Err(LockError::Timeout { waited: wait })
     }
+}
+
+/// Step 2 on one node, bounded by `NODE_TIMEOUT`.
+async fn set_on(node: &Pool, key: &str, token: &str, lease_ms: u64) -> Sent {
+    let until = Instant::now() + NODE_TIMEOUT;
+    let Ok(Ok(mut conn)) = timeout_at(until, node.get()).await else {
+        return Sent::default();
+    };
+    let mut set = redis::cmd("SET");
+    set.arg(key).arg(token).arg("NX").arg("PX").arg(lease_ms);
+    let answer = timeout_at(until, set.query_async::<Option<String>>(&mut conn)).await;
+    let granted = matches!(answer, Ok(Ok(Some(_))));
+    // Refused (someone else holds it) or failed: nothing was set. Still in flight
+    // (`Err`): it may set the key yet.
+    let may_hold = granted || answer.is_err();
+    Sent {
+        granted,
+        conn: may_hold.then_some(conn),
+    }
+}
+
+/// Compare-and-delete on each node of `sent` that may hold the key, on the connection
+/// its `SET` went on. An unlock still unanswered after `NODE_TIMEOUT` was sent behind
+/// the `SET` and runs after it.
+async fn unlock_all(sent: Vec<Sent>, key: String, token: String) {
+    join_all(sent.into_iter().filter_map(|s| s.conn).map(|mut conn| {
+        let (key, token) = (&key, &token);
+        async move {
+            let _ = timeout(NODE_TIMEOUT, unlock_on(&mut conn, key, token)).await;
+        }
+    }))
+    .await;
+}
+
+/// Compare-and-delete on one node: `true` if the key held `token`.
+async fn unlock_on(conn: &mut Connection, key: &str, token: &str) -> Result<bool, LockError> {
+    let mut unlock = UNLOCK.key(key);
+    unlock.arg(token);
+    let deleted: i64 = unlock.invoke_async(conn).await.map_err(redis_error)?;
+    Ok(deleted == 1)
+}
+
+/// `call`'s answer within `NODE_TIMEOUT`, or `None`.
+async fn within<T>(call: impl Future<Output = Result<T, LockError>>) -> Option<T> {
+    timeout(NODE_TIMEOUT, call).await.ok()?.ok()
+}
+
+/// The answers (`Some`) of `calls`, run at once, until `quorum` of them `count`, or
+/// every call answered, failed or timed out. The calls still running then are dropped:
+/// on a node that ran one anyway, a counter read changes nothing and a counter write
+/// only raises it, which every later holder's floor allows for.
+async fn first_answers<T>(
+    calls: impl Iterator<Item = impl Future<Output = Option<T>>>,
+    quorum: usize,
+    count: impl Fn(&T) -> bool,
+) -> Vec<T> {
+    let mut running: FuturesUnordered<_> = calls.collect();
+    let mut answers = Vec::new();
+    while answers.iter().filter(|answer| count(answer)).count() < quorum
+        && let Some(answer) = running.next().await
+    {
+        answers.extend(answer);
+    }
+    answers
 }
 
 #[async_trait]
@@ -414,10 +374,9 @@ impl DistributedLock for Redlock {
                 Err(error) => format!("node {}: unreachable ({error})", index + 1),
             });
         }
-        let quorum = nodes.len() / 2 + 1;
         let majority = holders
             .iter()
-            .find(|(token, _)| holders.iter().filter(|(t, _)| t == token).count() >= quorum);
+            .find(|(token, _)| holders.iter().filter(|(t, _)| t == token).count() >= self.quorum());
         Ok(LockView {
             held: majority.is_some(),
             holder: majority.map(|(token, _)| token_owner(token)),
@@ -425,33 +384,6 @@ impl DistributedLock for Redlock {
             state,
         })
     }
-}
-
-/// The answers (`Some`) of `calls`, run at once, until `quorum` of them `count`, or
-/// every call answered, failed or timed out. The calls still running then are dropped:
-/// on a node that ran one anyway, a counter read changes nothing and a counter write
-/// only raises it, which every later holder's floor allows for.
-async fn first_answers<T>(
-    calls: impl Iterator<Item = impl Future<Output = Option<T>>>,
-    quorum: usize,
-    count: impl Fn(&T) -> bool,
-) -> Vec<T> {
-    let mut running: FuturesUnordered<_> = calls.collect();
-    let mut answers = Vec::new();
-    while answers.iter().filter(|answer| count(answer)).count() < quorum
-        && let Some(answer) = running.next().await
-    {
-        answers.extend(answer);
-    }
-    answers
-}
-
-fn released_channel(key: &str) -> String {
-    format!("{key}:released")
-}
-
-fn wake_jitter() -> Duration {
-    Duration::from_micros(rand::random_range(WAKE_JITTER_US))
 }
 
 /// One Redlock acquisition: the same key and token on every node.
@@ -463,12 +395,6 @@ pub struct RedlockHold {
     token: String,
     /// Only when the acquisition asked for one.
     fence: Option<u64>,
-    /// Nodes whose `SET` had not answered when the lock was taken: undone on their
-    /// own connections once the last copy of the hold is gone.
-    _late: Arc<Vec<PendingSet>>,
-    /// This replica's turn in the local queue: given up when the last copy of the hold
-    /// is gone, that is after the release on the nodes.
-    _turn: Arc<Turn>,
 }
 
 impl RedlockHold {
@@ -481,13 +407,11 @@ impl RedlockHold {
         if yes >= self.quorum {
             Ok(true)
         } else if yes + silent >= self.quorum {
-            Err(LockError::backend(
-                "redis",
-                format!(
-                    "redlock {what}: {silent} of {} nodes did not answer",
-                    answers.len()
-                ),
-            ))
+            let detail = format!(
+                "redlock {what}: {silent} of {} nodes did not answer",
+                answers.len()
+            );
+            Err(redis_error(detail))
         } else {
             Ok(false)
         }
@@ -500,21 +424,23 @@ impl LeaseHold for RedlockHold {
     /// many nodes answered that it is not ours; unknown (an error: the watchdog
     /// retries, the holder must not commit) while nodes are silent.
     async fn renew(&self, lease: Duration) -> Result<bool, LockError> {
-        let answers = join_all(self.nodes.iter().map(|node| async {
-            let renewal = renew_on(node, &self.key, &self.token, lease);
-            timeout(NODE_TIMEOUT, renewal).await.ok()?.ok()
-        }))
+        let answers = join_all(
+            self.nodes
+                .iter()
+                .map(|node| within(renew_on(node, &self.key, &self.token, lease))),
+        )
         .await;
         self.verdict(&answers, "renewal")
     }
 
-    /// Releases on every node; `true` if a majority still held it. Unknown while nodes
+    /// Step 5, on every node; `true` if a majority still held it. Unknown while nodes
     /// are silent: the guard then retries the release in the background.
     async fn delete(&self) -> Result<bool, LockError> {
-        let wake = Wake::Publish(released_channel(&self.key));
-        let answers = join_all(self.nodes.iter().map(|node| async {
-            let release = delete_on(node, &self.key, &wake, &self.token);
-            timeout(NODE_TIMEOUT, release).await.ok()?.ok()
+        let answers = join_all(self.nodes.iter().map(|node| {
+            within(async {
+                let mut conn = node.get().await.map_err(redis_error)?;
+                unlock_on(&mut conn, &self.key, &self.token).await
+            })
         }))
         .await;
         self.verdict(&answers, "release")

@@ -1,16 +1,19 @@
 //! A ZooKeeper lock: the recipe of Apache Curator's `InterProcessMutex`, written here
 //! on the zookeeper-client crate's primitives.
 //!
-//! - Each contender creates an ephemeral sequential node
-//!   `<root>/<name>/_c_<uuid>-lock-<seq>`; the lowest sequence holds the lock.
-//! - Every other contender watches only its predecessor, so a release wakes exactly
-//!   one waiter (no herd).
-//! - The node is ephemeral: a holder whose process dies loses its session after the
-//!   session timeout and ZooKeeper deletes the node. The `_c_<uuid>` prefix lets the
-//!   recipe find its own node again after a connection loss during creation.
-//! - A holder checks, before committing, that its session is connected and its node
-//!   still exists; after a session expiry it must not commit. An expired session is
-//!   terminal, so the next acquisition opens a new one.
+//! 1. Create an ephemeral sequential node `<root>/<name>/_c_<uuid>-lock-<seq>`.
+//! 2. List the lock's children: if ours has the lowest sequence, we hold the lock.
+//! 3. Otherwise watch only the node just before ours (`exists` with a watch) and go
+//!    back to 2 when it is deleted: a release wakes exactly one waiter, no herd.
+//! 4. Release: delete our node. A holder whose process dies loses its session after
+//!    the session timeout, and ZooKeeper deletes the node for it.
+//! 5. Before its write the holder checks that its session is connected and its node
+//!    still there; the node's sequence, which only grows under the lock's directory,
+//!    is the fencing token.
+//!
+//! **Connection loss.** A create whose answer was lost may still have made the node;
+//! the `_c_<uuid>` prefix (here 128 random bits in hex) lets the recipe find it instead
+//! of queueing twice.
 //!
 //! **Cancellation.** The session is the replica's and lives on, so a node left by a
 //! dropped acquisition would block the lock until the replica stops. An acquisition
@@ -19,30 +22,15 @@
 //! create was sent before the cleanup's listing, and ZooKeeper answers one session in
 //! order, so the listing sees the node if it was made. During a partition the client
 //! holds the create back and sends it on reconnecting, so the cleanup outwaits the
-//! session (three session timeouts). (The crate's own recipe,
-//! 0.11.2, deletes the bare child name when cancelled during the create; that fails
-//! path validation and the node outlives the request.)
-//!
-//! **Handed over within a replica.** The replica's requests for one lock take turns
-//! (`local_queue`), so the replica has one node in the lock's queue at a time. A holder
-//! whose replica has more requests waiting gives them its node instead of deleting it,
-//! without a call to ZooKeeper: the node, on the replica's session, is the lock, and the
-//! request holding the replica's turn is the one using it. A release and the next
-//! node's turn cost a delete, a watch event and a listing through ZooKeeper's write
-//! pipeline; this costs nothing, and the next holder's last check still asks
-//! ZooKeeper that the node and session are there. After `RUN_LIMIT` handovers in a row
-//! the node is deleted and the replica's next request queues a new one behind the other
-//! replicas', so replicas still take the lock in the order they queued and each waits
-//! at most a few holds more; requests of different replicas no longer do (one that came
-//! later may go first, by at most a run). Each hold's fencing token is the node's
-//! sequence with its place in the run (`local_queue::token_in_run`). A node handed to a
-//! request that gave up, with nobody behind it, goes with the queue and is deleted.
+//! session (three session timeouts). (The crate's own recipe, 0.11.2, deletes the bare
+//! child name when cancelled during the create; that fails path validation and the
+//! node outlives the request.)
 //!
 //! **Session.** One per replica, opened in the background at start and again after it
 //! expired. Opening is single-flight: contenders that need a session share one attempt,
 //! and each waits for it no longer than its own lock wait.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -51,7 +39,6 @@ use futures::future::{BoxFuture, Shared};
 use tokio::time::{Instant, timeout, timeout_at};
 use zookeeper_client as zk;
 
-use super::local_queue::{LocalQueues, Passed, Turn, token_in_run};
 use super::task::{AbortOnDrop, Tasks};
 use super::{DistributedLock, HeldLock, LockError, LockView};
 
@@ -62,21 +49,16 @@ use super::{DistributedLock, HeldLock, LockError, LockView};
 /// server's minimum. An hour is far above any server's maximum.
 pub const SESSION_MS_BOUNDS: std::ops::RangeInclusive<u64> = 1..=3_600_000;
 
-/// Bound on a background delete (a dropped guard's node). A request the client holds
-/// back during a partition is still sent when it reconnects, so a delete cut off here
-/// still lands; a dropped acquisition's cleanup must wait longer (`PendingNode`).
+/// The least a background delete is given. A request the client holds back during a
+/// partition is sent when it reconnects, so a cleanup must outwait the session
+/// (`OwnNode`'s drop); a short session still gets this much.
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Tries of an operation that lost its connection before giving up to the caller.
 const CONNECTION_RETRIES: u32 = 5;
 
-/// A session attempt that every contender waiting for it shares.
+/// A session attempt that every contender waiting for it shares; once it ended, its
+/// outcome (the session, or why there is none) stays readable with `peek`.
 type Opening = Shared<BoxFuture<'static, Result<zk::Client, String>>>;
-
-enum Slot {
-    Empty,
-    Open(zk::Client),
-    Opening(Opening),
-}
 
 pub struct ZooKeeperLock {
     servers: String,
@@ -84,15 +66,11 @@ pub struct ZooKeeperLock {
     owner: String,
     session_timeout: Duration,
     root: String,
-    slot: Arc<Mutex<Slot>>,
-    /// The latest session attempt, stopped if the lock service is dropped first.
-    connecting: Mutex<Option<AbortOnDrop>>,
-    local_queues: LocalQueues<HandedNode>,
+    /// The latest session attempt, and the task driving it in the background (stopped
+    /// if the lock service is dropped first).
+    session: Mutex<(Opening, AbortOnDrop)>,
     tasks: Tasks,
 }
-
-/// A replica's turn on a lock, which can carry a node handed over to the next request.
-type ZkTurn = Turn<HandedNode>;
 
 impl ZooKeeperLock {
     /// One session per replica, shared by all its contenders (the Curator prefix keeps
@@ -106,18 +84,14 @@ impl ZooKeeperLock {
         namespace: &str,
         owner: &str,
     ) -> ZooKeeperLock {
-        let lock = ZooKeeperLock {
+        ZooKeeperLock {
             servers: servers.to_owned(),
             owner: owner.to_owned(),
             session_timeout,
             root: format!("/flashsale/{namespace}/locks"),
-            slot: Arc::new(Mutex::new(Slot::Empty)),
-            connecting: Mutex::new(None),
-            local_queues: LocalQueues::default(),
+            session: Mutex::new(open(servers, session_timeout)),
             tasks: Tasks::default(),
-        };
-        drop(lock.open(&mut lock.slot()));
-        lock
+        }
     }
 
     pub fn lock_dir(&self, name: &str) -> String {
@@ -129,72 +103,26 @@ impl ZooKeeperLock {
         self.tasks.live()
     }
 
-    fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Starts a session attempt in the background and puts it in `slot` (held locked
-    /// by the caller); the attempt records its outcome there.
-    fn open(&self, slot_now: &mut Slot) -> Opening {
-        let (servers, session_timeout) = (self.servers.clone(), self.session_timeout);
-        let slot = self.slot.clone();
-        let (done, outcome) = tokio::sync::oneshot::channel();
-        let attempt = AbortOnDrop::spawn(async move {
-            let connected = connect(&servers, session_timeout).await;
-            let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
-            *slot = match &connected {
-                Ok(client) => Slot::Open(client.clone()),
-                Err(error) => {
-                    tracing::warn!(%error, "ZooKeeper not reachable; will retry on use");
-                    Slot::Empty
-                }
-            };
-            drop(slot);
-            let _ = done.send(connected.map_err(|error| error.to_string()));
-        });
-        let opening = async move {
-            outcome
-                .await
-                .unwrap_or_else(|_| Err("session attempt stopped".to_owned()))
-        }
-        .boxed()
-        .shared();
-        *slot_now = Slot::Opening(opening.clone());
-        *self.connecting.lock().unwrap_or_else(|e| e.into_inner()) = Some(attempt);
-        opening
-    }
-
-    /// The current session, or the one being opened, or a new attempt: waits at most
-    /// until `deadline`.
+    /// The current session, or the one being opened, or a new attempt if the last one
+    /// failed or its session ended: waits at most until `deadline`.
     async fn session(&self, deadline: Instant, wait: Duration) -> Result<zk::Client, LockError> {
         let opening = {
-            let mut slot = self.slot();
-            match &*slot {
-                Slot::Open(client) if !client.state().is_terminated() => {
-                    return Ok(client.clone());
+            let mut slot = self.session.lock().unwrap_or_else(|e| e.into_inner());
+            match slot.0.peek() {
+                Some(Ok(client)) if !client.state().is_terminated() => return Ok(client.clone()),
+                Some(Ok(client)) => {
+                    tracing::warn!(state = ?client.state(), "ZooKeeper session ended; opening a new one");
+                    *slot = open(&self.servers, self.session_timeout);
                 }
-                Slot::Opening(opening) => opening.clone(),
-                ended => {
-                    if let Slot::Open(client) = ended {
-                        tracing::warn!(state = ?client.state(), "ZooKeeper session ended; opening a new one");
-                    }
-                    self.open(&mut slot)
-                }
+                Some(Err(_)) => *slot = open(&self.servers, self.session_timeout),
+                None => {}
             }
+            slot.0.clone()
         };
         match timeout_at(deadline, opening).await {
             Err(_) => Err(LockError::Timeout { waited: wait }),
             Ok(Ok(client)) => Ok(client),
             Ok(Err(error)) => Err(LockError::backend("zookeeper", error)),
-        }
-    }
-
-    /// Forgets `ended` so the next use opens a new session.
-    fn discard(&self, ended: &zk::Client) {
-        let mut slot = self.slot();
-        if matches!(&*slot, Slot::Open(c) if c.session_id() == ended.session_id()) {
-            tracing::warn!("ZooKeeper session expired; opening a new one");
-            *slot = Slot::Empty;
         }
     }
 
@@ -211,31 +139,29 @@ impl ZooKeeperLock {
         };
         let mut nodes = Vec::new();
         for child in children {
-            let owner = match client.get_data(&format!("{dir}/{child}")).await {
-                Ok((data, _)) => String::from_utf8_lossy(&data).into_owned(),
-                Err(zk::Error::NoNode) => continue,
+            match client.get_data(&format!("{dir}/{child}")).await {
+                Ok((data, _)) => nodes.push((child, String::from_utf8_lossy(&data).into())),
+                Err(zk::Error::NoNode) => {}
                 Err(error) => return Err(zk_error(error)),
-            };
-            nodes.push((child, owner));
+            }
         }
         nodes.sort_by_key(|(node, _)| sequence_of(node));
         Ok(nodes)
     }
 
-    /// The recipe on one session: create our node, then wait until it is the lowest.
-    async fn contend(
-        &self,
-        client: &zk::Client,
-        dir: &str,
-        turn: &Arc<ZkTurn>,
-    ) -> Result<ZooKeeperGuard, zk::Error> {
-        let marker = format!("_c_{}-", uuid());
+    /// The recipe on one session: create our node (step 1), then wait until it is the
+    /// lowest (steps 2 and 3).
+    async fn contend(&self, client: &zk::Client, dir: &str) -> Result<ZooKeeperGuard, zk::Error> {
+        let marker = format!("_c_{:032x}-", rand::random::<u128>());
         let prefix = format!("{dir}/{marker}lock-");
-        let mut pending = PendingNode {
-            client: client.clone(),
-            dir: dir.to_owned(),
-            marker: marker.clone(),
-            path: None,
+        // From before the create is sent: a drop at any point deletes what it made.
+        let mut own = OwnNode {
+            node: Node {
+                client: client.clone(),
+                dir: dir.to_owned(),
+                marker,
+                path: None,
+            },
             tasks: self.tasks.clone(),
             armed: true,
         };
@@ -254,33 +180,25 @@ impl ZooKeeperLock {
                 // The node may have been made: look for it before creating another.
                 Err(zk::Error::ConnectionLoss) if losses < CONNECTION_RETRIES => {
                     losses += 1;
-                    if let Some(child) = find_own(client, dir, &marker).await? {
-                        break format!("{dir}/{child}");
+                    if let Some(path) = own.node.find().await? {
+                        break path;
                     }
                 }
                 Err(error) => return Err(error),
             }
         };
-        pending.path = Some(path.clone());
-        let own = path.rsplit('/').next().unwrap_or_default().to_owned();
+        own.node.path = Some(path.clone());
+        let name = path.rsplit('/').next().unwrap_or_default().to_owned();
         loop {
             let mut children = retrying(|| client.list_children(dir)).await?;
             children.retain(|child| child.contains("-lock-") && sequence_of(child).is_some());
             children.sort_by_key(|child| sequence_of(child));
-            let Some(position) = children.iter().position(|child| *child == own) else {
+            let Some(position) = children.iter().position(|child| *child == name) else {
                 // Our ephemeral node is gone: the session ended under us.
                 return Err(zk::Error::SessionExpired);
             };
             if position == 0 {
-                pending.armed = false;
-                return Ok(ZooKeeperGuard {
-                    client: client.clone(),
-                    path,
-                    released: false,
-                    tasks: self.tasks.clone(),
-                    run: 0,
-                    turn: turn.clone(),
-                });
+                return Ok(ZooKeeperGuard { own, path });
             }
             let predecessor = format!("{dir}/{}", children[position - 1]);
             let (stat, watcher) = retrying(|| client.check_and_watch_stat(&predecessor)).await?;
@@ -291,13 +209,24 @@ impl ZooKeeperLock {
     }
 }
 
-async fn connect(servers: &str, session_timeout: Duration) -> Result<zk::Client, LockError> {
-    zk::Client::connector()
-        .with_session_timeout(session_timeout)
-        .with_connection_timeout(Duration::from_secs(3))
-        .connect(servers)
-        .await
-        .map_err(zk_error)
+/// Starts a session attempt, driven in the background until it ends.
+fn open(servers: &str, session_timeout: Duration) -> (Opening, AbortOnDrop) {
+    let servers = servers.to_owned();
+    let opening = async move {
+        let connecting = zk::Client::connector()
+            .with_session_timeout(session_timeout)
+            .with_connection_timeout(Duration::from_secs(3))
+            .connect(&servers)
+            .await;
+        connecting.map_err(|error| {
+            tracing::warn!(%error, "ZooKeeper not reachable; will retry on use");
+            error.to_string()
+        })
+    }
+    .boxed()
+    .shared();
+    let driver = AbortOnDrop::spawn(opening.clone().map(drop));
+    (opening, driver)
 }
 
 /// Runs `operation` again after a connection loss, a few times.
@@ -318,53 +247,57 @@ where
     }
 }
 
-/// The child of `dir` this session created with the `marker` prefix, if any.
-async fn find_own(
-    client: &zk::Client,
-    dir: &str,
-    marker: &str,
-) -> Result<Option<String>, zk::Error> {
-    let children = retrying(|| client.list_children(dir)).await?;
-    Ok(children.into_iter().find(|child| child.starts_with(marker)))
-}
-
-/// A random UUID (version 4 layout) for the Curator prefix.
-fn uuid() -> String {
-    let bits = rand::random::<u128>() & !(0xf << 76) & !(0x3 << 62) | (0x4 << 76) | (0x2 << 62);
-    let hex = format!("{bits:032x}");
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..]
-    )
-}
-
-/// A node this acquisition created or may have created. Dropped while armed (the
-/// acquisition was cut short), it deletes the node in the background.
-struct PendingNode {
+/// Our node in a lock's queue, or the one a create may have made.
+#[derive(Clone)]
+struct Node {
     client: zk::Client,
     dir: String,
+    /// The Curator prefix `_c_<random>-` that finds the node when its path is unknown.
     marker: String,
     /// Known once the create answered.
     path: Option<String>,
+}
+
+impl Node {
+    /// The path of the child of the lock that this session created with our marker.
+    async fn find(&self) -> Result<Option<String>, zk::Error> {
+        let children = retrying(|| self.client.list_children(&self.dir)).await?;
+        let own = children.into_iter().find(|c| c.starts_with(&self.marker));
+        Ok(own.map(|child| format!("{}/{child}", self.dir)))
+    }
+
+    /// Deletes the node, found by its marker if its path is not known; a node already
+    /// gone counts as deleted.
+    async fn delete(&self) -> Result<(), zk::Error> {
+        let path = match &self.path {
+            Some(path) => path.clone(),
+            None => match self.find().await? {
+                Some(path) => path,
+                None => return Ok(()),
+            },
+        };
+        match retrying(|| self.client.delete(&path, None)).await {
+            Ok(()) | Err(zk::Error::NoNode) => Ok(()),
+            Err(error) => Err(error),
+        }
+    }
+}
+
+/// A node nobody will delete otherwise: dropped while armed (an acquisition cut short,
+/// a guard not released), it deletes the node in the background.
+struct OwnNode {
+    node: Node,
     tasks: Tasks,
+    /// Cleared once the node's deletion was confirmed.
     armed: bool,
 }
 
-impl Drop for PendingNode {
+impl Drop for OwnNode {
     fn drop(&mut self) {
         if !self.armed {
             return;
         }
-        let (client, dir, marker, path) = (
-            self.client.clone(),
-            self.dir.clone(),
-            self.marker.clone(),
-            self.path.take(),
-        );
+        let node = self.node.clone();
         // While the connection is down the client holds the create back and sends it
         // on reconnecting, and a create that failed on a stalled connection may still
         // have been applied. So a cleanup must outwait the session: until the client
@@ -373,15 +306,16 @@ impl Drop for PendingNode {
         // attempt; the node goes with it), trying again after any other failure.
         // Giving up sooner left the node to a session that lived on: the lock blocked
         // until the replica stopped.
-        let bound = CLEANUP_TIMEOUT.max(client.session_timeout() * 3);
+        let bound = CLEANUP_TIMEOUT.max(node.client.session_timeout() * 3);
         self.tasks.spawn_detached(async move {
+            let dir = &node.dir;
             let cleanup = async {
                 loop {
-                    match delete_own(&client, &dir, &marker, path.as_deref()).await {
-                        Ok(()) | Err(zk::Error::NoNode | zk::Error::SessionExpired) => return Ok(()),
-                        Err(error) if client.state().is_terminated() => return Err(error),
+                    match node.delete().await {
+                        Ok(()) | Err(zk::Error::SessionExpired) => return Ok(()),
+                        Err(error) if node.client.state().is_terminated() => return Err(error),
                         Err(error) => {
-                            tracing::debug!(%error, %dir, "cleanup of a dropped acquisition failed; trying again");
+                            tracing::debug!(%error, %dir, "deleting a lock node failed; trying again");
                             tokio::time::sleep(Duration::from_millis(200)).await;
                         }
                     }
@@ -389,38 +323,10 @@ impl Drop for PendingNode {
             };
             match timeout(bound, cleanup).await {
                 Ok(Ok(())) => {}
-                Ok(Err(error)) => {
-                    tracing::warn!(%error, %dir, "could not delete a dropped acquisition's node")
-                }
-                Err(_) => tracing::warn!(%dir, "deleting a dropped acquisition's node timed out"),
+                Ok(Err(error)) => tracing::warn!(%error, %dir, "could not delete a lock node"),
+                Err(_) => tracing::warn!(%dir, "deleting a lock node timed out"),
             }
         });
-    }
-}
-
-/// Deletes the node an acquisition made: at `path` if its create answered, else the
-/// child of `dir` with its `marker`, if there is one.
-async fn delete_own(
-    client: &zk::Client,
-    dir: &str,
-    marker: &str,
-    path: Option<&str>,
-) -> Result<(), zk::Error> {
-    let path = match path {
-        Some(path) => path.to_owned(),
-        None => match find_own(client, dir, marker).await? {
-            Some(child) => format!("{dir}/{child}"),
-            None => return Ok(()),
-        },
-    };
-    delete_node(client, &path).await
-}
-
-/// Deletes `path`, retrying over connection losses; an absent node is deleted.
-async fn delete_node(client: &zk::Client, path: &str) -> Result<(), zk::Error> {
-    match retrying(|| client.delete(path, None)).await {
-        Ok(()) | Err(zk::Error::NoNode) => Ok(()),
-        Err(error) => Err(error),
     }
 }
 
@@ -431,42 +337,25 @@ impl DistributedLock for ZooKeeperLock {
     async fn acquire(&self, name: &str, wait: Duration) -> Result<ZooKeeperGuard, LockError> {
         let deadline = Instant::now() + wait;
         let dir = self.lock_dir(name);
-        let turn = self
-            .local_queues
-            .turn(&dir, deadline)
-            .await
-            .ok_or(LockError::Timeout { waited: wait })?;
-        let turn = Arc::new(turn);
-        if let Some(node) = turn.take_passed() {
-            // On a session still connected; otherwise its drop deletes it if it can,
-            // and we queue afresh (on a new session if that one expired).
-            if node.client.state() == zk::SessionState::SyncConnected {
-                return Ok(node.into_guard(&turn));
-            }
-        }
-        // A session can turn out expired only when used; then one retry on a new one.
+        // A session can turn out expired only when used; then one retry, on a new one
+        // (`session` opens one in place of an ended session).
         for _ in 0..2 {
             let client = self.session(deadline, wait).await?;
-            match timeout_at(deadline, self.contend(&client, &dir, &turn)).await {
+            match timeout_at(deadline, self.contend(&client, &dir)).await {
                 Err(_) => return Err(LockError::Timeout { waited: wait }),
                 Ok(Ok(guard)) => return Ok(guard),
-                Ok(Err(zk::Error::SessionExpired)) => self.discard(&client),
+                Ok(Err(zk::Error::SessionExpired)) => {}
                 Ok(Err(error)) => return Err(zk_error(error)),
             }
         }
-        Err(LockError::backend(
-            "zookeeper",
-            "session expired twice in a row",
-        ))
+        Err(zk_error("session expired twice in a row"))
     }
 
     async fn view(&self, name: &str) -> Result<LockView, LockError> {
         let nodes = self.inspect(name).await?;
         let dir = self.lock_dir(name);
-        let mut state = vec![format!(
-            "ls {dir} ({} node(s), in sequence order)",
-            nodes.len()
-        )];
+        let count = nodes.len();
+        let mut state = vec![format!("ls {dir} ({count} node(s), in sequence order)")];
         state.extend(nodes.iter().enumerate().map(|(i, (node, owner))| {
             let role = if i == 0 { "holds" } else { "waits" };
             format!("{node}  [{owner}, {role}]")
@@ -482,84 +371,28 @@ impl DistributedLock for ZooKeeperLock {
 
 /// A held ZooKeeper lock: our ephemeral node. Dropping it deletes the node.
 pub struct ZooKeeperGuard {
-    client: zk::Client,
+    own: OwnNode,
     path: String,
-    /// Set once the node's deletion was confirmed, or the node handed over.
-    released: bool,
-    tasks: Tasks,
-    /// How many holds before this one in a row had the node (0: it was created for
-    /// this one).
-    run: u32,
-    /// This replica's turn on the lock, given up when the guard goes.
-    turn: Arc<ZkTurn>,
-}
-
-/// A node this replica's last holder gave to whoever takes the turn next. Abandoned
-/// (the request it was meant for gave up, and nobody else waits), it is deleted under a
-/// turn of its own.
-struct HandedNode {
-    client: zk::Client,
-    path: String,
-    run: u32,
-    tasks: Tasks,
-    taken: bool,
-    cleanup_turn: Option<ZkTurn>,
-}
-
-impl Passed for HandedNode {
-    fn abandoned(mut self, turn: Option<ZkTurn>) {
-        self.cleanup_turn = turn;
-    }
-}
-
-impl HandedNode {
-    fn into_guard(mut self, turn: &Arc<ZkTurn>) -> ZooKeeperGuard {
-        self.taken = true;
-        ZooKeeperGuard {
-            client: self.client.clone(),
-            path: std::mem::take(&mut self.path),
-            released: false,
-            tasks: self.tasks.clone(),
-            run: self.run,
-            turn: turn.clone(),
-        }
-    }
-}
-
-impl Drop for HandedNode {
-    fn drop(&mut self) {
-        if !self.taken {
-            let turn = self.cleanup_turn.take();
-            delete_in_background(&self.tasks, &self.client, &self.path, turn);
-        }
-    }
 }
 
 impl ZooKeeperGuard {
     pub fn path(&self) -> &str {
         &self.path
     }
-
-    /// The node's sequence number: it only grows under the lock's directory, so it
-    /// can serve as a fencing token.
-    pub fn sequence(&self) -> Option<u64> {
-        sequence_of(self.path())
-    }
 }
 
 #[async_trait]
 impl HeldLock for ZooKeeperGuard {
+    /// Step 5: the session connected, and our node there, created by this session.
     async fn ensure_held(&self) -> Result<(), LockError> {
-        let state = self.client.state();
+        let client = &self.own.node.client;
+        let state = client.state();
         if state != zk::SessionState::SyncConnected {
             return Err(LockError::Lost(format!("ZooKeeper session is {state:?}")));
         }
-        match self.client.check_stat(self.path()).await {
-            Ok(Some(stat)) if stat.ephemeral_owner == self.client.session_id().0 => Ok(()),
-            Ok(_) => Err(LockError::Lost(format!(
-                "lock node {} is gone",
-                self.path()
-            ))),
+        match client.check_stat(self.path()).await {
+            Ok(Some(stat)) if stat.ephemeral_owner == client.session_id().0 => Ok(()),
+            Ok(_) => Err(LockError::Lost(format!("lock node {} is gone", self.path))),
             Err(zk::Error::SessionExpired) => {
                 Err(LockError::Lost("ZooKeeper session expired".into()))
             }
@@ -567,67 +400,33 @@ impl HeldLock for ZooKeeperGuard {
         }
     }
 
-    /// The sequence plus one (the first node under a lock's directory has sequence 0,
-    /// and a fence only moves to a strictly greater token, so 0 would be refused), with
-    /// the hold's place in its run of handovers.
-    fn fencing_token(&self) -> Option<u64> {
-        self.sequence()
-            .and_then(|sequence| token_in_run(sequence + 1, self.run))
+    /// Without asking ZooKeeper: a session that is not connected (the connection was
+    /// lost, or the session expired or closed) may already have lost the node, and a
+    /// hold that cannot be checked is not one to pass on.
+    fn known_lost(&self) -> bool {
+        self.own.node.client.state() != zk::SessionState::SyncConnected
     }
 
-    /// Hands the node to this replica's next request if one waits and the run may go
-    /// on; otherwise deletes it, and the successor's watch fires. If the delete fails,
+    /// The bare sequence, plus one: the first node under a lock's directory has
+    /// sequence 0, and a fence only moves to a strictly greater token.
+    fn fencing_token(&self) -> Option<u64> {
+        sequence_of(&self.path).map(|sequence| sequence + 1)
+    }
+
+    /// Step 4: deletes the node, and the successor's watch fires. If the delete fails,
     /// the drop retries it in the background.
     async fn release(mut self) -> Result<(), LockError> {
-        if self.turn.hands_over(self.run) && self.client.state() == zk::SessionState::SyncConnected
-        {
-            self.released = true;
-            self.turn.pass_on(HandedNode {
-                client: self.client.clone(),
-                path: self.path.clone(),
-                run: self.run + 1,
-                tasks: self.tasks.clone(),
-                taken: false,
-                cleanup_turn: None,
-            });
-            return Ok(());
-        }
-        match delete_node(&self.client, &self.path).await {
-            Ok(()) => {
-                self.released = true;
-                Ok(())
-            }
-            Err(zk::Error::SessionExpired) => {
-                self.released = true;
-                Err(LockError::Lost(
-                    "ZooKeeper session expired before release".into(),
-                ))
-            }
+        let deleted = self.own.node.delete().await;
+        // An expired session took the node with it.
+        self.own.armed = !matches!(deleted, Ok(()) | Err(zk::Error::SessionExpired));
+        match deleted {
+            Ok(()) => Ok(()),
+            Err(zk::Error::SessionExpired) => Err(LockError::Lost(
+                "ZooKeeper session expired before release".into(),
+            )),
             Err(error) => Err(zk_error(error)),
         }
     }
-}
-
-impl Drop for ZooKeeperGuard {
-    fn drop(&mut self) {
-        if !self.released {
-            delete_in_background(&self.tasks, &self.client, &self.path, None);
-        }
-    }
-}
-
-/// Deletes a lock node nobody holds any more, from a task of its own, keeping `turn`
-/// meanwhile.
-fn delete_in_background(tasks: &Tasks, client: &zk::Client, path: &str, turn: Option<ZkTurn>) {
-    let (client, path) = (client.clone(), path.to_owned());
-    tasks.spawn_detached(async move {
-        let _turn = turn;
-        match timeout(CLEANUP_TIMEOUT, delete_node(&client, &path)).await {
-            Ok(Ok(()) | Err(zk::Error::SessionExpired)) => {}
-            Ok(Err(error)) => tracing::warn!(%error, %path, "could not delete a lock node"),
-            Err(_) => tracing::warn!(%path, "deleting a lock node timed out"),
-        }
-    });
 }
 
 /// The trailing sequence number of a lock node's name or path.
@@ -636,23 +435,13 @@ fn sequence_of(node: &str) -> Option<u64> {
     node[digits..].parse().ok()
 }
 
-fn zk_error(error: zk::Error) -> LockError {
+fn zk_error(error: impl std::fmt::Display) -> LockError {
     LockError::backend("zookeeper", error)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn curator_prefixes_are_version_4_uuids() {
-        let id = uuid();
-        let groups: Vec<usize> = id.split('-').map(str::len).collect();
-        assert_eq!(groups, [8, 4, 4, 4, 12]);
-        assert_eq!(&id[14..15], "4");
-        assert!(matches!(&id[19..20], "8" | "9" | "a" | "b"), "{id}");
-        assert_ne!(uuid(), id);
-    }
 
     #[test]
     fn sequences_are_read_from_the_end() {

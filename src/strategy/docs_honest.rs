@@ -90,8 +90,6 @@ fn cards() -> Vec<(Explanation, Vec<&'static str>)> {
             vec![
                 include_str!("../lock/redlock.rs"),
                 include_str!("../lock/redis.rs"),
-                include_str!("../lock/redis/pending_set.rs"),
-                include_str!("../lock/notices.rs"),
             ],
         ),
         (

@@ -10,20 +10,22 @@ pub fn explanation() -> Explanation {
         title: "Redlock over independent Redis nodes",
         family: Family::LockService,
         summary: "The same key and random token are SET NX PX on every independent Redis \
-                  node. The lock is held if a majority granted it and at least half the lease \
-                  is left after the time spent and a clock-drift allowance; otherwise it is \
-                  released everywhere and retried.",
-        adds: "Held if granted on ≥ N/2+1 nodes and elapsed + drift < lease/2 (drift = 1% \
-               of the lease + 2 ms; elapsed counts the fencing rounds too); one contender \
-               per replica at a time; retries woken by a release notice on every node (a \
-               random 5-50 ms as the fallback); a fencing counter on a majority of nodes.",
+                  node. The lock is held if a majority granted it while time was left: \
+                  validity = lease − time spent − a clock-drift allowance; otherwise it is \
+                  released on every node and tried again after a random delay.",
+        adds: "Held only with more than half the lease left (elapsed + drift < lease/2, \
+               drift = 1% of the lease + 2 ms; elapsed counts the fencing rounds too), so \
+               that the watchdog's first renewal, a third of a lease in, finds the keys; a \
+               watchdog renewing on every node and counting a majority; a fencing counter \
+               on a majority of nodes (two more rounds, only when fencing is on).",
         commands: vec![
             "on each node (50 ms timeout): SET <ns>:redlock:<sku> <token> NX PX <lease>",
-            "else on every node: if GET key == token then DEL key (Lua); wait for a release \
-             notice (PUBLISH on every node) or 5-50 ms; retry",
+            "else on every node: if GET key == token then DEL key (Lua); wait a random \
+             delay (from 5 ms, doubling up to 250 ms); retry",
             "watchdog and check before commit: compare-and-PEXPIRE on every node, majority",
             "fencing token: GET <ns>:redlock-fence:<sku> on a majority of the granting nodes, \
              SET the largest + 1 on a majority (Lua, while still holding there)",
+            "release: if GET key == token then DEL key (Lua) on every node",
         ],
         failure_mode: "Timing: a holder paused past the validity, a node that restarts without \
                        persistence, or a clock that jumps can give two holders the lock at \

@@ -12,15 +12,16 @@ pub fn explanation() -> Explanation {
         summary: "Each contender creates an ephemeral sequential znode under the SKU's lock \
                   path; the lowest sequence holds the lock, and every other contender watches \
                   only the node just before its own. The nodes live as long as the session.",
-        adds: "A replica's requests for one SKU take turns behind one node, handed from \
-               one to the next without a call to ZooKeeper (at most 8 in a row); a \
-               fencing token from the node's sequence and its place in that run.",
+        adds: "A fencing token from the node's sequence (plus one, so that the first \
+               node's token is above an empty fence); one session per replica, opened in \
+               the background and again after it expired; a node left by a cancelled \
+               request found by its _c_ prefix and deleted.",
         commands: vec![
-            "create -e -s /flashsale/<ns>/locks/<sku>/_c_<uuid>-lock-   (ancestors created if missing)",
+            "create -e -s /flashsale/<ns>/locks/<sku>/_c_<random>-lock-   (ancestors created if missing)",
             "getChildren /flashsale/<ns>/locks/<sku>; lowest sequence holds",
-            "otherwise: exists/getData + watch on the predecessor only",
+            "otherwise: exists + watch on the predecessor only; on its deletion, getChildren again",
             "before commit: session connected and exists <own node> with our session as owner",
-            "release: delete <own node>, unless handed to the replica's next request",
+            "release: delete <own node>",
         ],
         failure_mode: "Session expiry: the session is a lease. A holder cut off from \
                        ZooKeeper, or paused (a GC or VM pause stops its heartbeats too), \

@@ -24,7 +24,6 @@ mod hangups;
 mod killed_after_commit;
 mod limits;
 mod lock_cancellation;
-mod lock_handover;
 mod lock_primitives;
 mod lock_stalls;
 mod lock_strategies;

@@ -1,12 +1,12 @@
-//! The undo of a `SET` whose answer its caller may never see (redis-lock's and
-//! Redlock's acquisitions). An acquisition dropped while its `SET` is in flight (a
+//! The undo of a `SET` whose answer its caller may never see (redis-lock's
+//! acquisitions). An acquisition dropped while its `SET` is in flight (a
 //! shopper hung up) may still have taken the key. Redis answers one connection in
 //! order, so a compare-and-delete sent on the connection that carried the `SET` runs
 //! after it, whatever the caller saw.
 
 use std::time::Duration;
 
-use super::{Wake, delete_on, release_with};
+use super::{delete_on, release_with};
 use crate::lock::LockError;
 use crate::lock::task::Tasks;
 use crate::redis_pool::{Connection, Pool};
@@ -24,12 +24,12 @@ pub(in crate::lock) struct PendingSet {
     tasks: Tasks,
 }
 
-/// The key a `SET` went to, whom its release tells, and its token.
+/// The key a `SET` went to, the channel its release tells, and its token.
 #[derive(Clone)]
 pub(in crate::lock) struct Target {
     pub pool: Pool,
     pub key: String,
-    pub wake: Wake,
+    pub channel: String,
     pub token: String,
 }
 
@@ -52,23 +52,6 @@ impl PendingSet {
     pub(in crate::lock) fn disarm(&mut self) {
         self.conn = None;
     }
-
-    /// Undoes the attempt now, on its connection, waiting at most `bound`. A delete
-    /// still unanswered then is queued behind the `SET` and will run after it; one
-    /// that failed leaves the attempt armed, for the drop to retry on fresh
-    /// connections.
-    pub(in crate::lock) async fn undo(&mut self, bound: Duration) {
-        let Some(conn) = self.conn.as_mut() else {
-            return;
-        };
-        let Target {
-            key, wake, token, ..
-        } = &self.target;
-        let undone = tokio::time::timeout(bound, release_with(conn, key, wake, token)).await;
-        if !matches!(undone, Ok(Err(_))) {
-            self.conn = None;
-        }
-    }
 }
 
 impl Drop for PendingSet {
@@ -79,11 +62,11 @@ impl Drop for PendingSet {
         let Target {
             pool,
             key,
-            wake,
+            channel,
             token,
         } = self.target.clone();
         self.tasks.spawn_detached(async move {
-            let same_connection = release_with(&mut conn, &key, &wake, &token);
+            let same_connection = release_with(&mut conn, &key, &channel, &token);
             match tokio::time::timeout(UNDO_TIMEOUT, same_connection).await {
                 Ok(Ok(_)) => return,
                 // Sent behind the SET on a live but slow connection: it runs after it.
@@ -92,7 +75,7 @@ impl Drop for PendingSet {
             }
             drop(conn);
             for _ in 0..3 {
-                let fresh = delete_on(&pool, &key, &wake, &token);
+                let fresh = delete_on(&pool, &key, &channel, &token);
                 if let Ok(Ok(_)) = tokio::time::timeout(UNDO_TIMEOUT, fresh).await {
                     return;
                 }
