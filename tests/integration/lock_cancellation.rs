@@ -696,10 +696,10 @@ async fn etcd_lock_survives_cancelled_acquisitions() {
     etcd_left_nothing(&etcd, patient_lock, locks).await;
 }
 
-/// After the patient release: no key under the lock, no cleanup task of `locks`, no
-/// lease with a key on it, and no session given up (so every key was deleted, none
-/// left to expire with its lease). Each lock service keeps its session's lease,
-/// without keys, until it is dropped; then no lease is left either.
+/// After the patient release: no key under the lock, no keep-alive or revoke task of
+/// `locks`, and no lease alive at all (each acquisition's lease was revoked, none left
+/// to expire: with the drop's revoke removed, the leases of cut acquisitions stay
+/// here until their TTL).
 async fn etcd_left_nothing(
     etcd: &PrivateEtcd,
     patient_lock: Arc<EtcdLock>,
@@ -717,22 +717,8 @@ async fn etcd_left_nothing(
         }
     })
     .await;
-    let given_up: usize = locks.iter().map(|lock| lock.sessions_given_up()).sum();
-    assert_eq!(given_up, 0, "sessions given up instead of keys deleted");
-    settles("etcd leases with keys", || async {
-        let mut leases = etcd.leases().await;
-        leases.retain(|lease| !lease.ends_with("keys []"));
-        leases
-    })
-    .await;
-    let services = locks.len() + 1;
-    let sessions = etcd.leases().await.len();
-    assert!(
-        sessions <= services,
-        "at most one lease per lock service: {sessions} for {services}"
-    );
+    settles("etcd leases", || etcd.leases()).await;
     drop((patient_lock, locks));
-    settles("etcd leases of dropped lock services", || etcd.leases()).await;
 }
 
 /// Acquisitions dropped around the moment the session's first renewal is due (a third

@@ -416,15 +416,13 @@ async fn db_unique_releases_cut_at_every_point_leave_the_lock_to_the_waiters() {
     nothing_left(&cluster, &[&holder, &other]).await;
 }
 
-/// ZooKeeper and etcd hand over within a replica too, with no call to the service: the
-/// node or key, on the replica's session, stays, and the next request holds it. The
-/// same guarantees, checked on both.
+/// ZooKeeper hands over within a replica too, with no call to the service: the node,
+/// on the replica's session, stays, and the next request holds it. The same guarantees.
 mod session_locks {
-    use flashsale::lock::etcd::EtcdLock;
     use flashsale::lock::zookeeper::ZooKeeperLock;
 
     use super::*;
-    use crate::support::{etcd_endpoints, zookeeper};
+    use crate::support::zookeeper;
 
     async fn zookeeper_replicas(cluster: &TestCluster) -> [Arc<ZooKeeperLock>; 2] {
         ["busy", "other"].map(|owner| {
@@ -435,10 +433,6 @@ mod session_locks {
                 owner,
             ))
         })
-    }
-
-    fn etcd_replicas(cluster: &TestCluster) -> [Arc<EtcdLock>; 2] {
-        [(), ()].map(|()| Arc::new(EtcdLock::new(&etcd_endpoints(), &cluster.namespace, LEASE)))
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -453,17 +447,6 @@ mod session_locks {
         assert_eq!(busy.background_tasks() + other.background_tasks(), 0);
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    async fn etcd_runs_of_handovers_are_bounded() {
-        let cluster = TestCluster::start(1, &[]).await;
-        let [busy, other] = etcd_replicas(&cluster);
-        runs_are_bounded("etcd", busy.clone(), other.clone()).await;
-        nothing_queued("etcd", || async {
-            busy.inspect("hot").await.expect("keys").0.len()
-        })
-        .await;
-    }
-
     #[tokio::test(flavor = "current_thread")]
     async fn zookeeper_node_handed_to_a_request_that_gave_up_is_deleted() {
         let cluster = TestCluster::start(1, &[]).await;
@@ -471,17 +454,6 @@ mod session_locks {
         handed_to_one_that_gave_up("zookeeper", holder.clone(), other.clone()).await;
         nothing_queued("zookeeper", || async {
             holder.inspect("item").await.expect("nodes").len()
-        })
-        .await;
-    }
-
-    #[tokio::test(flavor = "current_thread")]
-    async fn etcd_key_handed_to_a_request_that_gave_up_is_deleted() {
-        let cluster = TestCluster::start(1, &[]).await;
-        let [holder, other] = etcd_replicas(&cluster);
-        handed_to_one_that_gave_up("etcd", holder.clone(), other.clone()).await;
-        nothing_queued("etcd", || async {
-            holder.inspect("item").await.expect("keys").0.len()
         })
         .await;
     }
