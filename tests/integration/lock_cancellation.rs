@@ -721,11 +721,10 @@ async fn etcd_left_nothing(
     drop((patient_lock, locks));
 }
 
-/// Acquisitions dropped around the moment the session's first renewal is due (a third
+/// Acquisitions dropped around the moment their lease's first renewal is due (a third
 /// of the TTL after the grant), when the keep-alive task sleeps, opens its stream or
-/// renews: a holder and a waiter queued behind it, both dropped at one random
-/// instant near it. Nothing of them may be left: no key, no cleanup task, and once the lock
-/// service is dropped, no lease.
+/// renews: a holder and a waiter queued behind it, both dropped at one random instant
+/// near it. Nothing of them may be left: no key, no keep-alive or revoke task, no lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_drops_around_the_first_renewal_leave_nothing() {
     let etcd = PrivateEtcd::start().await;
@@ -733,8 +732,8 @@ async fn etcd_drops_around_the_first_renewal_leave_nothing() {
     let ttl = Duration::from_secs(2);
     let mut services = Vec::new();
     for _ in 0..6 {
-        // Fresh services each time, so the drops fall near their sessions' first
-        // renewal; the waiter of another service, so that it has a key queued.
+        // The drops fall near the first renewal of both leases (the waiter's was
+        // granted just after the holder's); the waiter queued behind the holder.
         let holder = Arc::new(EtcdLock::new(&etcd.endpoint, &ns, ttl));
         let other = Arc::new(EtcdLock::new(&etcd.endpoint, &ns, ttl));
         let guard = holder.acquire("hot", PATIENCE).await.expect("acquired");
@@ -755,10 +754,9 @@ async fn etcd_drops_around_the_first_renewal_leave_nothing() {
 }
 
 /// etcd killed (SIGKILL) and started again while a replica holds the lock on its
-/// session. etcd restores the lease and its key from disk, but the session's
-/// keep-alive stream broke: the holder must learn that it lost the lock (nothing
-/// renews that lease any more), and the replica's next acquisition must run on a new
-/// session, not queue a key on the old lease, which would expire under it. Both
+/// lease. etcd restores the lease and its key from disk, but the lease's keep-alive
+/// stream broke: the holder must learn that it lost the lock (nothing renews that
+/// lease any more), and the replica's next acquisition must run on a new lease. Both
 /// replicas are served again afterwards, nothing is left on the lock, and the old
 /// lease goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
