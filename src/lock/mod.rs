@@ -20,7 +20,6 @@ pub mod etcd;
 pub mod fence_floor;
 pub mod lease;
 pub mod local_queue;
-pub mod notices;
 pub mod redis;
 pub mod redlock;
 pub mod table;

@@ -334,6 +334,11 @@ impl Drop for OwnNode {
 impl DistributedLock for ZooKeeperLock {
     type Guard = ZooKeeperGuard;
 
+    /// Waiters queue in the lock itself, each behind its predecessor's key or node.
+    fn queues_waiters(&self) -> bool {
+        true
+    }
+
     async fn acquire(&self, name: &str, wait: Duration) -> Result<ZooKeeperGuard, LockError> {
         let deadline = Instant::now() + wait;
         let dir = self.lock_dir(name);

@@ -44,6 +44,7 @@ const COMMANDS: &[(&str, &[&str])] = &[
     ("delete", &[".delete("]),
     ("LeaseGrant", &[".lease_grant("]),
     ("LeaseKeepAlive", &[".lease_keep_alive("]),
+    ("LeaseRevoke", &[".lease_revoke("]),
     ("Txn", &["Txn::new("]),
     ("Watch", &[".watch("]),
 ];

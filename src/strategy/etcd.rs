@@ -9,19 +9,21 @@ pub fn explanation() -> Explanation {
         name: "etcd",
         title: "etcd lease and lock (revision order)",
         family: Family::LockService,
-        summary: "Each contender puts a key on its lease under the SKU's lock prefix; keys \
-                  are served in the order they were created, each waiter watching only the \
-                  key before its own. If the holder dies, its lease expires and its key goes.",
-        adds: "One lease per replica (its session, one keep-alive stream); the replica's \
-               requests take turns behind one key, handed along without a call to etcd (at \
-               most 8 in a row); a fencing token from the revision of the read that found \
-               the turn (× 65536, plus the place in the run).",
+        summary: "Each contender grants a lease, keeps it alive, and puts a key on it under \
+                  the SKU's lock prefix; the key with the lowest create revision holds, and \
+                  each waiter watches only the key created just before its own (etcd's \
+                  concurrency.Mutex). If the holder dies, its lease expires and its key goes.",
+        adds: "A fencing token from the revision of the read that found the turn (not the \
+               key's create revision); the watch taken without a start revision, so a \
+               waiter hears the release as etcd applies it, not at etcd's 100 ms catch-up \
+               of past-revision watches; the key read back before the commit; a lease \
+               whose keep-alive fails known lost; a cut acquisition's lease revoked.",
         commands: vec![
-            "once per replica: LeaseGrant(ttl) → the session's lease; LeaseKeepAlive(lease) every ttl/3",
-            "Txn: if <prefix>/<lease> is absent, PUT it on the lease; GET <prefix> newest 2 by create revision → held if no key before it",
-            "else: Watch the key just before; if anything was written in etcd since the read, GET it again; wait for its DELETE, look again",
+            "LeaseGrant(ttl) → this acquisition's lease; LeaseKeepAlive(lease) every ttl/3 while it lives",
+            "Txn: if <prefix>/<lease> is absent, PUT it on the lease; GET <prefix> newest 2 by create revision → held if no key before ours",
+            "else: Watch the key just before ours until deleted; Txn: if our key is still there, GET the key just before it again",
             "before commit: GET <prefix>/<lease> (still there: same create revision, same lease)",
-            "release: Txn: if <prefix>/<lease> still has its create revision, DELETE it, unless handed to the replica's next request",
+            "release: LeaseRevoke(lease), which deletes the key and wakes the next waiter",
         ],
         failure_mode: "Lease expiry: a holder cut off from etcd, or paused, longer than the \
                        lease TTL loses the lock while it may still be working; checking the \

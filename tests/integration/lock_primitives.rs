@@ -1418,14 +1418,12 @@ async fn etcd_lock_waits_as_long_as_the_caller_wait() {
         .expect("the waiter got the lock after its long wait");
 }
 
-/// Tokens keep growing in a queue shared with etcd's own Lock service, which an earlier
-/// version of this lock used and which gave the revision of the grant as the token (a
-/// rolling upgrade runs both; MySQL keeps the largest token as the fence). A key queued
-/// while an older contender still waited has a create revision below that contender's
-/// grant: as a token it would be refused as stale although it holds. This lock's tokens
-/// are the grant's revision shifted 16 bits (with the place in a run of handovers), so
-/// the Lock service's bare revision after one of them is lower: refused while the
-/// upgrade lasts, never accepted as stale.
+/// Tokens keep growing in a queue shared with etcd's own Lock service, which gives the
+/// revision of the grant as the token, as this lock does (MySQL keeps the largest token
+/// as the fence). A key queued while an older contender still waited has a create
+/// revision below that contender's grant: with the key's create revision as the token
+/// (not the revision of the read that found the turn), the newer holder's token comes
+/// out below the older's and this test fails.
 #[tokio::test]
 async fn etcd_tokens_grow_across_a_queue_shared_with_etcds_lock_service() {
     use etcd_client::{Client, LockOptions};
@@ -1466,12 +1464,8 @@ async fn etcd_tokens_grow_across_a_queue_shared_with_etcds_lock_service() {
     let newer_token = newer_guard.fencing_token().expect("token");
     newer_guard.release().await.expect("released");
     assert!(
-        older_token < newer_token && holder_token < newer_token,
+        holder_token < older_token && older_token < newer_token,
         "tokens grow in hold order: {holder_token}, {older_token}, {newer_token}"
-    );
-    assert!(
-        older_token < holder_token,
-        "the Lock service's bare revision is below a shifted token: {older_token}, {holder_token}"
     );
 }
 
@@ -1497,50 +1491,46 @@ async fn etcd_hold_outlives_its_lease_ttl() {
     holds_off_until_released(guard, &rival, "after three TTLs").await;
 }
 
-/// Pausing one hold (the paused-holder fault) stops the renewals of its replica's
-/// session, as pausing the process would. The replica's other holds go on running:
-/// they must learn at once that their lease is no longer renewed, or one could pass
-/// its last check just before the lease ran out and commit after another replica was
-/// served. The paused hold itself learns nothing while its key is there, and the
-/// replica's next acquisition queues on a new lease.
+/// Pausing one hold (the paused-holder fault) stops the renewals of its own lease
+/// only: its key goes with the lease after the TTL, while another hold of the same
+/// lock service, on a lease of its own, stays held. The paused hold is not told (a
+/// paused process learns nothing): it does not know its lock is lost, and only its
+/// check with etcd says so. With `suspend_renewal` doing nothing, the paused key never
+/// goes and the test times out.
 #[tokio::test]
-async fn etcd_paused_hold_tells_the_other_holds_of_its_replica() {
+async fn etcd_paused_hold_loses_only_its_own_lease() {
     let namespace = format!("paused-{:x}", rand::random::<u32>());
-    let lock = EtcdLock::new(&etcd_endpoints(), &namespace, Duration::from_secs(3));
+    let lock = EtcdLock::new(&etcd_endpoints(), &namespace, Duration::from_secs(2));
     let paused = lock.acquire("a", LONG).await.expect("a acquired");
     let running = lock.acquire("b", LONG).await.expect("b acquired");
     paused.suspend_renewal();
-    assert!(
-        matches!(running.ensure_held().await, Err(LockError::Lost(_))),
-        "a hold on a session whose renewals stopped is told"
-    );
-    paused
-        .ensure_held()
-        .await
-        .expect("the paused hold's key is still there");
-    let next = lock.acquire("c", LONG).await.expect("c acquired");
-    next.ensure_held().await.expect("held on a new session");
-    let lease_of = |name: &'static str| {
-        let lock = &lock;
-        async move {
-            let (keys, _) = lock.inspect(name).await.expect("keys");
-            keys.first().map(|(_, _, lease)| *lease)
+    let expired = async {
+        while !lock.inspect("a").await.expect("keys").0.is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
-    let (old, new) = (lease_of("a").await, lease_of("c").await);
+    within(Duration::from_secs(10), "the paused key expires", expired).await;
     assert!(
-        old.is_some() && new.is_some() && old != new,
-        "a new lease after the pause: {old:?} then {new:?}"
+        !paused.known_lost(),
+        "a paused holder learns nothing by itself"
     );
-    next.release().await.expect("released");
-    drop(running);
-    // Its lease may have run out by now: either way the key goes.
+    assert!(
+        matches!(paused.ensure_held().await, Err(LockError::Lost(_))),
+        "the paused hold's check asks etcd"
+    );
+    running
+        .ensure_held()
+        .await
+        .expect("the other hold's lease is kept alive");
+    assert!(!running.known_lost());
+    running.release().await.expect("released");
     let _ = paused.release().await;
 }
 
 /// A keep-alive stream that stops answering (etcd unreachable, the connection still
 /// open) is noticed while the lease would still be alive: the holder learns it lost
-/// the lock instead of waiting on a silent stream.
+/// the lock instead of waiting on a silent stream, and knows it without asking
+/// (`known_lost`, which is false without its implementation).
 #[tokio::test]
 async fn etcd_stalled_keep_alive_is_noticed() {
     let proxy = StallProxy::start(&etcd_endpoints().replace("http://", "")).await;
@@ -1563,6 +1553,7 @@ async fn etcd_stalled_keep_alive_is_noticed() {
     }
     let noticed = stalled_at.elapsed();
     println!("etcd: stalled keep-alive noticed {noticed:?} after the stall (TTL {ttl:?})");
+    assert!(guard.known_lost(), "the holder knows without asking etcd");
     proxy.stall(false);
     drop(guard);
     let started = Instant::now();
@@ -1575,75 +1566,39 @@ async fn etcd_stalled_keep_alive_is_noticed() {
     }
 }
 
-/// A waiter hears its predecessor's deletion as etcd applies it. etcd's own Lock
-/// service watches the predecessor from the revision of its read, a watcher etcd files
-/// as unsynced and catches up every 100 ms: its waiters hear of a release at etcd's
-/// next catch-up, 0-100 ms later (a release 200 ms after the waiter queued finds its
-/// watcher synced by then, and both are quick). Only a comparison says "as etcd
-/// applies it" on a loaded machine, so the test runs both in the same rounds, taking
-/// turns at going first: a waiter of this lock and one of etcd's Lock service each
-/// queue behind a holder, which releases as soon as it sees the waiter's key. This
-/// lock's median wake-up must be under half the Lock service's. With this lock's
-/// watch started at the revision of its read, as the Lock service's is, and without
-/// its looks, the two were alike and the test failed.
+/// The article's wake-up: a waiter watching the key created before its own is woken by
+/// that key's deletion, not by its looks. The holder keeps the lock 1.9 s after the
+/// waiter queued (the hold is the scenario): by then the waiter's looks (after 10, 20,
+/// 40 ms... of silence, doubling) have backed off, the last at about 1.27 s and the next
+/// at about 2.55 s into its wait. Woken by its watch, it holds within milliseconds of the
+/// release; with the watch removed, only its next look finds the lock free, 600 ms or
+/// more after the release. The bound, 300 ms, is far from both.
 #[tokio::test]
-async fn etcd_lock_waiter_wakes_at_once_on_release() {
-    use etcd_client::{Client, LockOptions};
+async fn etcd_waiter_is_woken_by_the_release_not_by_its_looks() {
     let namespace = format!("wake-{:x}", rand::random::<u32>());
     let holder = EtcdLock::new(&etcd_endpoints(), &namespace, LONG);
     let waiter = Arc::new(EtcdLock::new(&etcd_endpoints(), &namespace, LONG));
-    let client = Client::connect([etcd_endpoints()], None)
-        .await
-        .expect("etcd");
-    let name = holder.lock_name("item");
-    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-    for round in 0..24 {
-        let service = (round % 4) / 2 == 1;
+    for round in 0..2 {
         let guard = holder.acquire("item", LONG).await.expect("acquired");
-        let waiting = if service {
-            let (mut client, name) = (client.clone(), name.clone());
-            tokio::spawn(async move {
-                let lease = client.lease_grant(30, None).await.expect("lease").id();
-                let options = LockOptions::new().with_lease(lease);
-                let granted = client.lock(name, Some(options)).await.expect("granted");
-                let acquired_at = Instant::now();
-                client
-                    .unlock(granted.key().to_vec())
-                    .await
-                    .expect("unlocked");
-                client.lease_revoke(lease).await.expect("revoked");
-                acquired_at
-            })
-        } else {
-            acquired_at_in_background(waiter.clone())
-        };
+        let waiting = acquired_at_in_background(waiter.clone());
         let queued_in = &holder;
         until("the waiter queued", || async move {
             queued_in.inspect("item").await.expect("keys").0.len() == 2
         })
         .await;
+        tokio::time::sleep(Duration::from_millis(1900)).await;
         let released_at = Instant::now();
         guard.release().await.expect("released");
         let acquired_at = bounded("the waiter", waiting)
             .await
             .expect("waiter finished");
-        let wake = acquired_at.duration_since(released_at);
-        if service { &mut theirs } else { &mut ours }.push(wake);
+        let woken = acquired_at.duration_since(released_at);
+        println!("etcd: round {round}, the waiter held the lock {woken:?} after the release");
+        assert!(
+            woken < Duration::from_millis(300),
+            "woken by its watch of the key before its own, not by a look: {woken:?}"
+        );
     }
-    ours.sort();
-    theirs.sort();
-    let median = |wakes: &[Duration]| wakes[wakes.len() / 2];
-    println!(
-        "etcd: wake-ups after the release, this lock {ours:?}, etcd's Lock service {theirs:?}"
-    );
-    // Three quarters, not half: in a full parallel run both medians grow with the load
-    // (22 ms against 40 ms seen); without the synced watch they come out equal.
-    assert!(
-        median(&ours) * 4 < median(&theirs) * 3,
-        "woken by a synced watch, not etcd's 100 ms catch-up: this lock's median {:?}, the Lock service's {:?}",
-        median(&ours),
-        median(&theirs)
-    );
 }
 
 /// Four replicas (lock services with etcd clients of their own), three contenders
