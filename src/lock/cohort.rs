@@ -26,19 +26,28 @@
 //! gave up, with nobody behind it, is released under a turn of its own, so the
 //! replica's next request does not start against it.
 //!
+//! 5. **Release notices** (locks whose waiters poll: the lock table, Redlock). A hold
+//!    released to everyone is announced on Redis (`PUBLISH <ns>:cohort-released:<name>`),
+//!    and each replica's first request for the name, subscribed, asks the lock again at
+//!    once instead of sleeping out its backoff: one waiter per replica woken, not all.
+//!    A notice is a hint; the lock's own polling stays as the fallback.
+//!
 //! Off (`PUT /api/admin/cohort`), every request goes straight to the lock: the lesson's
 //! "before".
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::time::Instant;
 
 use super::local_queue::{LocalQueues, Passed, RUN_LIMIT, Turn, token_in_run};
+use super::redis::subscriptions::Subscriptions;
 use super::task::Tasks;
 use super::{DistributedLock, HeldLock, LockError, LockView};
+use crate::redis_pool::Pool;
+use deadpool_redis::redis;
 
 /// How long a replica whose run just ended at its limit waits before it asks the lock
 /// again, while the other replicas' waiters, woken by the release, try first (a lock
@@ -56,7 +65,41 @@ pub struct Cohort<L: DistributedLock> {
     queues: LocalQueues<Left<L::Guard>>,
     tasks: Tasks,
     hold_back: Duration,
+    notices: Option<Arc<Notices>>,
 }
+
+/// Release notices on Redis, for a lock whose waiters poll.
+struct Notices {
+    subscriptions: Subscriptions,
+    pool: Pool,
+    prefix: String,
+}
+
+impl Notices {
+    fn channel(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// Tells the other replicas' first waiters that `name` is free, without waiting.
+    fn announce(self: &Arc<Self>, name: &str, tasks: &Tasks) {
+        let (notices, channel) = (self.clone(), self.channel(name));
+        tasks.spawn_detached(async move {
+            let publish = async {
+                let mut conn = notices.pool.get().await.ok()?;
+                redis::cmd("PUBLISH")
+                    .arg(&channel)
+                    .arg("")
+                    .query_async::<i64>(&mut conn)
+                    .await
+                    .ok()
+            };
+            let _ = tokio::time::timeout(NOTICE_BOUND, publish).await;
+        });
+    }
+}
+
+/// Bound on publishing one release notice.
+const NOTICE_BOUND: Duration = Duration::from_millis(500);
 
 /// How one acquisition goes through the layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +121,8 @@ enum Left<G: HeldLock + 'static> {
 /// A hold left by one request for the replica's next.
 struct Handed<G: HeldLock + 'static> {
     guard: G,
+    /// Where its release is announced, under which name.
+    notices: Option<(Arc<Notices>, String)>,
     /// Holds before the next one in this run (0: the one that acquired it).
     run: u32,
     fenced: bool,
@@ -88,15 +133,24 @@ impl<G: HeldLock + 'static> Passed for Left<G> {
     /// Nobody took it: a hold is released, keeping the name's turn until the service
     /// answered.
     fn abandoned(self, turn: Option<Turn<Self>>) {
-        let Left::Hold(Handed { guard, tasks, .. }) = self else {
+        let Left::Hold(Handed {
+            guard,
+            tasks,
+            notices,
+            ..
+        }) = self
+        else {
             return;
         };
-        tasks.spawn_detached(async move {
+        tasks.clone().spawn_detached(async move {
             // Unanswered, the lock's guard is dropped and releases in the background.
             match tokio::time::timeout(RELEASE_BOUND, guard.release()).await {
                 Ok(Ok(())) => {}
                 Ok(Err(error)) => tracing::debug!(%error, "releasing a hold nobody took"),
                 Err(_) => tracing::debug!("releasing a hold nobody took: unanswered"),
+            }
+            if let Some((notices, name)) = notices {
+                notices.announce(&name, &tasks);
             }
             drop(turn);
         });
@@ -114,7 +168,19 @@ impl<L: DistributedLock> Cohort<L> {
                 HOLD_BACK
             },
             lock,
+            notices: None,
         }
+    }
+
+    /// Announces releases on the Redis behind `client` and `pool` (channels under
+    /// `namespace`), and wakes this replica's first waiter on the others' (step 5).
+    pub fn with_notices(mut self, client: redis::Client, pool: Pool, namespace: &str) -> Self {
+        self.notices = Some(Arc::new(Notices {
+            subscriptions: Subscriptions::new(client),
+            pool,
+            prefix: format!("{namespace}:cohort-released:"),
+        }));
+        self
     }
 
     /// The lock itself, without the layer (for inspection and tests).
@@ -157,7 +223,8 @@ impl<L: DistributedLock> Cohort<L> {
                     let _ = tokio::time::timeout_at(deadline, handed.guard.release()).await;
                 } else {
                     let (run, fenced) = (handed.run + 1, handed.fenced);
-                    return Ok(self.guard(handed.guard, run, fenced, Some(turn)));
+                    let guard = self.guard(handed.guard, run, fenced, Some(turn));
+                    return Ok(guard.named(name, &self.notices));
                 }
             }
             Some(Left::RunEnded(at)) => {
@@ -165,9 +232,41 @@ impl<L: DistributedLock> Cohort<L> {
             }
             None => {}
         }
-        let left = deadline.saturating_duration_since(Instant::now());
-        let guard = self.acquire_from_lock(name, left, mode.fenced).await?;
-        Ok(self.guard(guard, 0, mode.fenced, Some(turn)))
+        let turn = turn;
+        let guard = match &self.notices {
+            None => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                self.acquire_from_lock(name, left, mode.fenced).await?
+            }
+            Some(notices) => self.acquire_woken(notices, name, deadline, mode).await?,
+        };
+        Ok(self
+            .guard(guard, 0, mode.fenced, Some(turn))
+            .named(name, &self.notices))
+    }
+
+    /// Asks the lock, and asks again afresh each time another replica announces a
+    /// release: the lock's own wait is dropped (every lock's acquisition may be) and
+    /// its backoff starts over.
+    async fn acquire_woken(
+        &self,
+        notices: &Notices,
+        name: &str,
+        deadline: Instant,
+        mode: Mode,
+    ) -> Result<L::Guard, LockError> {
+        let mut heard = notices
+            .subscriptions
+            .subscribe(&notices.channel(name), &self.tasks);
+        heard.confirm(deadline).await;
+        loop {
+            heard.mark();
+            let left = deadline.saturating_duration_since(Instant::now());
+            tokio::select! {
+                acquired = self.acquire_from_lock(name, left, mode.fenced) => return acquired,
+                () = heard.released() => {}
+            }
+        }
     }
 
     fn guard(
@@ -185,6 +284,7 @@ impl<L: DistributedLock> Cohort<L> {
             spoiled: AtomicBool::new(false),
             tasks: self.tasks.clone(),
             hold_back: !self.hold_back.is_zero(),
+            notices: None,
         }
     }
 
@@ -266,9 +366,17 @@ pub struct CohortGuard<G: HeldLock + 'static> {
     tasks: Tasks,
     /// The replica's next request holds back after a run that ended at its limit.
     hold_back: bool,
+    /// Where a release to everyone is announced, and under which name.
+    notices: Option<(Arc<Notices>, String)>,
 }
 
 impl<G: HeldLock + 'static> CohortGuard<G> {
+    /// Announces this hold's release on `notices`, under `name`.
+    fn named(mut self, name: &str, notices: &Option<Arc<Notices>>) -> Self {
+        self.notices = notices.clone().map(|n| (n, name.to_owned()));
+        self
+    }
+
     /// The lock's own guard (for inspection and tests).
     pub fn lock_guard(&self) -> Option<&G> {
         self.guard.as_ref()
@@ -333,6 +441,9 @@ impl<G: HeldLock + 'static> HeldLock for CohortGuard<G> {
         let released = tokio::time::timeout(RELEASE_BOUND, guard.release())
             .await
             .unwrap_or_else(|_| Err(LockError::backend("lock", "release unanswered")));
+        if let Some((notices, name)) = &self.notices {
+            notices.announce(name, &self.tasks);
+        }
         if let Some(turn) = &turn
             && self.hold_back
             && self.run >= RUN_LIMIT
@@ -359,6 +470,7 @@ impl<G: HeldLock + 'static> CohortGuard<G> {
         {
             turn.pass_on(Left::Hold(Handed {
                 guard,
+                notices: self.notices.clone(),
                 run: self.run,
                 fenced: self.fenced,
                 tasks: self.tasks.clone(),
@@ -376,6 +488,7 @@ impl<G: HeldLock + 'static> Drop for CohortGuard<G> {
         if let Some((guard, turn)) = self.hand_on() {
             let handed = Handed {
                 guard,
+                notices: self.notices.clone(),
                 run: self.run,
                 fenced: self.fenced,
                 tasks: self.tasks.clone(),
@@ -387,7 +500,6 @@ impl<G: HeldLock + 'static> Drop for CohortGuard<G> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::sync::atomic::AtomicU64;
 
     use super::*;

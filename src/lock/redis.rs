@@ -26,7 +26,7 @@
 //! Redlock reuses this module's fencing script and renewal.
 
 mod pending_set;
-mod subscriptions;
+pub(crate) mod subscriptions;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};

@@ -24,12 +24,9 @@ pub struct LockStrategy<L: DistributedLock> {
 impl<L: DistributedLock> LockStrategy<L> {
     /// `lock` with the layer around it; its card says what the layer adds. (The card
     /// is made once per replica: its text is kept for the process's life.)
-    pub fn new(mut explanation: Explanation, lock: L) -> Self {
+    pub fn new(mut explanation: Explanation, lock: Cohort<L>) -> Self {
         explanation.adds = format!("{} {COHORT}", explanation.adds).leak();
-        LockStrategy {
-            explanation,
-            lock: Cohort::new(lock),
-        }
+        LockStrategy { explanation, lock }
     }
 }
 

@@ -38,6 +38,7 @@ pub use locked::LockStrategy;
 pub use registry::{Registry, UnknownStrategy};
 
 use crate::lock::LockError;
+use crate::lock::cohort::Cohort;
 use crate::lock::etcd::EtcdLock;
 use crate::lock::fence_floor::{FenceFloor, MySqlFenceFloor};
 use crate::lock::redis::RedisLock;
@@ -284,45 +285,67 @@ pub fn registry(backends: &Backends) -> Registry {
         Arc::new(none::NoCoordination),
         Arc::new(LockStrategy::new(
             redis_lock::explanation(),
-            RedisLock::new(
-                backends.redis_client.clone(),
-                backends.redis_pool.clone(),
-                &backends.namespace,
-                owner,
-                backends.lease,
-            )
-            .with_fence_floor(fence_floor(backends, "redis-lock")),
+            Cohort::new(
+                RedisLock::new(
+                    backends.redis_client.clone(),
+                    backends.redis_pool.clone(),
+                    &backends.namespace,
+                    owner,
+                    backends.lease,
+                )
+                .with_fence_floor(fence_floor(backends, "redis-lock")),
+            ),
         )),
         Arc::new(LockStrategy::new(
             db_unique::explanation(),
-            TableLock::new(backends.mysql.clone(), owner, backends.lease),
+            Cohort::new(TableLock::new(
+                backends.mysql.clone(),
+                owner,
+                backends.lease,
+            ))
+            .with_notices(
+                backends.redis_client.clone(),
+                backends.redis_pool.clone(),
+                &backends.namespace,
+            ),
         )),
         Arc::new(optimistic::OptimisticStrategy::new(
             backends.optimistic_attempts,
         )),
         Arc::new(LockStrategy::new(
             zookeeper::explanation(),
-            ZooKeeperLock::new(
+            Cohort::new(ZooKeeperLock::new(
                 &backends.zookeeper,
                 backends.zookeeper_session_timeout,
                 &backends.namespace,
                 owner,
-            ),
+            )),
         )),
         Arc::new(db_for_update::DbForUpdateStrategy::default()),
         Arc::new(LockStrategy::new(
             etcd::explanation(),
-            EtcdLock::new(&backends.etcd, &backends.namespace, backends.lease),
+            Cohort::new(EtcdLock::new(
+                &backends.etcd,
+                &backends.namespace,
+                backends.lease,
+            )),
         )),
         Arc::new(LockStrategy::new(
             redlock::explanation(),
-            Redlock::new(
-                backends.redlock_nodes.clone(),
-                &backends.namespace,
-                owner,
-                backends.lease,
+            Cohort::new(
+                Redlock::new(
+                    backends.redlock_nodes.clone(),
+                    &backends.namespace,
+                    owner,
+                    backends.lease,
+                )
+                .with_fence_floor(fence_floor(backends, "redlock")),
             )
-            .with_fence_floor(fence_floor(backends, "redlock")),
+            .with_notices(
+                backends.redis_client.clone(),
+                backends.redis_pool.clone(),
+                &backends.namespace,
+            ),
         )),
         Arc::new(redis_atomic::RedisAtomicStrategy::default()),
     ])
