@@ -14,7 +14,9 @@
 //!    the service. Its last check before it writes (`ensure_held`) still asks the
 //!    service.
 //! 3. **Bounded runs.** After `RUN_LIMIT` handovers in a row the hold is released to
-//!    everyone, so another replica waits a few holds more at most.
+//!    everyone. A lock that does not queue its waiters then holds the replica's next
+//!    request back `HOLD_BACK`, so the other replicas' waiters, woken by the release,
+//!    usually try first: a race they win on a quiet machine, not a bound.
 //! 4. **A token per hold.** Every hold's fencing token is the lock's own token with the
 //!    hold's place in its run (`token_in_run`), so tokens grow in hold order within a
 //!    run too. Classic holds (the layer switched off) get place 0: the scheme is the
