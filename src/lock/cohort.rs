@@ -604,6 +604,29 @@ mod tests {
     }
 
     const WAIT: Duration = Duration::from_secs(5);
+
+    type Asking = tokio::task::JoinHandle<Result<CohortGuard<MemoryGuard>, LockError>>;
+
+    /// A request of the replica asking for "sku" in `mode`, once it waits behind
+    /// `holder`.
+    async fn queued_behind(
+        cohort: &Arc<Cohort<Memory>>,
+        holder: &CohortGuard<MemoryGuard>,
+        mode: Mode,
+    ) -> Asking {
+        let next = tokio::spawn({
+            let cohort = cohort.clone();
+            async move { cohort.acquire_in("sku", WAIT, mode).await }
+        });
+        while !holder
+            .turn_now()
+            .as_ref()
+            .is_some_and(|t| t.others_waiting())
+        {
+            tokio::task::yield_now().await;
+        }
+        next
+    }
     const ON: Mode = Mode {
         cohort: true,
         fenced: true,
@@ -618,18 +641,7 @@ mod tests {
         let mut tokens = Vec::new();
         let mut guard = cohort.acquire_in("sku", WAIT, ON).await.expect("free");
         for _ in 1..holds {
-            let next = tokio::spawn({
-                let cohort = cohort.clone();
-                async move { cohort.acquire_in("sku", WAIT, ON).await }
-            });
-            // The next request is queued before this one lets go.
-            while !guard
-                .turn_now()
-                .as_ref()
-                .is_some_and(|t| t.others_waiting())
-            {
-                tokio::task::yield_now().await;
-            }
+            let next = queued_behind(&cohort, &guard, ON).await;
             tokens.push(guard.fencing_token().expect("a token"));
             guard.release().await.expect("released");
             guard = next.await.expect("joined").expect("handed or acquired");
@@ -679,17 +691,7 @@ mod tests {
         next_mode: Mode,
     ) -> bool {
         let first = cohort.acquire_in("sku", WAIT, ON).await.expect("free");
-        let next = tokio::spawn({
-            let cohort = cohort.clone();
-            async move { cohort.acquire_in("sku", WAIT, next_mode).await }
-        });
-        while !first
-            .turn_now()
-            .as_ref()
-            .is_some_and(|t| t.others_waiting())
-        {
-            tokio::task::yield_now().await;
-        }
+        let next = queued_behind(&cohort, &first, next_mode).await;
         spoil(&first).await;
         let _ = first.release().await;
         let next = next.await.expect("joined").expect("acquired");
@@ -727,17 +729,7 @@ mod tests {
             .acquire_in("sku", WAIT, unfenced)
             .await
             .expect("free");
-        let next = tokio::spawn({
-            let cohort = cohort.clone();
-            async move { cohort.acquire_in("sku", WAIT, ON).await }
-        });
-        while !first
-            .turn_now()
-            .as_ref()
-            .is_some_and(|t| t.others_waiting())
-        {
-            tokio::task::yield_now().await;
-        }
+        let next = queued_behind(&cohort, &first, ON).await;
         first.release().await.expect("released");
         let next = next.await.expect("joined").expect("acquired");
         assert!(
@@ -753,17 +745,7 @@ mod tests {
     async fn a_hold_left_for_a_request_that_gave_up_is_released() {
         let cohort = Arc::new(Cohort::new(Memory::default()));
         let first = cohort.acquire_in("sku", WAIT, ON).await.expect("free");
-        let gives_up = tokio::spawn({
-            let cohort = cohort.clone();
-            async move { cohort.acquire_in("sku", WAIT, ON).await.map(drop) }
-        });
-        while !first
-            .turn_now()
-            .as_ref()
-            .is_some_and(|t| t.others_waiting())
-        {
-            tokio::task::yield_now().await;
-        }
+        let gives_up = queued_behind(&cohort, &first, ON).await;
         first.release().await.expect("handed on");
         gives_up.abort();
         let _ = gives_up.await;
@@ -850,17 +832,7 @@ mod tests {
         cohort: &Arc<Cohort<Memory>>,
         first: CohortGuard<MemoryGuard>,
     ) -> CohortGuard<MemoryGuard> {
-        let next = tokio::spawn({
-            let cohort = cohort.clone();
-            async move { cohort.acquire_in("sku", WAIT, ON).await }
-        });
-        while !first
-            .turn_now()
-            .as_ref()
-            .is_some_and(|t| t.others_waiting())
-        {
-            tokio::task::yield_now().await;
-        }
+        let next = queued_behind(cohort, &first, ON).await;
         first.release().await.expect("handed on");
         next.await.expect("joined").expect("acquired")
     }
@@ -873,17 +845,7 @@ mod tests {
         let cohort = Arc::new(Cohort::new(Memory::default()));
         let first = cohort.acquire_in("sku", WAIT, ON).await.expect("free");
         let second = handed_on(&cohort, first).await;
-        let third = tokio::spawn({
-            let cohort = cohort.clone();
-            async move { cohort.acquire_in("sku", WAIT, ON).await }
-        });
-        while !second
-            .turn_now()
-            .as_ref()
-            .is_some_and(|t| t.others_waiting())
-        {
-            tokio::task::yield_now().await;
-        }
+        let third = queued_behind(&cohort, &second, ON).await;
         drop(second);
         let third = third.await.expect("joined").expect("acquired");
         assert!(third.handed_over());
@@ -906,17 +868,7 @@ mod tests {
             .await
             .expect("not kept out");
 
-        let gives_up = tokio::spawn({
-            let cohort = cohort.clone();
-            async move { cohort.acquire_in("sku", WAIT, ON).await.map(drop) }
-        });
-        while !later
-            .turn_now()
-            .as_ref()
-            .is_some_and(|t| t.others_waiting())
-        {
-            tokio::task::yield_now().await;
-        }
+        let gives_up = queued_behind(&cohort, &later, ON).await;
         later.release().await.expect("handed on");
         gives_up.abort();
         let _ = gives_up.await;
