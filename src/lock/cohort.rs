@@ -100,6 +100,9 @@ impl Notices {
     }
 }
 
+/// Bound on waiting for Redis to confirm a waiter's subscription to release notices.
+const CONFIRM_BOUND: Duration = Duration::from_millis(100);
+
 /// Bound on publishing one release notice.
 const NOTICE_BOUND: Duration = Duration::from_millis(500);
 
@@ -260,7 +263,11 @@ impl<L: DistributedLock> Cohort<L> {
         let mut heard = notices
             .subscriptions
             .subscribe(&notices.channel(name), &self.tasks);
-        heard.confirm(deadline).await;
+        // A notice is only a hint: a subscription Redis does not confirm soon (a
+        // connection gone silent) must not hold up the lock's own polling.
+        heard
+            .confirm(deadline.min(Instant::now() + CONFIRM_BOUND))
+            .await;
         loop {
             heard.mark();
             let left = deadline.saturating_duration_since(Instant::now());
@@ -691,7 +698,7 @@ mod tests {
         next_mode: Mode,
     ) -> bool {
         let first = cohort.acquire_in("sku", WAIT, ON).await.expect("free");
-        let next = queued_behind(&cohort, &first, next_mode).await;
+        let next = queued_behind(cohort, &first, next_mode).await;
         spoil(&first).await;
         let _ = first.release().await;
         let next = next.await.expect("joined").expect("acquired");

@@ -105,9 +105,6 @@ return 1
     )
 });
 
-/// The longest a waiter goes without trying again, message or not.
-const MAX_FALLBACK: Duration = Duration::from_secs(1);
-
 /// How long a waiter sleeps when the lock exists but has no TTL (set by hand?) or
 /// vanished between the SET and the PTTL.
 const NO_TTL_RETRY: Duration = Duration::from_millis(50);
@@ -305,10 +302,8 @@ impl DistributedLock for RedisLock {
             if now >= deadline {
                 return Err(LockError::Timeout { waited: wait });
             }
-            // The key's TTL, but at most a second: a pub/sub connection gone silent
-            // delivers nothing, and a watchdog keeps the TTL near a whole lease.
             let fallback = match u64::try_from(ttl) {
-                Ok(ttl) if ttl > 0 => Duration::from_millis(ttl).min(MAX_FALLBACK),
+                Ok(ttl) if ttl > 0 => Duration::from_millis(ttl),
                 _ => NO_TTL_RETRY,
             };
             // Either way, try again: a message is a hint, the key is the truth.

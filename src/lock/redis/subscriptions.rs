@@ -24,8 +24,6 @@ use crate::lock::task::{AbortOnDrop, Tasks};
 
 /// Bound on connecting and on one (un)subscription.
 const BOUND: Duration = Duration::from_secs(2);
-/// Bound on waiting for Redis to confirm one subscription.
-const CONFIRM_BOUND: Duration = Duration::from_millis(100);
 /// How long the listener waits before reconnecting after Redis went away.
 const RECONNECT_AFTER: Duration = Duration::from_millis(500);
 
@@ -182,13 +180,10 @@ impl Subscription {
         }
     }
 
-    /// Returns once the connection confirmed the subscription, or at `deadline`, or
-    /// after `CONFIRM_BOUND` at most: a connection gone silent (a stalled link, a
-    /// paused container) answers nothing, and the waiter's own fallback must not wait
-    /// behind it. Not connected: at once (the reconnect subscribes).
+    /// Returns once the connection confirmed the subscription, or at `deadline`. Not
+    /// connected: at once (the TTL is the fallback, and the reconnect subscribes).
     pub async fn confirm(&mut self, deadline: Instant) {
-        let bound = deadline.min(Instant::now() + CONFIRM_BOUND);
-        let _ = timeout_at(bound, async {
+        let _ = timeout_at(deadline, async {
             let mut sink = self.releases.sink.lock().await;
             let Some(sink) = sink.as_mut() else {
                 return;
