@@ -115,6 +115,9 @@ pub struct Mode {
     pub fenced: bool,
 }
 
+/// A replica's turn on a name, which can carry what its holder left.
+type CohortTurn<G> = Turn<Left<G>>;
+
 /// What one request leaves for the replica's next.
 enum Left<G: HeldLock + 'static> {
     /// Its hold, still held.
@@ -123,39 +126,48 @@ enum Left<G: HeldLock + 'static> {
     RunEnded(Instant),
 }
 
-/// A hold left by one request for the replica's next.
+/// A hold: the lock's own guard and what the layer knows of it. Passed from one
+/// request to the next as it is.
 struct Handed<G: HeldLock + 'static> {
     guard: G,
     /// Where its release is announced, under which name.
     notices: Option<(Arc<Notices>, String)>,
-    /// Holds before the next one in this run (0: the one that acquired it).
+    /// Holds before this one in its run (0: the one that acquired it).
     run: u32,
     fenced: bool,
     tasks: Tasks,
+}
+
+impl<G: HeldLock + 'static> Handed<G> {
+    /// Releases the hold, waiting `RELEASE_BOUND` at most (unanswered, the lock's
+    /// guard is dropped and releases in the background), and announces it.
+    async fn release(self) -> Result<(), LockError> {
+        let Handed {
+            guard,
+            notices,
+            tasks,
+            ..
+        } = self;
+        let released = tokio::time::timeout(RELEASE_BOUND, guard.release())
+            .await
+            .unwrap_or_else(|_| Err(LockError::backend("lock", "release unanswered")));
+        if let Some((notices, name)) = notices {
+            notices.announce(&name, &tasks);
+        }
+        released
+    }
 }
 
 impl<G: HeldLock + 'static> Passed for Left<G> {
     /// Nobody took it: a hold is released, keeping the name's turn until the service
     /// answered.
     fn abandoned(self, turn: Option<Turn<Self>>) {
-        let Left::Hold(Handed {
-            guard,
-            tasks,
-            notices,
-            ..
-        }) = self
-        else {
+        let Left::Hold(handed) = self else {
             return;
         };
-        tasks.clone().spawn_detached(async move {
-            // Unanswered, the lock's guard is dropped and releases in the background.
-            match tokio::time::timeout(RELEASE_BOUND, guard.release()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => tracing::debug!(%error, "releasing a hold nobody took"),
-                Err(_) => tracing::debug!("releasing a hold nobody took: unanswered"),
-            }
-            if let Some((notices, name)) = notices {
-                notices.announce(&name, &tasks);
+        handed.tasks.clone().spawn_detached(async move {
+            if let Err(error) = handed.release().await {
+                tracing::debug!(%error, "releasing a hold nobody took");
             }
             drop(turn);
         });
@@ -212,7 +224,7 @@ impl<L: DistributedLock> Cohort<L> {
     ) -> Result<CohortGuard<L::Guard>, LockError> {
         if !mode.cohort {
             let guard = self.acquire_from_lock(name, wait, mode.fenced).await?;
-            return Ok(self.guard(guard, 0, mode.fenced, None));
+            return Ok(self.guard(self.hold(guard, name, mode), None));
         }
         let deadline = Instant::now() + wait;
         let turn = self
@@ -223,13 +235,12 @@ impl<L: DistributedLock> Cohort<L> {
         match turn.take_passed() {
             Some(Left::Hold(handed)) => {
                 if handed.guard.known_lost() || (mode.fenced && !handed.fenced) {
-                    // Given back before this turn asks for a new hold; dropped midway
-                    // or unanswered, the lock's own guard releases it in the background.
-                    let _ = tokio::time::timeout_at(deadline, handed.guard.release()).await;
+                    // Given back before this turn asks for a new hold; dropped midway,
+                    // the lock's own guard releases it in the background.
+                    let _ = tokio::time::timeout_at(deadline, handed.release()).await;
                 } else {
-                    let (run, fenced) = (handed.run + 1, handed.fenced);
-                    let guard = self.guard(handed.guard, run, fenced, Some(turn));
-                    return Ok(guard.named(name, &self.notices));
+                    let run = handed.run + 1;
+                    return Ok(self.guard(Handed { run, ..handed }, Some(turn)));
                 }
             }
             Some(Left::RunEnded(at)) => {
@@ -237,7 +248,6 @@ impl<L: DistributedLock> Cohort<L> {
             }
             None => {}
         }
-        let turn = turn;
         let guard = match &self.notices {
             None => {
                 let left = deadline.saturating_duration_since(Instant::now());
@@ -245,9 +255,7 @@ impl<L: DistributedLock> Cohort<L> {
             }
             Some(notices) => self.acquire_woken(notices, name, deadline, mode).await?,
         };
-        Ok(self
-            .guard(guard, 0, mode.fenced, Some(turn))
-            .named(name, &self.notices))
+        Ok(self.guard(self.hold(guard, name, mode), Some(turn)))
     }
 
     /// Asks the lock, and asks again afresh each time another replica announces a
@@ -278,22 +286,27 @@ impl<L: DistributedLock> Cohort<L> {
         }
     }
 
+    /// A hold just acquired from the lock: the first of its run.
+    fn hold(&self, guard: L::Guard, name: &str, mode: Mode) -> Handed<L::Guard> {
+        Handed {
+            guard,
+            notices: self.notices.clone().map(|n| (n, name.to_owned())),
+            run: 0,
+            fenced: mode.fenced,
+            tasks: self.tasks.clone(),
+        }
+    }
+
     fn guard(
         &self,
-        guard: L::Guard,
-        run: u32,
-        fenced: bool,
-        turn: Option<Turn<Left<L::Guard>>>,
+        hold: Handed<L::Guard>,
+        turn: Option<CohortTurn<L::Guard>>,
     ) -> CohortGuard<L::Guard> {
         CohortGuard {
-            guard: Some(guard),
-            run,
-            fenced,
+            hold: Some(hold),
             turn: Mutex::new(turn),
             spoiled: AtomicBool::new(false),
-            tasks: self.tasks.clone(),
             hold_back: !self.hold_back.is_zero(),
-            notices: None,
         }
     }
 
@@ -365,39 +378,31 @@ impl<L: DistributedLock> DistributedLock for WithMode<'_, L> {
 /// replica's turn on the name (none when the layer is off).
 pub struct CohortGuard<G: HeldLock + 'static> {
     /// Always there but while it is released or handed on.
-    guard: Option<G>,
-    run: u32,
-    fenced: bool,
+    hold: Option<Handed<G>>,
     /// Given up early by a paused holder (`suspend_renewal`).
-    turn: Mutex<Option<Turn<Left<G>>>>,
+    turn: Mutex<Option<CohortTurn<G>>>,
     /// A check found the lock gone, or renewal was suspended: not to be handed on.
     spoiled: AtomicBool,
-    tasks: Tasks,
     /// The replica's next request holds back after a run that ended at its limit.
     hold_back: bool,
-    /// Where a release to everyone is announced, and under which name.
-    notices: Option<(Arc<Notices>, String)>,
 }
 
 impl<G: HeldLock + 'static> CohortGuard<G> {
-    /// Announces this hold's release on `notices`, under `name`.
-    fn named(mut self, name: &str, notices: &Option<Arc<Notices>>) -> Self {
-        self.notices = notices.clone().map(|n| (n, name.to_owned()));
-        self
-    }
-
     /// The lock's own guard (for inspection and tests).
     pub fn lock_guard(&self) -> Option<&G> {
-        self.guard.as_ref()
+        self.hold.as_ref().map(|hold| &hold.guard)
     }
 
-    fn turn_now(&self) -> std::sync::MutexGuard<'_, Option<Turn<Left<G>>>> {
+    fn run(&self) -> u32 {
+        self.hold.as_ref().map_or(0, |hold| hold.run)
+    }
+
+    fn turn_now(&self) -> std::sync::MutexGuard<'_, Option<CohortTurn<G>>> {
         self.turn.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn inner(&self) -> Result<&G, LockError> {
-        self.guard
-            .as_ref()
+        self.lock_guard()
             .ok_or_else(|| LockError::Lost("released".to_owned()))
     }
 }
@@ -413,15 +418,15 @@ impl<G: HeldLock + 'static> HeldLock for CohortGuard<G> {
     }
 
     fn fencing_token(&self) -> Option<u64> {
-        token_in_run(self.guard.as_ref()?.fencing_token()?, self.run)
+        token_in_run(self.lock_guard()?.fencing_token()?, self.run())
     }
 
     fn known_lost(&self) -> bool {
-        self.spoiled.load(Ordering::SeqCst) || self.guard.as_ref().is_none_or(G::known_lost)
+        self.spoiled.load(Ordering::SeqCst) || self.lock_guard().is_none_or(G::known_lost)
     }
 
     fn handed_over(&self) -> bool {
-        self.run > 0
+        self.run() > 0
     }
 
     /// The paused-holder fault. The replica's turn goes too: a pause of the whole
@@ -430,7 +435,7 @@ impl<G: HeldLock + 'static> HeldLock for CohortGuard<G> {
     /// request.
     fn suspend_renewal(&self) {
         self.spoiled.store(true, Ordering::SeqCst);
-        if let Some(guard) = &self.guard {
+        if let Some(guard) = self.lock_guard() {
             guard.suspend_renewal();
         }
         drop(self.turn_now().take());
@@ -441,21 +446,17 @@ impl<G: HeldLock + 'static> HeldLock for CohortGuard<G> {
     }
 
     async fn release(mut self) -> Result<(), LockError> {
-        let Some((guard, turn)) = self.hand_on() else {
+        let Some((hold, turn)) = self.hand_on() else {
             return Ok(());
         };
+        let run = hold.run;
         // The turn is kept until the lock answered, so the replica's next request does
-        // not start against this hold; dropped midway or unanswered, the lock's guard
-        // releases in the background and the turn goes.
-        let released = tokio::time::timeout(RELEASE_BOUND, guard.release())
-            .await
-            .unwrap_or_else(|_| Err(LockError::backend("lock", "release unanswered")));
-        if let Some((notices, name)) = &self.notices {
-            notices.announce(name, &self.tasks);
-        }
+        // not start against this hold; dropped midway, the lock's guard releases in the
+        // background and the turn goes.
+        let released = hold.release().await;
         if let Some(turn) = &turn
             && self.hold_back
-            && self.run >= RUN_LIMIT
+            && run >= RUN_LIMIT
             && turn.others_waiting()
         {
             turn.pass_on(Left::RunEnded(Instant::now()));
@@ -469,24 +470,18 @@ impl<G: HeldLock + 'static> CohortGuard<G> {
     /// Hands the hold to the replica's next request if it can be; otherwise gives back
     /// the hold and the turn for the caller to release (`None`: handed on, or already
     /// released).
-    fn hand_on(&mut self) -> Option<(G, Option<Turn<Left<G>>>)> {
-        let guard = self.guard.take()?;
+    fn hand_on(&mut self) -> Option<(Handed<G>, Option<CohortTurn<G>>)> {
+        let hold = self.hold.take()?;
         let turn = self.turn_now().take();
         if let Some(turn) = &turn
-            && turn.hands_over(self.run)
+            && turn.hands_over(hold.run)
             && !self.spoiled.load(Ordering::SeqCst)
-            && !guard.known_lost()
+            && !hold.guard.known_lost()
         {
-            turn.pass_on(Left::Hold(Handed {
-                guard,
-                notices: self.notices.clone(),
-                run: self.run,
-                fenced: self.fenced,
-                tasks: self.tasks.clone(),
-            }));
+            turn.pass_on(Left::Hold(hold));
             return None;
         }
-        Some((guard, turn))
+        Some((hold, turn))
     }
 }
 
@@ -494,15 +489,8 @@ impl<G: HeldLock + 'static> CohortGuard<G> {
 /// like a released one, or released in the background under the replica's turn.
 impl<G: HeldLock + 'static> Drop for CohortGuard<G> {
     fn drop(&mut self) {
-        if let Some((guard, turn)) = self.hand_on() {
-            let handed = Handed {
-                guard,
-                notices: self.notices.clone(),
-                run: self.run,
-                fenced: self.fenced,
-                tasks: self.tasks.clone(),
-            };
-            Left::Hold(handed).abandoned(turn);
+        if let Some((hold, turn)) = self.hand_on() {
+            Left::Hold(hold).abandoned(turn);
         }
     }
 }
