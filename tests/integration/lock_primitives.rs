@@ -615,6 +615,24 @@ async fn redis_lock_waiter_wakes_on_the_release_message() {
     .await;
 }
 
+/// A holder, and a waiter whose pub/sub connection goes through `url` (a proxy the test
+/// controls), once that connection is up.
+async fn holder_and_waiter_through(ns: &str, url: &str) -> (RedisLock, Arc<RedisLock>) {
+    let holder = RedisLock::new(redis_client(), redis_pool(), ns, "holder", LONG);
+    let waiter = Arc::new(RedisLock::new(
+        deadpool_redis::redis::Client::open(url).expect("URL"),
+        redis_pool(),
+        ns,
+        "waiter",
+        LONG,
+    ));
+    until("the waiter's pub/sub connection is up", || async {
+        waiter.listening()
+    })
+    .await;
+    (holder, waiter)
+}
+
 /// A release between the waiter's first try and its subscription is heard by nobody:
 /// the waiter tries again once subscribed. Here its pub/sub connection goes through a
 /// proxy that the test stalls, so its `SUBSCRIBE` hangs; the holder releases then, and
@@ -627,19 +645,7 @@ async fn redis_lock_release_before_the_subscription_is_not_missed() {
     let (cluster, _factory) = redis_factory().await;
     let proxy = StallProxy::start(&redis_url().replace("redis://", "")).await;
     let through_proxy = format!("redis://{}", proxy.address);
-    let ns = &cluster.namespace;
-    let holder = RedisLock::new(redis_client(), redis_pool(), ns, "holder", LONG);
-    let waiter = Arc::new(RedisLock::new(
-        deadpool_redis::redis::Client::open(through_proxy.as_str()).expect("URL"),
-        redis_pool(),
-        ns,
-        "waiter",
-        LONG,
-    ));
-    until("the waiter's pub/sub connection is up", || async {
-        waiter.listening()
-    })
-    .await;
+    let (holder, waiter) = holder_and_waiter_through(&cluster.namespace, &through_proxy).await;
     let guard = holder.acquire("item", LONG).await.expect("acquired");
     proxy.stall(true);
     let before = waiter.refused_tries();
@@ -676,19 +682,7 @@ async fn redis_lock_waiters_hear_releases_after_a_reconnect() {
     let (cluster, _factory) = redis_factory().await;
     let proxy = PartitionProxy::start(&redis_url().replace("redis://", "")).await;
     let through_proxy = format!("redis://{}", proxy.address);
-    let ns = &cluster.namespace;
-    let holder = RedisLock::new(redis_client(), redis_pool(), ns, "holder", LONG);
-    let waiter = Arc::new(RedisLock::new(
-        deadpool_redis::redis::Client::open(through_proxy.as_str()).expect("URL"),
-        redis_pool(),
-        ns,
-        "waiter",
-        LONG,
-    ));
-    until("the waiter's pub/sub connection is up", || async {
-        waiter.listening()
-    })
-    .await;
+    let (holder, waiter) = holder_and_waiter_through(&cluster.namespace, &through_proxy).await;
     let guard = holder.acquire("item", LONG).await.expect("acquired");
     let waiting = acquired_at_in_background(waiter.clone());
     until_refused(&waiter, 0, 2).await;
