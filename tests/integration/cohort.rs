@@ -310,16 +310,17 @@ async fn zookeeper_holder_that_saw_its_lock_lost_hands_it_to_nobody() {
 }
 
 /// A lock whose waiters poll (the lock table backs off up to 250 ms) is asked again as
-/// soon as another replica announces its release: in each of five rounds the other
-/// replica's waiter, asleep in its backoff after 1.5 s of waiting, holds the lock
-/// within 100 ms of the release. Without the notices a round's wait is the rest of a
-/// 125-250 ms sleep, under 100 ms about half the time: all five, 1 time in 30.
+/// soon as another replica announces its release: in at least seven of nine rounds the
+/// other replica's waiter, asleep in its backoff after 1.5 s of waiting, holds the lock
+/// within 60 ms of the release (3-15 ms is usual; under the whole suite's load one
+/// round in five took 140 ms). Without the notices a round's wait is the rest of a
+/// 125-250 ms sleep, under 60 ms about a third of the time: seven of nine, 1 time in 250.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn db_unique_waiter_of_another_replica_is_woken_by_the_release_notice() {
     let cluster = TestCluster::start(1, &[]).await;
     let [holder, other] = table_pair(&cluster).await;
     let mut waits = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..9 {
         let guard = holder.acquire("item", WAIT).await.expect("acquired");
         let waiter = tokio::spawn({
             let other = other.clone();
@@ -339,8 +340,9 @@ async fn db_unique_waiter_of_another_replica_is_woken_by_the_release_notice() {
         waits.push(got_it.saturating_duration_since(released));
     }
     println!("db-unique: the other replica held the lock {waits:?} after each release");
-    assert!(
-        waits.iter().all(|wait| *wait < Duration::from_millis(100)),
-        "woken by the notice: {waits:?}"
-    );
+    let soon = waits
+        .iter()
+        .filter(|wait| **wait < Duration::from_millis(60))
+        .count();
+    assert!(soon >= 7, "woken by the notice: {waits:?}");
 }
