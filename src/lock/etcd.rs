@@ -1,32 +1,37 @@
 //! An etcd lock, the recipe of etcd's `concurrency.Session` and `concurrency.Mutex`:
 //!
-//! 1. **Lease**: grant a lease with a TTL and keep it alive (one keep-alive stream,
-//!    a renewal every third of the TTL). If the holder dies, renewals stop, the lease
-//!    expires and etcd deletes every key on it.
-//! 2. **Queue**: in one transaction, put `<prefix>/<lease id>` on the lease unless it is
-//!    there, and read the two newest keys under the prefix by create revision: ours and
-//!    the one just before it. None before ours (ours has the lowest create revision):
-//!    the lock is held.
+//! 1. **Session**: the replica grants one lease with a TTL and keeps it alive (one
+//!    keep-alive stream, a renewal every third of the TTL). If the replica dies,
+//!    renewals stop, the lease expires and etcd deletes every key on it.
+//! 2. **Queue**: in one transaction, put `<prefix>/<lease id>-<n>` on the session's
+//!    lease, and read the two newest keys under the prefix by create revision: ours
+//!    and the one just before it. None before ours (ours has the lowest create
+//!    revision): the lock is held.
 //! 3. **Wait**: otherwise watch the key created just before ours until it is deleted
-//!    (released, revoked, expired), then read the key just before ours again: it may
-//!    have left while others still wait ahead. Each waiter watches one key, so a release
-//!    wakes one waiter.
+//!    (released, expired), then read the key just before ours again: it may have left
+//!    while others still wait ahead. Each waiter watches one key, so a release wakes
+//!    one waiter.
 //! 4. **Check**: before its irreversible write the holder reads its key back from etcd
 //!    (same create revision, same lease).
-//! 5. **Release**: revoke the lease, which deletes the key and wakes the next waiter.
+//! 5. **Release**: delete the key, which wakes the next waiter.
 //!
 //! Production notes.
-//! - One lease per acquisition, chosen here (`with_id`), so that whatever an
-//!   acquisition sent is undone by revoking that one lease: an acquisition or guard
-//!   dropped at any await point revokes it in the background (a put landing after the
-//!   revoke fails, as its lease is gone; a grant landing after it expires unrenewed).
-//!   A lease per replica would save the grant (and the revoke replace a delete), but
-//!   two requests of one replica would then share one key; lockbench measured it
-//!   within noise of this (about 5% more cycles), and with the cohort layer on one
-//!   acquisition serves a whole run.
-//! - The keep-alive marks the lease lost when its stream cannot be opened, breaks,
-//!   stalls, or says the lease is gone (an etcd restart breaks it too): the holder
-//!   knows (`known_lost`) while the lease still has a third of its TTL to run.
+//! - `concurrency.Mutex` names its key after the session alone, so one session may
+//!   wait for a lock once; the `-<n>` lets a replica's requests queue side by side when
+//!   the cohort layer is off. One lease per acquisition instead cost a grant and a
+//!   revoke (raft writes) per acquisition: 0.80-0.86 of the orders/s (BENCHMARKS.md).
+//! - The queue put runs in a task of its own, to its answer, so an acquisition dropped
+//!   at any await point leaves a cleanup that knows whether its key was made and
+//!   deletes it. (Deleted at once instead, a put still in flight could land after the
+//!   delete, on a lease kept alive for the replica: a key nobody would ever delete.)
+//!   A put or delete whose outcome stays unknown gives the session up: its lease is
+//!   revoked, taking every key on it, and the next acquisition opens a new session.
+//! - The keep-alive marks the session lost when its stream cannot be opened, breaks,
+//!   stalls, or says the lease is gone (an etcd restart breaks it too): the holders
+//!   know (`known_lost`) while the lease still has a third of its TTL to run.
+//! - Pausing a holder (`suspend_renewal`, the paused-holder fault) stops its session's
+//!   renewals without telling it, as pausing the process would: every key of the
+//!   session expires after the TTL, and the replica's next acquisitions open a new one.
 //! - The watch has no start revision, so etcd files it as synced and it hears the
 //!   delete as etcd applies it (a watch from a past revision, as the Lock service
 //!   and the Go client use, is caught up only every 100 ms). It starts "now", though:
@@ -48,7 +53,7 @@
 //!   walk past them, so the stack compacts every 5 s (`scripts/stack.sh`).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -57,7 +62,8 @@ use etcd_client::{
     PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType,
     WatchOptions, WatchStream,
 };
-use tokio::sync::OnceCell;
+use tokio::sync::{Mutex, OnceCell};
+use tokio::task::JoinHandle;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use super::task::{AbortOnDrop, Tasks};
@@ -67,9 +73,8 @@ use super::{DistributedLock, HeldLock, LockError, LockView};
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// The first look at the queue while a watch may be unsynced; doubled at each look.
 const FIRST_LOOK: Duration = Duration::from_millis(10);
-/// Tries of a background revoke, 300 ms apart: a revoke that overtook its own grant
-/// finds no lease, and the grant may still land.
-const REVOKE_TRIES: u32 = 4;
+/// Tries of a background cleanup (a key delete, a lease revoke), 300 ms apart.
+const CLEANUP_TRIES: u32 = 4;
 
 pub struct EtcdLock {
     endpoints: Vec<String>,
@@ -79,6 +84,10 @@ pub struct EtcdLock {
     /// Made on first use, without a network round trip (the channel connects lazily):
     /// a replica starts even while etcd is down.
     client: OnceCell<Client>,
+    /// The session this replica's keys go on now; replaced once it stops serving.
+    session: Mutex<Option<Arc<Session>>>,
+    /// Numbers the replica's keys, so each acquisition queues a key of its own.
+    next_key: AtomicU64,
     tasks: Tasks,
 }
 
@@ -89,11 +98,14 @@ impl EtcdLock {
             prefix: format!("/flashsale/{namespace}/locks"),
             lease_ttl: i64::try_from(lease.as_secs().max(2)).unwrap_or(2),
             client: OnceCell::new(),
+            session: Mutex::new(None),
+            next_key: AtomicU64::new(0),
             tasks: Tasks::default(),
         }
     }
 
-    /// Background tasks running now: keep-alives of leases, revokes of dropped ones.
+    /// Background tasks running now: queue puts and the cleanups of dropped
+    /// acquisitions and given-up sessions (not the session's keep-alive).
     pub fn background_tasks(&self) -> usize {
         self.tasks.live()
     }
@@ -112,6 +124,31 @@ impl EtcdLock {
             .await
             .map_err(etcd_error)?;
         Ok(client.clone())
+    }
+
+    /// Step 1: the session keys go on, granted on first use and again once the last
+    /// one was lost, given up or paused. The grant runs to its answer in a task of its
+    /// own: granted for a caller that was dropped, the session is dropped too, which
+    /// revokes its lease.
+    async fn session(&self, client: &Client) -> Result<Arc<Session>, LockError> {
+        let mut current = self.session.lock().await;
+        if let Some(session) = current.as_ref().filter(|session| session.serves()) {
+            return Ok(session.clone());
+        }
+        let (client, ttl, tasks) = (client.clone(), self.lease_ttl, self.tasks.clone());
+        let grant = self.tasks.spawn_awaited(async move {
+            let id = rand::random_range(1..i64::MAX); // positive, and 0 asks etcd to choose
+            let options = LeaseGrantOptions::new().with_id(id);
+            bounded(client.clone().lease_grant(ttl, Some(options))).await?;
+            Ok::<_, LockError>(Session::start(&client, id, ttl, &tasks))
+        });
+        let session = Arc::new(
+            grant
+                .await
+                .map_err(|error| LockError::backend("etcd", error))??,
+        );
+        *current = Some(session.clone());
+        Ok(session)
     }
 
     /// The lock's keys in queue order (create revision), each with its create revision
@@ -157,17 +194,27 @@ impl DistributedLock for EtcdLock {
         let client = timeout_at(deadline, self.client())
             .await
             .map_err(|_| too_late())??;
+        let session = timeout_at(deadline, self.session(&client))
+            .await
+            .map_err(|_| too_late())??;
         let lock_name = self.lock_name(name);
-        let lease = Lease::start(client, &self.tasks, self.lease_ttl);
-        // From here on, a drop at any await point revokes the lease, and the key with it.
+        let number = self.next_key.fetch_add(1, Ordering::Relaxed);
+        let key = format!("{lock_name}/{:x}-{number}", session.id);
+        let prefix = format!("{lock_name}/");
+        let put = join(client.clone(), key.clone(), prefix.clone(), session.id);
+        // From here on, a drop at any await point deletes the key once the put answered.
         let mut guard = EtcdGuard {
-            key: format!("{lock_name}/{:x}", lease.id),
-            prefix: format!("{lock_name}/"),
+            key,
+            prefix,
             revision: 0,
             token: 0,
-            lease,
+            joining: Some(self.tasks.spawn_awaited(put)),
+            done: false,
+            client,
+            session,
+            tasks: self.tasks.clone(),
         };
-        timeout_at(deadline, guard.take_turn(self.lease_ttl))
+        timeout_at(deadline, guard.take_turn())
             .await
             .map_err(|_| too_late())??;
         Ok(guard)
@@ -212,6 +259,35 @@ fn revision_of(header: Option<&etcd_client::ResponseHeader>) -> i64 {
     header.map_or(0, |header| header.revision())
 }
 
+/// The queue put's answer: our key's create revision, and the key just before it.
+type Joined = Result<(i64, Option<KeyValue>), LockError>;
+
+/// Step 2: puts `key` on the lease, and reads the two newest keys by create revision:
+/// ours and the one created just before it, if any (none: ours has the lowest create
+/// revision, the lock is held). Returns our key's create revision, which is the
+/// transaction's own, the revision it read at.
+async fn join(mut client: Client, key: String, prefix: String, lease: i64) -> Joined {
+    let newest_two = GetOptions::new()
+        .with_prefix()
+        .with_sort(SortTarget::Create, SortOrder::Descend)
+        .with_limit(2);
+    let on_lease = PutOptions::new().with_lease(lease);
+    let txn = Txn::new()
+        .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+        .and_then([
+            TxnOp::put(key.as_str(), "", Some(on_lease)),
+            TxnOp::get(prefix, Some(newest_two)),
+        ]);
+    let response = bounded(client.txn(txn)).await?;
+    let revision = revision_of(response.header());
+    match read_of(&response, 1).as_slice() {
+        [own, before @ ..] if response.succeeded() && own.key() == key.as_bytes() => {
+            Ok((revision, before.first().cloned()))
+        }
+        _ => Err(LockError::backend("etcd", format!("{key} not queued"))),
+    }
+}
+
 /// A watch of a key's deletion, and the store revision it starts after.
 struct Watch {
     key: Vec<u8>,
@@ -220,44 +296,22 @@ struct Watch {
 }
 
 impl EtcdGuard {
-    /// Grants the lease (step 1), queues the key (2) and waits for its turn (3).
-    async fn take_turn(&mut self, ttl: i64) -> Result<(), LockError> {
-        let options = LeaseGrantOptions::new().with_id(self.lease.id);
-        bounded(self.lease.client.lease_grant(ttl, Some(options))).await?;
+    /// Waits for the queue put (step 2), then for the key's turn (3).
+    async fn take_turn(&mut self) -> Result<(), LockError> {
+        let Some(joining) = self.joining.as_mut() else {
+            return Err(LockError::backend("etcd", "no queue put"));
+        };
+        let joined = joining
+            .await
+            .map_err(|error| LockError::backend("etcd", error))?;
+        self.joining = None;
         let ahead;
-        (self.revision, ahead) = self.join().await?;
+        (self.revision, ahead) = joined?;
         self.token = self.wait_turn(ahead, self.revision).await?;
-        if self.lease.lost() {
-            return Err(LockError::Lost(format!("lease {:x} lost", self.lease.id)));
+        if self.session.lost() {
+            return Err(LockError::Lost(format!("lease {:x} lost", self.session.id)));
         }
         Ok(())
-    }
-
-    /// Step 2: puts the key on the lease unless it is there, and reads the two newest
-    /// keys by create revision: ours and the one created just before it, if any (none:
-    /// ours has the lowest create revision, the lock is held). Returns our key's create
-    /// revision, which is the transaction's own, the revision it read at.
-    async fn join(&mut self) -> Result<(i64, Option<KeyValue>), LockError> {
-        let newest_two = GetOptions::new()
-            .with_prefix()
-            .with_sort(SortTarget::Create, SortOrder::Descend)
-            .with_limit(2);
-        let key = self.key.as_str();
-        let on_lease = PutOptions::new().with_lease(self.lease.id);
-        let txn = Txn::new()
-            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
-            .and_then([
-                TxnOp::put(key, "", Some(on_lease)),
-                TxnOp::get(self.prefix.as_str(), Some(newest_two)),
-            ]);
-        let response = bounded(self.lease.client.txn(txn)).await?;
-        let revision = revision_of(response.header());
-        match read_of(&response, 1).as_slice() {
-            [own, before @ ..] if response.succeeded() && own.key() == key.as_bytes() => {
-                Ok((revision, before.first().cloned()))
-            }
-            _ => Err(LockError::backend("etcd", format!("{key} not queued"))),
-        }
     }
 
     /// Step 3: waits, from the key `ahead` found at `read_at`, until no key created
@@ -303,7 +357,7 @@ impl EtcdGuard {
         let txn = Txn::new()
             .when([Compare::create_revision(key, CompareOp::Equal, revision)])
             .and_then([TxnOp::get(self.prefix.as_str(), Some(last_before))]);
-        let response = bounded(self.lease.client.txn(txn)).await?;
+        let response = bounded(self.client.txn(txn)).await?;
         if !response.succeeded() {
             return Err(LockError::Lost(format!(
                 "{key} left the queue while waiting"
@@ -317,7 +371,7 @@ impl EtcdGuard {
     /// that etcd files it as synced (see the module doc).
     async fn watch_deletion(&mut self, key: &[u8]) -> Result<Watch, LockError> {
         let options = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
-        let mut stream = bounded(self.lease.client.watch(key, Some(options))).await?;
+        let mut stream = bounded(self.client.watch(key, Some(options))).await?;
         match bounded(stream.message()).await? {
             Some(response) if response.created() && !response.canceled() => {
                 let from = revision_of(response.header());
@@ -357,33 +411,35 @@ fn read_of(response: &TxnResponse, index: usize) -> Vec<KeyValue> {
     }
 }
 
-/// Step 1: one acquisition's lease, kept alive from its grant. Dropped before its
-/// release was answered, it revokes the lease in the background.
-struct Lease {
+/// Step 1's lease and its keep-alive, shared by the replica's keys.
+struct Session {
     client: Client,
     id: i64,
-    /// Set when the keep-alive gave up: the holder knows its lock is (about to be) gone.
+    /// Set when the keep-alive gave up or a key's fate is unknown: the holders know
+    /// their lock is (about to be) gone.
     lost: Arc<AtomicBool>,
+    /// Set by the paused-holder fault: renewals stopped, nobody told.
+    paused: AtomicBool,
     keep_alive: AbortOnDrop,
-    /// Set once etcd answered the release's revoke: nothing left to undo.
-    revoked: bool,
+    /// Set once the lease is being revoked: nothing more to undo.
+    revoking: AtomicBool,
     tasks: Tasks,
 }
 
-impl Lease {
-    /// Chooses the lease id and starts its keep-alive (which sleeps until the first
-    /// renewal is due), before anything is sent: from here on, a drop revokes it.
-    fn start(client: Client, tasks: &Tasks, ttl: i64) -> Lease {
-        // Positive and not 0 (0 asks etcd to choose).
-        let id = rand::random_range(1..i64::MAX);
+impl Session {
+    /// Starts the keep-alive of lease `id` (just granted), which sleeps until the first
+    /// renewal is due. The keep-alive lives as long as the session, not counted among
+    /// the lock's tasks.
+    fn start(client: &Client, id: i64, ttl: i64, tasks: &Tasks) -> Session {
         let lost = Arc::new(AtomicBool::new(false));
         let renewals = keep_alive(client.clone(), id, ttl, lost.clone());
-        Lease {
-            client,
+        Session {
+            client: client.clone(),
             id,
             lost,
-            keep_alive: tasks.spawn_owned(renewals),
-            revoked: false,
+            paused: AtomicBool::new(false),
+            keep_alive: AbortOnDrop::spawn(renewals),
+            revoking: AtomicBool::new(false),
             tasks: tasks.clone(),
         }
     }
@@ -391,18 +447,28 @@ impl Lease {
     fn lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)
     }
-}
 
-impl Drop for Lease {
-    fn drop(&mut self) {
+    /// Whether new keys may go on it.
+    fn serves(&self) -> bool {
+        !self.lost() && !self.paused.load(Ordering::SeqCst)
+    }
+
+    /// Revokes the lease in the background, taking every key on it: for a key whose
+    /// fate is unknown. Its holders are told they lost the lock.
+    fn give_up(&self) {
+        self.lost.store(true, Ordering::SeqCst);
+        self.revoke();
+    }
+
+    fn revoke(&self) {
         self.keep_alive.abort();
-        if self.revoked {
+        if self.revoking.swap(true, Ordering::SeqCst) {
             return;
         }
         let (client, id) = (self.client.clone(), self.id);
         // Outside a runtime nothing runs it: the lease expires, unrenewed.
         self.tasks.spawn_detached(async move {
-            for _ in 0..REVOKE_TRIES {
+            for _ in 0..CLEANUP_TRIES {
                 if bounded(client.clone().lease_revoke(id)).await.is_ok() {
                     return;
                 }
@@ -410,6 +476,14 @@ impl Drop for Lease {
             }
             tracing::debug!(id, "lease revoke failed; it will expire");
         });
+    }
+}
+
+/// A session nobody uses any more (replaced, or its lock service dropped) revokes its
+/// lease.
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.revoke();
     }
 }
 
@@ -448,15 +522,21 @@ async fn keep_alive(mut client: Client, id: i64, ttl: i64, lost: Arc<AtomicBool>
     lost.store(true, Ordering::SeqCst);
 }
 
-/// A held etcd lock (while acquiring, an acquisition): its key, on its own lease.
+/// A held etcd lock (while acquiring, an acquisition): its key, on the session's lease.
 pub struct EtcdGuard {
     key: String,
     prefix: String,
-    /// The key's create revision.
+    /// The key's create revision (0 until the queue put answered).
     revision: i64,
     /// The fencing token: the store's revision at the read that found the turn.
     token: i64,
-    lease: Lease,
+    /// The queue put, until its answer was taken.
+    joining: Option<JoinHandle<Joined>>,
+    /// Set once the release's delete was answered: nothing left to undo.
+    done: bool,
+    client: Client,
+    session: Arc<Session>,
+    tasks: Tasks,
 }
 
 #[async_trait]
@@ -464,15 +544,16 @@ impl HeldLock for EtcdGuard {
     /// Step 4: reads the key from etcd. That one read covers the lease (etcd deletes
     /// a lease's keys when it revokes it, at expiry too) and a key deleted by hand.
     async fn ensure_held(&self) -> Result<(), LockError> {
-        let (key, lease) = (self.key.as_str(), &self.lease);
-        if lease.lost() {
+        let (key, session) = (self.key.as_str(), &self.session);
+        if session.lost() {
             return Err(LockError::Lost(format!(
                 "lease {:x} not kept alive",
-                lease.id
+                session.id
             )));
         }
-        let read = bounded(lease.client.clone().get(key, None)).await?;
-        let ours = |kv: &KeyValue| kv.create_revision() == self.revision && kv.lease() == lease.id;
+        let read = bounded(self.client.clone().get(key, None)).await?;
+        let ours =
+            |kv: &KeyValue| kv.create_revision() == self.revision && kv.lease() == session.id;
         match read.kvs().first() {
             Some(kv) if ours(kv) => Ok(()),
             _ => Err(LockError::Lost(format!(
@@ -486,29 +567,67 @@ impl HeldLock for EtcdGuard {
     }
 
     fn known_lost(&self) -> bool {
-        self.lease.lost()
+        self.session.lost()
     }
 
-    /// The paused-holder fault: renewals stop without the holder knowing, as pausing
-    /// the process would; the key goes with the lease after its TTL.
+    /// The paused-holder fault: the session's renewals stop without the holder knowing,
+    /// as pausing the process would; its keys go with the lease after its TTL.
     fn suspend_renewal(&self) {
-        self.lease.keep_alive.abort();
+        self.session.paused.store(true, Ordering::SeqCst);
+        self.session.keep_alive.abort();
     }
 
-    /// Step 5: revokes the lease, which deletes the key. A lease already gone means the
-    /// lock was lost; a revoke that failed otherwise is retried by the drop.
+    /// Step 5: deletes the key if it is still ours. Gone already means the lock was
+    /// lost; a delete that failed otherwise is retried by the drop.
     async fn release(mut self) -> Result<(), LockError> {
-        self.lease.keep_alive.abort();
-        let revoke = bounded(self.lease.client.clone().lease_revoke(self.lease.id)).await;
-        let gone = matches!(&revoke, Err(LockError::Backend { detail, .. })
-            if detail.contains("lease not found"));
-        self.lease.revoked = revoke.is_ok() || gone;
-        match revoke {
-            Err(_) if gone => Err(LockError::Lost(format!(
+        let delete = delete_own(self.client.clone(), &self.key, self.revision).await;
+        self.done = delete.is_ok();
+        match delete {
+            Ok(false) => Err(LockError::Lost(format!(
                 "{} was gone before release",
                 self.key
             ))),
-            revoked => revoked.map(drop),
+            other => other.map(drop),
         }
+    }
+}
+
+/// Deletes `key` if it still has create revision `revision`; whether it had.
+async fn delete_own(mut client: Client, key: &str, revision: i64) -> Result<bool, LockError> {
+    let txn = Txn::new()
+        .when([Compare::create_revision(key, CompareOp::Equal, revision)])
+        .and_then([TxnOp::delete(key, None)]);
+    Ok(bounded(client.txn(txn)).await?.succeeded())
+}
+
+/// Dropped before its release was answered, a guard deletes its key in the background,
+/// once its queue put answered; a key whose fate stays unknown gives the session up.
+impl Drop for EtcdGuard {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let (client, key, session) = (self.client.clone(), self.key.clone(), self.session.clone());
+        let (joining, revision) = (self.joining.take(), self.revision);
+        self.tasks.spawn_detached(async move {
+            let made = match joining {
+                Some(put) => put
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .map(|(revision, _)| revision),
+                None => (revision > 0).then_some(revision),
+            };
+            if let Some(revision) = made {
+                for _ in 0..CLEANUP_TRIES {
+                    if delete_own(client.clone(), &key, revision).await.is_ok() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+            }
+            tracing::debug!(key, "key left in an unknown state; giving the session up");
+            session.give_up();
+        });
     }
 }

@@ -604,10 +604,11 @@ async fn etcd_lock_survives_cancelled_acquisitions() {
     etcd_left_nothing(&etcd, patient_lock, locks).await;
 }
 
-/// After the patient release: no key under the lock, no keep-alive or revoke task of
-/// `locks`, and no lease alive at all (each acquisition's lease was revoked, none left
-/// to expire: with the drop's revoke removed, the leases of cut acquisitions stay
-/// here until their TTL).
+/// After the patient release: no key under the lock and no put or cleanup task of
+/// `locks`; once the lock services are dropped (replicas shutting down), no lease alive
+/// at all (each session revoked its lease). With the drop's delete removed, the keys of
+/// cut acquisitions stay on their session; with the put's task removed (the key
+/// deleted at once), a put landing after its delete leaves a key nobody deletes.
 async fn etcd_left_nothing(
     etcd: &PrivateEtcd,
     patient_lock: Arc<EtcdLock>,
@@ -625,8 +626,8 @@ async fn etcd_left_nothing(
         }
     })
     .await;
-    settles("etcd leases", || etcd.leases()).await;
     drop((patient_lock, locks));
+    settles("etcd leases", || etcd.leases()).await;
 }
 
 /// Acquisitions dropped around the moment their lease's first renewal is due (a third

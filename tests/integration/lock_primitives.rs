@@ -1485,18 +1485,21 @@ async fn etcd_hold_outlives_its_lease_ttl() {
     holds_off_until_released(guard, &rival, "after three TTLs").await;
 }
 
-/// Pausing one hold (the paused-holder fault) stops the renewals of its own lease
-/// only: its key goes with the lease after the TTL, while another hold of the same
-/// lock service, on a lease of its own, stays held. The paused hold is not told (a
-/// paused process learns nothing): it does not know its lock is lost, and only its
-/// check with etcd says so. With `suspend_renewal` doing nothing, the paused key never
-/// goes and the test times out.
+/// Pausing a hold (the paused-holder fault) stops the renewals of its replica's
+/// session, as pausing the process would: every key of the session goes with the
+/// lease after the TTL, the paused hold's and another hold's alike. The paused hold is
+/// not told (a paused process learns nothing): only its check with etcd says so. The
+/// replica's next acquisition opens a new session and is served. With
+/// `suspend_renewal` doing nothing, the paused key never goes and the test times out;
+/// with a paused session still taking keys, the next acquisition fails on its lease.
 #[tokio::test]
-async fn etcd_paused_hold_loses_only_its_own_lease() {
+async fn etcd_paused_hold_stops_its_sessions_renewals() {
     let namespace = format!("paused-{:x}", rand::random::<u32>());
     let lock = EtcdLock::new(&etcd_endpoints(), &namespace, Duration::from_secs(2));
     let paused = lock.acquire("a", LONG).await.expect("a acquired");
-    let running = lock.acquire("b", LONG).await.expect("b acquired");
+    let other = lock.acquire("b", LONG).await.expect("b acquired");
+    let (keys, _) = lock.inspect("a").await.expect("keys");
+    let paused_lease = keys.first().map(|(_, _, lease)| *lease);
     paused.suspend_renewal();
     let expired = async {
         while !lock.inspect("a").await.expect("keys").0.is_empty() {
@@ -1508,17 +1511,25 @@ async fn etcd_paused_hold_loses_only_its_own_lease() {
         !paused.known_lost(),
         "a paused holder learns nothing by itself"
     );
-    assert!(
-        matches!(paused.ensure_held().await, Err(LockError::Lost(_))),
-        "the paused hold's check asks etcd"
-    );
-    running
-        .ensure_held()
+    for (hold, what) in [(&paused, "the paused hold"), (&other, "the other hold")] {
+        assert!(
+            matches!(hold.ensure_held().await, Err(LockError::Lost(_))),
+            "{what}'s check asks etcd, and its key went with the session"
+        );
+    }
+    let next = lock
+        .acquire("c", LONG)
         .await
-        .expect("the other hold's lease is kept alive");
-    assert!(!running.known_lost());
-    running.release().await.expect("released");
-    let _ = paused.release().await;
+        .expect("served on a new session");
+    next.ensure_held().await.expect("held");
+    let (keys, _) = lock.inspect("c").await.expect("keys");
+    let lease = keys.first().map(|(_, _, lease)| *lease);
+    assert!(
+        lease.is_some() && paused_lease.is_some() && lease != paused_lease,
+        "a new session: {lease:?} after {paused_lease:?}"
+    );
+    next.release().await.expect("released");
+    let _ = (paused.release().await, other.release().await);
 }
 
 /// A keep-alive stream that stops answering (etcd unreachable, the connection still
