@@ -12,7 +12,7 @@
 //!    while others still wait ahead. Each waiter watches one key, so a release wakes
 //!    one waiter.
 //! 4. **Check**: before its irreversible write the holder reads its key back from etcd
-//!    (same create revision, same lease).
+//!    (same create revision).
 //! 5. **Release**: delete the key, which wakes the next waiter.
 //!
 //! Production notes.
@@ -24,14 +24,16 @@
 //!   at any await point leaves a cleanup that knows whether its key was made and
 //!   deletes it. (Deleted at once instead, a put still in flight could land after the
 //!   delete, on a lease kept alive for the replica: a key nobody would ever delete.)
-//!   A put or delete whose outcome stays unknown gives the session up: its lease is
-//!   revoked, taking every key on it, and the next acquisition opens a new session.
+//!   A put or delete whose outcome stays unknown (no answer; a refusal changed
+//!   nothing) gives the session up: renewals stop and its holders are told, a third of
+//!   the TTL at least before the lease expires with every key on it, and the next
+//!   acquisition opens a new session.
 //! - The keep-alive marks the session lost when its stream cannot be opened, breaks,
 //!   stalls, or says the lease is gone (an etcd restart breaks it too): the holders
 //!   know (`known_lost`) while the lease still has a third of its TTL to run.
-//! - Pausing a holder (`suspend_renewal`, the paused-holder fault) stops its session's
-//!   renewals without telling it, as pausing the process would: every key of the
-//!   session expires after the TTL, and the replica's next acquisitions open a new one.
+//! - Pausing a holder (`suspend_renewal`, the paused-holder fault) moves its key onto a
+//!   lease nobody renews, without telling it: the key expires after the TTL while the
+//!   replica's other keys stay on the session.
 //! - The watch has no start revision, so etcd files it as synced and it hears the
 //!   delete as etcd applies it (a watch from a past revision, as the Lock service
 //!   and the Go client use, is caught up only every 100 ms). It starts "now", though:
@@ -53,20 +55,24 @@
 //!   walk past them, so the stack compacts every 5 s (`scripts/stack.sh`).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, LeaseGrantOptions,
-    PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType,
-    WatchOptions, WatchStream,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions,
+    SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
+    WatchStream,
 };
 use tokio::sync::{Mutex, OnceCell};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, timeout, timeout_at};
 
-use super::task::{AbortOnDrop, Tasks};
+mod session;
+
+use session::Session;
+
+use super::task::Tasks;
 use super::{DistributedLock, HeldLock, LockError, LockView};
 
 /// Bound on every call but the wait for a deletion.
@@ -75,6 +81,7 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 const FIRST_LOOK: Duration = Duration::from_millis(10);
 /// Tries of a background cleanup (a key delete, a lease revoke), 300 ms apart.
 const CLEANUP_TRIES: u32 = 4;
+const CLEANUP_PAUSE: Duration = Duration::from_millis(300);
 
 pub struct EtcdLock {
     endpoints: Vec<String>,
@@ -127,21 +134,14 @@ impl EtcdLock {
     }
 
     /// Step 1: the session keys go on, granted on first use and again once the last
-    /// one was lost, given up or paused. The grant runs to its answer in a task of its
-    /// own: granted for a caller that was dropped, the session is dropped too, which
-    /// revokes its lease.
+    /// one was lost, given up or paused.
     async fn session(&self, client: &Client) -> Result<Arc<Session>, LockError> {
         let mut current = self.session.lock().await;
-        if let Some(session) = current.as_ref().filter(|session| session.serves()) {
+        if let Some(session) = current.as_ref().filter(|session| !session.lost()) {
             return Ok(session.clone());
         }
-        let (client, ttl, tasks) = (client.clone(), self.lease_ttl, self.tasks.clone());
-        let grant = self.tasks.spawn_awaited(async move {
-            let id = rand::random_range(1..i64::MAX); // positive, and 0 asks etcd to choose
-            let options = LeaseGrantOptions::new().with_id(id);
-            bounded(client.clone().lease_grant(ttl, Some(options))).await?;
-            Ok::<_, LockError>(Session::start(&client, id, ttl, &tasks))
-        });
+        let grant = Session::grant(client.clone(), self.lease_ttl, self.tasks.clone());
+        let grant = self.tasks.spawn_awaited(grant);
         let session = Arc::new(
             grant
                 .await
@@ -208,8 +208,7 @@ impl DistributedLock for EtcdLock {
             prefix,
             revision: 0,
             token: 0,
-            joining: Some(self.tasks.spawn_awaited(put)),
-            done: false,
+            made: Made::Putting(self.tasks.spawn_awaited(put)),
             client,
             session,
             tasks: self.tasks.clone(),
@@ -260,7 +259,22 @@ fn revision_of(header: Option<&etcd_client::ResponseHeader>) -> i64 {
 }
 
 /// The queue put's answer: our key's create revision, and the key just before it.
-type Joined = Result<(i64, Option<KeyValue>), LockError>;
+type Joined = Result<(i64, Option<KeyValue>), PutFailed>;
+
+/// A queue put that failed, and whether it may have landed all the same (no answer).
+struct PutFailed {
+    error: LockError,
+    may_have_landed: bool,
+}
+
+/// Whether etcd refused a call outright, which then changed nothing (any other error
+/// leaves its outcome unknown).
+fn refused(error: &etcd_client::Error) -> bool {
+    use tonic::Code;
+    matches!(error, etcd_client::Error::GRpcStatus(status) if matches!(status.code(),
+        Code::InvalidArgument | Code::NotFound | Code::ResourceExhausted
+            | Code::FailedPrecondition | Code::OutOfRange))
+}
 
 /// Step 2: puts `key` on the lease, and reads the two newest keys by create revision:
 /// ours and the one created just before it, if any (none: ours has the lowest create
@@ -278,13 +292,34 @@ async fn join(mut client: Client, key: String, prefix: String, lease: i64) -> Jo
             TxnOp::put(key.as_str(), "", Some(on_lease)),
             TxnOp::get(prefix, Some(newest_two)),
         ]);
-    let response = bounded(client.txn(txn)).await?;
+    let unanswered = |error| PutFailed {
+        error,
+        may_have_landed: true,
+    };
+    let response = match timeout(CALL_TIMEOUT, client.txn(txn)).await {
+        Ok(Ok(response)) => response,
+        Ok(Err(error)) => {
+            return Err(PutFailed {
+                may_have_landed: !refused(&error),
+                error: etcd_error(error),
+            });
+        }
+        Err(_) => {
+            return Err(unanswered(LockError::backend(
+                "etcd",
+                "no answer to the put",
+            )));
+        }
+    };
     let revision = revision_of(response.header());
     match read_of(&response, 1).as_slice() {
         [own, before @ ..] if response.succeeded() && own.key() == key.as_bytes() => {
             Ok((revision, before.first().cloned()))
         }
-        _ => Err(LockError::backend("etcd", format!("{key} not queued"))),
+        _ => Err(unanswered(LockError::backend(
+            "etcd",
+            format!("{key} not queued"),
+        ))),
     }
 }
 
@@ -298,15 +333,22 @@ struct Watch {
 impl EtcdGuard {
     /// Waits for the queue put (step 2), then for the key's turn (3).
     async fn take_turn(&mut self) -> Result<(), LockError> {
-        let Some(joining) = self.joining.as_mut() else {
+        let Made::Putting(put) = &mut self.made else {
             return Err(LockError::backend("etcd", "no queue put"));
         };
-        let joined = joining
-            .await
-            .map_err(|error| LockError::backend("etcd", error))?;
-        self.joining = None;
-        let ahead;
-        (self.revision, ahead) = joined?;
+        let answer = put.await;
+        self.made = Made::Unknown;
+        let (revision, ahead) = match answer {
+            Ok(Ok(joined)) => joined,
+            Ok(Err(failed)) => {
+                if !failed.may_have_landed {
+                    self.made = Made::Nothing;
+                }
+                return Err(failed.error);
+            }
+            Err(error) => return Err(LockError::backend("etcd", error)),
+        };
+        (self.revision, self.made) = (revision, Made::Key(revision));
         self.token = self.wait_turn(ahead, self.revision).await?;
         if self.session.lost() {
             return Err(LockError::Lost(format!("lease {:x} lost", self.session.id)));
@@ -411,115 +453,16 @@ fn read_of(response: &TxnResponse, index: usize) -> Vec<KeyValue> {
     }
 }
 
-/// Step 1's lease and its keep-alive, shared by the replica's keys.
-struct Session {
-    client: Client,
-    id: i64,
-    /// Set when the keep-alive gave up or a key's fate is unknown: the holders know
-    /// their lock is (about to be) gone.
-    lost: Arc<AtomicBool>,
-    /// Set by the paused-holder fault: renewals stopped, nobody told.
-    paused: AtomicBool,
-    keep_alive: AbortOnDrop,
-    /// Set once the lease is being revoked: nothing more to undo.
-    revoking: AtomicBool,
-    tasks: Tasks,
-}
-
-impl Session {
-    /// Starts the keep-alive of lease `id` (just granted), which sleeps until the first
-    /// renewal is due. The keep-alive lives as long as the session, not counted among
-    /// the lock's tasks.
-    fn start(client: &Client, id: i64, ttl: i64, tasks: &Tasks) -> Session {
-        let lost = Arc::new(AtomicBool::new(false));
-        let renewals = keep_alive(client.clone(), id, ttl, lost.clone());
-        Session {
-            client: client.clone(),
-            id,
-            lost,
-            paused: AtomicBool::new(false),
-            keep_alive: AbortOnDrop::spawn(renewals),
-            revoking: AtomicBool::new(false),
-            tasks: tasks.clone(),
-        }
-    }
-
-    fn lost(&self) -> bool {
-        self.lost.load(Ordering::SeqCst)
-    }
-
-    /// Whether new keys may go on it.
-    fn serves(&self) -> bool {
-        !self.lost() && !self.paused.load(Ordering::SeqCst)
-    }
-
-    /// Revokes the lease in the background, taking every key on it: for a key whose
-    /// fate is unknown. Its holders are told they lost the lock.
-    fn give_up(&self) {
-        self.lost.store(true, Ordering::SeqCst);
-        self.revoke();
-    }
-
-    fn revoke(&self) {
-        self.keep_alive.abort();
-        if self.revoking.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let (client, id) = (self.client.clone(), self.id);
-        // Outside a runtime nothing runs it: the lease expires, unrenewed.
-        self.tasks.spawn_detached(async move {
-            for _ in 0..CLEANUP_TRIES {
-                if bounded(client.clone().lease_revoke(id)).await.is_ok() {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(300)).await;
-            }
-            tracing::debug!(id, "lease revoke failed; it will expire");
-        });
-    }
-}
-
-/// A session nobody uses any more (replaced, or its lock service dropped) revokes its
-/// lease.
-impl Drop for Session {
-    fn drop(&mut self) {
-        self.revoke();
-    }
-}
-
-/// Keeps a lease alive: a renewal is due every third of the TTL, counted from when the
-/// grant was sent, and each must be answered before the next is due. The first renewal
-/// opens the keep-alive stream (etcd-client renews as it opens it). Every renewal etcd
-/// applied restarted the full TTL no earlier than it was due, so when one is given up
-/// the lease still has a third of its TTL to run: the holder learns of the loss before
-/// anyone else can take the lock, provided this task runs within a third of the TTL of
-/// each deadline. A process paused longer learns nothing here; its check before the
-/// commit reads etcd, and only the fencing token covers what comes after that.
-async fn keep_alive(mut client: Client, id: i64, ttl: i64, lost: Arc<AtomicBool>) {
-    let period = Duration::from_millis(u64::try_from(ttl * 1000 / 3).unwrap_or(500));
-    let mut due = Instant::now() + period;
-    tokio::time::sleep_until(due).await;
-    let why = match timeout_at(due + period, client.lease_keep_alive(id)).await {
-        Ok(Ok((mut keeper, mut responses))) => loop {
-            due += period;
-            tokio::time::sleep_until(due).await;
-            let answer = timeout_at(due + period, async {
-                keeper.keep_alive().await?;
-                responses.message().await
-            });
-            match answer.await {
-                Ok(Ok(Some(response))) if response.ttl() > 0 => {}
-                Ok(Ok(Some(_))) => break "the lease is gone".to_owned(),
-                Ok(Ok(None)) => break "the stream ended".to_owned(),
-                Ok(Err(error)) => break error.to_string(),
-                Err(_) => break "a renewal went unanswered".to_owned(),
-            }
-        },
-        Ok(Err(error)) => error.to_string(),
-        Err(_) => "opening the stream stalled".to_owned(),
-    };
-    tracing::warn!(lease = id, %why, "etcd keep-alive failed; the lock may be lost");
-    lost.store(true, Ordering::SeqCst);
+/// What an acquisition made in etcd, as far as it knows.
+enum Made {
+    /// The queue put has not answered yet.
+    Putting(JoinHandle<Joined>),
+    /// The key, at this create revision.
+    Key(i64),
+    /// A put that failed and may have landed all the same.
+    Unknown,
+    /// Nothing: the put was refused, or the release deleted the key.
+    Nothing,
 }
 
 /// A held etcd lock (while acquiring, an acquisition): its key, on the session's lease.
@@ -530,10 +473,8 @@ pub struct EtcdGuard {
     revision: i64,
     /// The fencing token: the store's revision at the read that found the turn.
     token: i64,
-    /// The queue put, until its answer was taken.
-    joining: Option<JoinHandle<Joined>>,
-    /// Set once the release's delete was answered: nothing left to undo.
-    done: bool,
+    /// What a drop must undo.
+    made: Made,
     client: Client,
     session: Arc<Session>,
     tasks: Tasks,
@@ -541,7 +482,8 @@ pub struct EtcdGuard {
 
 #[async_trait]
 impl HeldLock for EtcdGuard {
-    /// Step 4: reads the key from etcd. That one read covers the lease (etcd deletes
+    /// Step 4: reads the key from etcd, with the create revision it was made at (its
+    /// name is this acquisition's alone). That one read covers the lease (etcd deletes
     /// a lease's keys when it revokes it, at expiry too) and a key deleted by hand.
     async fn ensure_held(&self) -> Result<(), LockError> {
         let (key, session) = (self.key.as_str(), &self.session);
@@ -552,10 +494,8 @@ impl HeldLock for EtcdGuard {
             )));
         }
         let read = bounded(self.client.clone().get(key, None)).await?;
-        let ours =
-            |kv: &KeyValue| kv.create_revision() == self.revision && kv.lease() == session.id;
         match read.kvs().first() {
-            Some(kv) if ours(kv) => Ok(()),
+            Some(kv) if kv.create_revision() == self.revision => Ok(()),
             _ => Err(LockError::Lost(format!(
                 "{key} is gone (lease expired or revoked)"
             ))),
@@ -570,18 +510,39 @@ impl HeldLock for EtcdGuard {
         self.session.lost()
     }
 
-    /// The paused-holder fault: the session's renewals stop without the holder knowing,
-    /// as pausing the process would; its keys go with the lease after its TTL.
+    /// The paused-holder fault: this hold's renewals stop without the holder knowing,
+    /// as pausing its process would. Its key moves (same create revision, so the same
+    /// place in the queue) onto a lease of its own that nobody renews, and goes with it
+    /// after the TTL; the replica's other keys stay on the session.
     fn suspend_renewal(&self) {
-        self.session.paused.store(true, Ordering::SeqCst);
-        self.session.keep_alive.abort();
+        let (client, key, revision) = (self.client.clone(), self.key.clone(), self.revision);
+        let ttl = self.session.ttl;
+        self.tasks.spawn_detached(async move {
+            let moved = async {
+                let lease = session::grant(&client, ttl).await?;
+                let on_lease = PutOptions::new().with_lease(lease);
+                let txn = Txn::new()
+                    .when([Compare::create_revision(
+                        key.as_str(),
+                        CompareOp::Equal,
+                        revision,
+                    )])
+                    .and_then([TxnOp::put(key.as_str(), "", Some(on_lease))]);
+                bounded(client.clone().txn(txn)).await
+            };
+            if let Err(error) = moved.await {
+                tracing::warn!(key, %error, "the pause could not stop this hold's renewals");
+            }
+        });
     }
 
     /// Step 5: deletes the key if it is still ours. Gone already means the lock was
     /// lost; a delete that failed otherwise is retried by the drop.
     async fn release(mut self) -> Result<(), LockError> {
         let delete = delete_own(self.client.clone(), &self.key, self.revision).await;
-        self.done = delete.is_ok();
+        if delete.is_ok() {
+            self.made = Made::Nothing;
+        }
         match delete {
             Ok(false) => Err(LockError::Lost(format!(
                 "{} was gone before release",
@@ -604,26 +565,26 @@ async fn delete_own(mut client: Client, key: &str, revision: i64) -> Result<bool
 /// once its queue put answered; a key whose fate stays unknown gives the session up.
 impl Drop for EtcdGuard {
     fn drop(&mut self) {
-        if self.done {
+        let made = std::mem::replace(&mut self.made, Made::Nothing);
+        if matches!(made, Made::Nothing) {
             return;
         }
         let (client, key, session) = (self.client.clone(), self.key.clone(), self.session.clone());
-        let (joining, revision) = (self.joining.take(), self.revision);
         self.tasks.spawn_detached(async move {
-            let made = match joining {
-                Some(put) => put
-                    .await
-                    .ok()
-                    .and_then(Result::ok)
-                    .map(|(revision, _)| revision),
-                None => (revision > 0).then_some(revision),
+            let made = match made {
+                Made::Putting(put) => match put.await {
+                    Ok(Ok((revision, _))) => Made::Key(revision),
+                    Ok(Err(failed)) if !failed.may_have_landed => return,
+                    _ => Made::Unknown,
+                },
+                made => made,
             };
-            if let Some(revision) = made {
+            if let Made::Key(revision) = made {
                 for _ in 0..CLEANUP_TRIES {
                     if delete_own(client.clone(), &key, revision).await.is_ok() {
                         return;
                     }
-                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    tokio::time::sleep(CLEANUP_PAUSE).await;
                 }
             }
             tracing::debug!(key, "key left in an unknown state; giving the session up");

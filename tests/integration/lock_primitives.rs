@@ -1485,21 +1485,18 @@ async fn etcd_hold_outlives_its_lease_ttl() {
     holds_off_until_released(guard, &rival, "after three TTLs").await;
 }
 
-/// Pausing a hold (the paused-holder fault) stops the renewals of its replica's
-/// session, as pausing the process would: every key of the session goes with the
-/// lease after the TTL, the paused hold's and another hold's alike. The paused hold is
-/// not told (a paused process learns nothing): only its check with etcd says so. The
-/// replica's next acquisition opens a new session and is served. With
-/// `suspend_renewal` doing nothing, the paused key never goes and the test times out;
-/// with a paused session still taking keys, the next acquisition fails on its lease.
+/// Pausing one hold (the paused-holder fault) stops the renewals of its own key
+/// only: the key moves onto a lease nobody renews and goes with it after the TTL,
+/// while another hold of the same lock service, on the session's lease, stays held. The paused hold is not told (a
+/// paused process learns nothing): it does not know its lock is lost, and only its
+/// check with etcd says so. With `suspend_renewal` doing nothing, the paused key never
+/// goes and the test times out.
 #[tokio::test]
-async fn etcd_paused_hold_stops_its_sessions_renewals() {
+async fn etcd_paused_hold_loses_only_its_own_key() {
     let namespace = format!("paused-{:x}", rand::random::<u32>());
     let lock = EtcdLock::new(&etcd_endpoints(), &namespace, Duration::from_secs(2));
     let paused = lock.acquire("a", LONG).await.expect("a acquired");
-    let other = lock.acquire("b", LONG).await.expect("b acquired");
-    let (keys, _) = lock.inspect("a").await.expect("keys");
-    let paused_lease = keys.first().map(|(_, _, lease)| *lease);
+    let running = lock.acquire("b", LONG).await.expect("b acquired");
     paused.suspend_renewal();
     let expired = async {
         while !lock.inspect("a").await.expect("keys").0.is_empty() {
@@ -1511,25 +1508,44 @@ async fn etcd_paused_hold_stops_its_sessions_renewals() {
         !paused.known_lost(),
         "a paused holder learns nothing by itself"
     );
-    for (hold, what) in [(&paused, "the paused hold"), (&other, "the other hold")] {
-        assert!(
-            matches!(hold.ensure_held().await, Err(LockError::Lost(_))),
-            "{what}'s check asks etcd, and its key went with the session"
-        );
-    }
-    let next = lock
-        .acquire("c", LONG)
-        .await
-        .expect("served on a new session");
-    next.ensure_held().await.expect("held");
-    let (keys, _) = lock.inspect("c").await.expect("keys");
-    let lease = keys.first().map(|(_, _, lease)| *lease);
     assert!(
-        lease.is_some() && paused_lease.is_some() && lease != paused_lease,
-        "a new session: {lease:?} after {paused_lease:?}"
+        matches!(paused.ensure_held().await, Err(LockError::Lost(_))),
+        "the paused hold's check asks etcd"
     );
-    next.release().await.expect("released");
-    let _ = (paused.release().await, other.release().await);
+    running
+        .ensure_held()
+        .await
+        .expect("the other hold's lease is kept alive");
+    assert!(!running.known_lost());
+    running.release().await.expect("released");
+    let _ = paused.release().await;
+}
+
+/// An acquisition that etcd refuses outright (here a name too large for a request)
+/// changed nothing, so the replica's session serves on: its other hold is neither
+/// told it lost the lock nor taken by a rival. Giving the session up on every failed
+/// put (as for a put whose outcome is unknown) tells the holder it lost its lock, and
+/// revoking it then lets the rival in at once.
+#[tokio::test]
+async fn etcd_refused_acquisition_leaves_the_replicas_holds_alone() {
+    let namespace = format!("refused-{:x}", rand::random::<u32>());
+    let lock = EtcdLock::new(&etcd_endpoints(), &namespace, Duration::from_secs(5));
+    let rival = EtcdLock::new(&etcd_endpoints(), &namespace, Duration::from_secs(5));
+    let held = lock.acquire("item", LONG).await.expect("held");
+    let huge = "x".repeat(600_000);
+    let refused = lock.acquire(&huge, Duration::from_secs(2)).await;
+    assert!(refused.is_err(), "a name that large is refused");
+    let rival_tried = rival.acquire("item", Duration::from_millis(500)).await;
+    assert!(
+        matches!(rival_tried, Err(LockError::Timeout { .. })),
+        "the rival waits: the hold is still on a live session"
+    );
+    assert!(
+        !held.known_lost(),
+        "the holder is not told it lost the lock"
+    );
+    held.ensure_held().await.expect("still held");
+    held.release().await.expect("released");
 }
 
 /// A keep-alive stream that stops answering (etcd unreachable, the connection still
