@@ -85,7 +85,13 @@ fn cards() -> Vec<(Explanation, Vec<&'static str>)> {
             db_for_update::DbForUpdateStrategy::default().explanation(),
             vec![include_str!("db_for_update.rs")],
         ),
-        (etcd::explanation(), vec![include_str!("../lock/etcd.rs")]),
+        (
+            etcd::explanation(),
+            vec![
+                include_str!("../lock/etcd.rs"),
+                include_str!("../lock/etcd/session.rs"),
+            ],
+        ),
         (
             redlock::explanation(),
             vec![
