@@ -90,6 +90,7 @@ fn cards() -> Vec<(Explanation, Vec<&'static str>)> {
             vec![
                 include_str!("../lock/etcd.rs"),
                 include_str!("../lock/etcd/session.rs"),
+                include_str!("../lock/etcd/view.rs"),
             ],
         ),
         (
