@@ -42,8 +42,9 @@
 #   BENCH_STACK_DIR (the services' pidfiles, for the CPU table; default .stack);
 #   BENCH_DOC, the document written (default BENCHMARKS.md; scripts/test.sh runs a
 #   small lockbench section into a scratch file, so the pipeline cannot rot).
-# Every run is bounded in time; the whole default run takes about nine minutes after
-# the build (four for lockbench and the peers, five for the orders). Five repeats,
+# Every run is bounded in time; the whole default run takes about fifteen minutes
+# after the build (four for lockbench and the peers, five for the orders, three and a
+# half for the round trips, two for the recovery). Five repeats,
 # because three left a goal's verdict to one noisy round.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
