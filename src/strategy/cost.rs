@@ -189,6 +189,30 @@ mod tests {
         assert_eq!(recovery_in(document, "etcd"), None, "every run failed");
     }
 
+    /// The committed BENCHMARKS.md has both sections: every strategy's round trips,
+    /// and a recovery time for each lock strategy and none for the three that hold no
+    /// lock. Fails when bench.sh stops writing a section or a row.
+    #[test]
+    fn every_strategy_has_round_trips_and_each_lock_a_recovery() {
+        let locks = [
+            "redis-lock",
+            "db-unique",
+            "zookeeper",
+            "etcd",
+            "redlock",
+            "db-for-update",
+        ];
+        for name in locks.iter().chain(&["none", "optimistic", "redis-atomic"]) {
+            let cost = super::cost(name).expect("measured");
+            assert!(cost.round_trips.is_some(), "{name}: round trips");
+            assert_eq!(
+                cost.recovery_ms.is_some(),
+                locks.contains(name),
+                "{name}: recovery"
+            );
+        }
+    }
+
     /// README's results table is the last benchmark's: each strategy's orders/s and
     /// ratio there equal the generated section's. Fails when bench.sh rewrites the
     /// section and the README keeps the old figures.
