@@ -25,6 +25,9 @@ pub struct RoundTrips {
     pub zookeeper: f64,
     /// gRPC messages received (unary calls and stream messages such as keep-alives).
     pub etcd: f64,
+    /// The commit they were measured at (the section's own: it may be another run's
+    /// than the orders/s).
+    pub commit: String,
 }
 
 /// One strategy's measured cost.
@@ -46,6 +49,8 @@ pub struct Cost {
     /// another replica (median of the runs, with the README demo's 3 s lease); null
     /// where not measured or where no lock is held.
     pub recovery_ms: Option<f64>,
+    /// The commit `recovery_ms` was measured at; null with it.
+    pub recovery_commit: Option<String>,
 }
 
 /// The generated section between `<!-- NAME:begin -->` and `<!-- NAME:end -->`.
@@ -64,10 +69,20 @@ fn row<'a>(section: &'a str, strategy: &str, width: usize) -> Option<Vec<&'a str
     })
 }
 
+/// The commit a generated section names ("- Commit `abc1234`, ...").
+fn commit_of(section: &str) -> Option<String> {
+    let line = section
+        .lines()
+        .find_map(|line| line.strip_prefix("- Commit `"))?;
+    Some(line.split('`').next()?.to_owned())
+}
+
 /// The "Round trips per order" row: strategy, redis, mysql, zookeeper, etcd, total, ...
 fn round_trips_in(document: &str, strategy: &str) -> Option<RoundTrips> {
-    let cells = row(section(document, "roundtrips")?, strategy, 8)?;
+    let section = section(document, "roundtrips")?;
+    let cells = row(section, strategy, 8)?;
     Some(RoundTrips {
+        commit: commit_of(section)?,
         redis: median(cells[2])?,
         mysql: median(cells[3])?,
         zookeeper: median(cells[4])?,
@@ -76,9 +91,11 @@ fn round_trips_in(document: &str, strategy: &str) -> Option<RoundTrips> {
     })
 }
 
-/// The "Recovery" row: strategy, milliseconds, runs, failed runs.
-fn recovery_in(document: &str, strategy: &str) -> Option<f64> {
-    median(row(section(document, "recovery")?, strategy, 5)?[2])
+/// The "Recovery" row's milliseconds (its cells: strategy, milliseconds, runs, failed
+/// runs) and the section's commit.
+fn recovery_in(document: &str, strategy: &str) -> Option<(f64, String)> {
+    let section = section(document, "recovery")?;
+    Some((median(row(section, strategy, 5)?[2])?, commit_of(section)?))
 }
 
 /// The first figure of a cell like "1027 (989–1047)".
@@ -89,12 +106,7 @@ fn median(cell: &str) -> Option<f64> {
 /// `strategy`'s cost in `document`, BENCHMARKS.md's text.
 pub fn cost_in(document: &str, strategy: &str) -> Option<Cost> {
     let section = section(document, "orders")?;
-    let commit = section
-        .lines()
-        .find_map(|line| line.strip_prefix("- Commit `"))?
-        .split('`')
-        .next()?
-        .to_owned();
+    let commit = commit_of(section)?;
     let measured_on = section
         .split("on ")
         .nth(1)
@@ -102,13 +114,15 @@ pub fn cost_in(document: &str, strategy: &str) -> Option<Cost> {
         .unwrap_or("")
         .to_owned();
     let row = row(section, strategy, 5)?;
+    let (recovery_ms, recovery_commit) = recovery_in(document, strategy).unzip();
     Some(Cost {
         orders_per_s: median(row[2])?,
         vs_base: median(row[3])?,
         commit,
         measured_on,
         round_trips: round_trips_in(document, strategy),
-        recovery_ms: recovery_in(document, strategy),
+        recovery_ms,
+        recovery_commit,
     })
 }
 
@@ -137,6 +151,7 @@ mod tests {
         assert_eq!(cost.measured_on, "2026-11-26");
         assert_eq!(cost.round_trips, None, "no round trips section");
         assert_eq!(cost.recovery_ms, None, "no recovery section");
+        assert_eq!(cost.recovery_commit, None);
         assert_eq!(cost_in(document, "none"), None);
         for name in ["redis-lock", "db-for-update", "redis-atomic", "redlock"] {
             assert!(
@@ -159,6 +174,7 @@ mod tests {
             <!-- orders:end -->\n\
             | redis-lock | 3000 | 1 | 0 |\n\
             <!-- roundtrips:begin -->\n\
+            - Commit `def5678`, binaries from `target/release`\n\
             | strategy | redis | mysql | zookeeper | etcd | total | idle per order | orders sold | other answers |\n\
             |---|---|---|---|---|---|---|---|---|\n\
             | none | 8.9 | 5.2 | 0.0 | 0.0 | 14.1 (14.0–14.3) | 0.1 | 200 | 0 |\n\
@@ -166,6 +182,7 @@ mod tests {
             | redis-lock | 20.5 (20.1–21.0) | 5.0 | 0.0 | 0.0 | 25.5 (25.1–26.0) | 0.1 | 200 | 0 |\n\
             <!-- roundtrips:end -->\n\
             <!-- recovery:begin -->\n\
+            - Commit `9abcdef`, binaries from `target/release`\n\
             | strategy | recovery ms | runs | failed runs |\n\
             |---|---|---|---|\n\
             | redis-lock | 3120 (3050–3300) | 3 | 0 |\n\
@@ -179,13 +196,17 @@ mod tests {
                 redis: 20.5,
                 mysql: 5.0,
                 zookeeper: 0.0,
-                etcd: 0.0
+                etcd: 0.0,
+                commit: "def5678".into(),
             })
         );
         assert_eq!(cost.recovery_ms, Some(3120.0));
+        assert_eq!(cost.recovery_commit.as_deref(), Some("9abcdef"));
+        assert_eq!(cost.commit, "abc1234", "orders/s keep their own commit");
         let none = cost_in(document, "none").expect("measured");
         assert_eq!(none.round_trips.map(|r| r.total), Some(14.1));
         assert_eq!(none.recovery_ms, None, "none holds no lock: no row");
+        assert_eq!(cost_in(document, "etcd"), None, "no orders row");
         assert_eq!(recovery_in(document, "etcd"), None, "every run failed");
     }
 
