@@ -18,8 +18,13 @@
 #               `none` with one connection in the same repeat; from the same runs,
 #               where a lock strategy's time per order goes (the replicas' step
 #               histograms) and each process's CPU time per order (/proc)
+#   roundtrips  requests per order sold to each backing service (Redis, MariaDB,
+#               ZooKeeper, etcd), from the servers' own counters, per strategy, each
+#               lock with the cohort layer on and off (scripts/bench/cost.sh)
+#   recovery    per lock strategy, from `kill -9` of the replica holding the lock to
+#               the next order another replica sells, with the README demo's lease
 #
-#   scripts/bench.sh [--no-stack] lockbench|orders   only that section
+#   scripts/bench.sh [--no-stack] lockbench|orders|roundtrips|recovery   only those
 #
 # Settings, from the environment:
 #   BENCH_CONTENDERS (8), BENCH_SECONDS (3), BENCH_REPEAT (5),
@@ -32,11 +37,14 @@
 #   with the cohort layer on and off; "cohort": on only), BENCH_BIN_DIR (default target/release: the
 #   binaries measured; any other folder is used as it is, without a build: scripts/test.sh
 #   points it at the debug build its tests made, so the workspace is not built twice),
+#   BENCH_RT_ORDERS (200), BENCH_RT_CONCURRENCY (30), BENCH_RT_REPEAT (3),
+#   BENCH_RECOVERY_REPEAT (3), BENCH_RECOVERY_LOCKS (the six lock strategies),
 #   BENCH_STACK_DIR (the services' pidfiles, for the CPU table; default .stack);
 #   BENCH_DOC, the document written (default BENCHMARKS.md; scripts/test.sh runs a
 #   small lockbench section into a scratch file, so the pipeline cannot rot).
-# Every run is bounded in time; the whole default run takes about nine minutes after
-# the build (four for lockbench and the peers, five for the orders). Five repeats,
+# Every run is bounded in time; the whole default run takes about fifteen minutes
+# after the build (four for lockbench and the peers, five for the orders, three and a
+# half for the round trips, two for the recovery). Five repeats,
 # because three left a goal's verdict to one noisy round.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -51,7 +59,7 @@ sections=()
 for arg in "$@"; do
   case "$arg" in
     --no-stack) use_stack=0 ;;
-    lockbench | orders) sections+=("$arg") ;;
+    lockbench | orders | roundtrips | recovery) sections+=("$arg") ;;
     -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$arg' (see --help)" ;;
   esac
@@ -230,8 +238,10 @@ EOF
 }
 
 source scripts/bench/orders.sh
+source scripts/bench/services.sh
+source scripts/bench/cost.sh
 
-[ ${#sections[@]} -gt 0 ] || sections=(lockbench orders)
+[ ${#sections[@]} -gt 0 ] || sections=(lockbench orders roundtrips recovery)
 for section in "${sections[@]}"; do
   "section_$section"
 done

@@ -314,8 +314,19 @@ const FAMILIES = [
 
 function costLine(cost) {
   if (!cost) return "Cost: not measured by scripts/bench.sh.";
-  return `Cost: ${fmt(cost.orders_per_s)} orders/s on one hot SKU, ${cost.vs_base}× the bare ` +
-    `critical section (none, one connection); measured at ${cost.commit} on ${cost.measured_on}.`;
+  // Each figure says the commit it was measured at: the sections may be other runs'.
+  const rt = cost.round_trips;
+  const trips = rt
+    ? ` ${rt.total} round trips per order (Redis ${rt.redis}, MySQL ${rt.mysql}, ` +
+      `ZooKeeper ${rt.zookeeper}, etcd ${rt.etcd}; at ${rt.commit});`
+    : "";
+  const recovery = cost.recovery_ms == null ? ""
+    : ` after kill -9 of the holder, the next order sold ${fmt(cost.recovery_ms)} ms later ` +
+      `(at ${cost.recovery_commit});`;
+  const line = `Cost: ${fmt(cost.orders_per_s)} orders/s on one hot SKU, ${cost.vs_base}× the ` +
+    `bare critical section (none, one connection; at ${cost.commit} on ${cost.measured_on});` +
+    `${trips}${recovery}`;
+  return line.replace(/;$/, ".");
 }
 
 /** Whether a strategy's sections are attempts without a lock (optimistic, redis-atomic):

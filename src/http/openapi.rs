@@ -266,6 +266,27 @@ mod tests {
         assert_eq!(schemas["OrderBody"]["properties"]["quantity"]["maximum"], 7);
     }
 
+    /// A card's measured cost carries the round trips per backend and the recovery
+    /// time, both nullable (not every strategy is measured or holds a lock).
+    #[test]
+    fn cost_states_round_trips_and_recovery() {
+        let json = serde_json::to_value(document(&["none"], 10)).unwrap();
+        let schemas = &json["components"]["schemas"];
+        let cost = &schemas["Cost"]["properties"];
+        for backend in ["total", "redis", "mysql", "zookeeper", "etcd"] {
+            assert!(
+                schemas["RoundTrips"]["properties"][backend].is_object(),
+                "RoundTrips lacks {backend}"
+            );
+        }
+        assert!(cost["round_trips"].is_object() && cost["recovery_ms"].is_object());
+        let required = schemas["Cost"]["required"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert!(!required.contains(&"recovery_ms".into()));
+    }
+
     #[test]
     fn unsigned_integers_state_their_range() {
         let json = serde_json::to_value(document(&["none"], 10)).unwrap();

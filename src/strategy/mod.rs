@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
 pub use crate::lock::LockView;
-pub use cost::{Cost, cost};
+pub use cost::{Cost, RoundTrips, cost};
 pub use flow::{SaleFlow, ensure_in_stock};
 pub use locked::LockStrategy;
 pub use registry::{Registry, UnknownStrategy};
