@@ -5,7 +5,9 @@
 //! 1. nothing oversold: units ordered ≤ initial stock;
 //! 2. MySQL's stock = initial − units ordered (no unit lost or made up);
 //! 3. Redis's stock = MySQL's (the cache agrees once quiet; after a fault that may
-//!    lose it, an admin reconciles first, as the runbook says);
+//!    lose it, an admin reconciles first, as the runbook says; so too after a kill
+//!    under redis-atomic, whose taken but uncommitted units stay taken, once Redis is
+//!    checked to be below MySQL, not above);
 //! 4. patient shoppers, with no fault left, can buy exactly what is left and are then
 //!    told `sold_out`: no orphaned lock, lease, znode or row blocks the SKU;
 //! 5. a change of another SKU (its reset, its reconcile) refuses no order of this one:
@@ -39,6 +41,20 @@ pub struct Checker<'a> {
     pub patience: Duration,
 }
 
+/// What the round may have done to Redis's copy of the stock, so that an admin
+/// reconciles it once quiet, as the runbook says.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Cache {
+    /// Nothing: Redis must agree with MySQL by itself.
+    Kept,
+    /// Redis or MySQL was restarted: the copy may be anything.
+    MayBeLost,
+    /// A redis-atomic replica was killed between its take in Redis and its COMMIT:
+    /// its units stay taken and unsold (Redis below MySQL, never above) until the
+    /// reconcile, the undersell its card describes.
+    MayUndersell,
+}
+
 /// One round's checks: what was found, and what was broken.
 #[derive(Debug, Default, Serialize)]
 pub struct Verdict {
@@ -58,13 +74,13 @@ pub struct Verdict {
 }
 
 impl Checker<'_> {
-    /// Runs every check of a round on `sku` of `initial` units. `cache_may_be_lost`:
-    /// the schedule restarted Redis or MySQL, so an admin reconciles once quiet.
+    /// Runs every check of a round on `sku` of `initial` units, after what the round
+    /// may have done to the `cache`.
     pub async fn check(
         &self,
         sku: &str,
         initial: i64,
-        cache_may_be_lost: bool,
+        cache: Cache,
         still_for: Duration,
     ) -> Verdict {
         let mut verdict = Verdict {
@@ -81,8 +97,18 @@ impl Checker<'_> {
                 return verdict;
             }
         };
-        if figures.stock_redis.is_none() || cache_may_be_lost {
-            if !cache_may_be_lost {
+        if cache == Cache::MayUndersell
+            && figures
+                .stock_redis
+                .is_some_and(|redis| redis > figures.stock_mysql)
+        {
+            verdict.broken.push(format!(
+                "Redis shows more than MySQL after a killed taker: {}",
+                show(&figures)
+            ));
+        }
+        if figures.stock_redis.is_none() || cache != Cache::Kept {
+            if cache == Cache::Kept {
                 verdict.broken.push(format!(
                     "Redis lost the stock without a Redis or MySQL fault: {}",
                     show(&figures)

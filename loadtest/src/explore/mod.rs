@@ -31,7 +31,7 @@ use anyhow::{Context, bail};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use self::checker::{Checker, Verdict};
+use self::checker::{Cache, Checker, Verdict};
 use self::cluster::Cluster;
 use self::crowd::Tally;
 use self::nemesis::FaultLog;
@@ -365,16 +365,20 @@ async fn play(
     if let Err(error) = nemesis::withdraw_pause(cluster, &mut log).await {
         log.missed.push(format!("withdrawing the pause: {error:#}"));
     }
-    let cache_may_be_lost = plan.disruptions().any(Disruption::loses_cache);
+    let cache = if plan.disruptions().any(Disruption::loses_cache) {
+        Cache::MayBeLost
+    } else if plan.may_undersell() {
+        Cache::MayUndersell
+    } else {
+        Cache::Kept
+    };
     // A claimed pause may still be running: the figures must stay still past it.
     let still_for = Duration::from_millis(if log.pauses_claimed > 0 {
         plan.longest_pause_ms() + 1000
     } else {
         0
     });
-    let mut verdict = checker
-        .check(sku, plan.stock, cache_may_be_lost, still_for)
-        .await;
+    let mut verdict = checker.check(sku, plan.stock, cache, still_for).await;
     verdict.broken.extend(checker::untouched(plan, &crowd));
     Ok(RoundReport {
         round: plan.round,
