@@ -27,6 +27,7 @@ use crate::store::{PauseFault, SaleChange};
 pub const MAX_STOCK: i64 = 10_000_000;
 
 #[derive(Debug, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct StrategyBody {
     #[schema(value_type = StrategyName)]
     strategy: String,
@@ -67,6 +68,7 @@ pub async fn set_strategy(
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ResetBody {
     #[schema(value_type = Sku)]
     sku: String,
@@ -109,6 +111,7 @@ pub async fn reset(
 }
 
 #[derive(Debug, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct FencingBody {
     enabled: bool,
 }
@@ -152,12 +155,17 @@ pub struct CohortBody {
 
 impl CohortBody {
     fn parse(body: &serde_json::Map<String, serde_json::Value>) -> Result<CohortBody, AppError> {
+        if let Some(unknown) = body.keys().find(|key| *key != "enabled") {
+            return Err(AppError::UnknownField(format!(
+                "unknown field `{unknown}`, expected `enabled`"
+            )));
+        }
         match body.get("enabled") {
             Some(serde_json::Value::Bool(enabled)) => Ok(CohortBody { enabled: *enabled }),
-            Some(other) => Err(AppError::Malformed(format!(
+            Some(other) => Err(AppError::Invalid(format!(
                 "`enabled` must be true or false, not {other}"
             ))),
-            None => Err(AppError::Malformed(
+            None => Err(AppError::Invalid(
                 "missing field `enabled` (true or false)".into(),
             )),
         }
@@ -203,6 +211,7 @@ pub async fn set_cohort(
 pub const MAX_PAUSE_MS: i64 = 120_000;
 
 #[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct FaultBody {
     /// Milliseconds the next lock holder stalls; by default 1.5 leases plus 0.5 s, so
     /// the lease surely runs out.
@@ -257,6 +266,7 @@ pub async fn arm_fault(
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct KillHolderBody {
     #[schema(value_type = Sku)]
     sku: String,
@@ -317,6 +327,7 @@ pub async fn disarm_fault(State(state): State<AppState>) -> Result<StatusCode, A
 
 /// What to reconcile: one SKU, or (no body, or no `sku`) every SKU.
 #[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ReconcileBody {
     #[schema(value_type = Option<Sku>)]
     #[serde(default)]
@@ -325,6 +336,7 @@ pub struct ReconcileBody {
 
 /// Whose fences to reset: one SKU, or (no body, or no `sku`) every SKU.
 #[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct FenceResetBody {
     #[schema(value_type = Option<Sku>)]
     #[serde(default)]
@@ -349,9 +361,7 @@ impl<S: Send + Sync, T: Default + serde::de::DeserializeOwned> FromRequest<S> fo
                 serde_json::Value::Null => Ok(OptionalBody(T::default())),
                 serde_json::Value::Object(_) => serde_json::from_value(body)
                     .map(OptionalBody)
-                    .map_err(|error| {
-                        AppError::Malformed(format!("the body does not fit: {error}"))
-                    }),
+                    .map_err(super::json::misfit),
                 _ => Err(AppError::Malformed(
                     "the body must be a JSON object (or null)".into(),
                 )),

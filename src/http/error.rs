@@ -27,13 +27,17 @@ pub struct ErrorBody {
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
-    /// The request could not be read as the expected JSON shape (syntax, missing
-    /// field, wrong type).
+    /// The request could not be read as JSON at all (syntax, an empty body, not an
+    /// object), or its query string does not fit.
     #[error("{0}")]
     Malformed(String),
-    /// The request was well-formed but a value is out of range or not allowed.
+    /// The body is a JSON object, but not one the route takes: a field missing or of
+    /// the wrong type, or a value out of range or not allowed.
     #[error("{0}")]
     Invalid(String),
+    /// The body has a field the route does not know; the message names it.
+    #[error("{0}")]
+    UnknownField(String),
     #[error("{0}")]
     NotFound(String),
     #[error("this route does not take that HTTP method")]
@@ -79,6 +83,7 @@ impl AppError {
         match self {
             AppError::Malformed(_) => (StatusCode::BAD_REQUEST, "malformed_request"),
             AppError::Invalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_value"),
+            AppError::UnknownField(_) => (StatusCode::UNPROCESSABLE_ENTITY, "unknown_field"),
             AppError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             AppError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             AppError::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),

@@ -17,6 +17,7 @@ use tracing::Instrument;
 use crate::strategy::{OrderError, OrderOptions, Outcome};
 
 #[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct OrderBody {
     #[schema(value_type = Sku)]
     sku: String,
