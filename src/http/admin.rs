@@ -74,12 +74,20 @@ pub struct ResetBody {
     sku: String,
     #[schema(value_type = i64, minimum = 0, maximum = 10_000_000)]
     stock: serde_json::Number,
+    /// The most units one user may buy of this SKU in this sale, enforced by MySQL in
+    /// each order's transaction (409 `limit_reached`); absent: no limit.
+    #[schema(value_type = Option<i64>, minimum = 1, maximum = 10_000_000)]
+    #[serde(default)]
+    limit_per_user: Option<serde_json::Number>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ResetDone {
     sku: Sku,
     stock: i64,
+    /// The sale's limit per user; absent: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    limit_per_user: Option<i64>,
 }
 
 /// Restocks a SKU in MySQL (clearing its orders) and then in Redis. MySQL goes first:
@@ -98,16 +106,27 @@ pub async fn reset(
 ) -> Result<ApiJson<ResetDone>, AppError> {
     let sku = Sku::parse(&body.sku).map_err(AppError::Invalid)?;
     let stock = integer_in_range("stock", &body.stock, 0, MAX_STOCK).map_err(AppError::Invalid)?;
+    let limit_per_user = body
+        .limit_per_user
+        .as_ref()
+        .map(|limit| integer_in_range("limit_per_user", limit, 1, MAX_STOCK))
+        .transpose()
+        .map_err(AppError::Invalid)?;
     state
         .flow
         .store
         .change_sale(SaleChange::Reset {
             sku: sku.clone(),
             stock,
+            limit_per_user,
         })
         .await?;
-    tracing::info!(%sku, stock, "stock reset");
-    Ok(ApiJson(ResetDone { sku, stock }))
+    tracing::info!(%sku, stock, ?limit_per_user, "stock reset");
+    Ok(ApiJson(ResetDone {
+        sku,
+        stock,
+        limit_per_user,
+    }))
 }
 
 #[derive(Debug, Deserialize, Serialize, ToSchema)]
@@ -417,6 +436,7 @@ pub async fn reconcile(
         .map(|at| ResetDone {
             sku: at.sku,
             stock: at.stock,
+            limit_per_user: None,
         })
         .collect();
     tracing::warn!(skus = skus.len(), "Redis stock rewritten from MySQL");

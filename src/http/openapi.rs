@@ -39,6 +39,8 @@ const ADMIN_TOKEN: &str = "admin_token";
     ),
     paths(
         orders::place_order,
+        orders::order,
+        orders::order_by_key,
         strategies::list,
         stats::stats,
         timeline::timeline,

@@ -70,7 +70,7 @@ use futures::FutureExt;
 use tokio::sync::{mpsc, oneshot};
 
 use super::order_commit::{decrement, sale_epoch};
-use super::records::insert_orders;
+use super::records::{insert_orders, is_duplicate_key};
 use super::{Committed, Records, Refusal, StockCache, StockWrite, StoreError};
 use crate::model::{NewOrder, Sku};
 
@@ -238,6 +238,28 @@ fn groups(batch: &[TakenOrder]) -> Vec<Group<'_>> {
     groups.into_values().collect()
 }
 
+/// The SKUs of the batch that have a limit per user. Read without a lock: a reset that
+/// sets a limit moves the SKU's epoch, so the batch's orders from before it are refused
+/// anyway, and one committed before the batch began is in its snapshot.
+async fn limited_skus(
+    tx: &mut sqlx::Transaction<'static, sqlx::MySql>,
+    batch: &[TakenOrder],
+) -> Result<Vec<String>, StoreError> {
+    let mut skus: Vec<&str> = batch.iter().map(|t| t.order.sku.as_str()).collect();
+    skus.sort_unstable();
+    skus.dedup();
+    let marks = vec!["?"; skus.len()].join(", ");
+    // Built from constant pieces and the number of SKUs only; the SKUs are bound.
+    let statement = sqlx::AssertSqlSafe(format!(
+        "SELECT sku FROM products WHERE limit_per_user IS NOT NULL AND sku IN ({marks})"
+    ));
+    let mut query = sqlx::query_scalar::<_, String>(statement);
+    for sku in skus {
+        query = query.bind(sku);
+    }
+    Ok(query.fetch_all(&mut **tx).await?)
+}
+
 /// Records batches in MySQL and settles their units in Redis.
 struct MySqlRecorder {
     records: Records,
@@ -263,6 +285,16 @@ impl Recorder for MySqlRecorder {
         }
         let mut answers: Vec<Option<Recorded>> = batch.iter().map(|_| None).collect();
         let refused = match self.write(batch).await {
+            // An idempotency key already recorded (a retry whose claim had expired, or
+            // two keyed orders of one key queued together): nothing was written. Each
+            // order alone, where only the duplicate is refused and gives its units back.
+            Err(StoreError::Mysql(error)) if is_duplicate_key(&error) => {
+                let mut answers = Vec::with_capacity(batch.len());
+                for taken in batch {
+                    answers.push(self.record_alone(taken).await);
+                }
+                return answers;
+            }
             Err(error) => {
                 // Nothing was written (the transaction rolls back as it drops).
                 let error = Arc::new(error);
@@ -305,11 +337,13 @@ impl MySqlRecorder {
     async fn write<'a>(&self, batch: &'a [TakenOrder]) -> Result<Written<'a>, StoreError> {
         let mut tx = self.records.begin().await?;
         let sale_epoch = sale_epoch(&mut tx).await?;
+        let limited = limited_skus(&mut tx, batch).await?;
         let mut versions = Vec::new();
         let mut refused = Vec::new();
         for group in groups(batch) {
-            if group.epoch > sale_epoch {
-                // Redis ahead of MySQL: `record_alone` refuses its orders.
+            // Redis ahead of MySQL: `record_alone` refuses its orders. A SKU with a
+            // limit per user: `record_alone` checks each order against it.
+            if group.epoch > sale_epoch || limited.iter().any(|sku| sku == group.sku.as_str()) {
                 refused.push(group);
                 continue;
             }
@@ -477,6 +511,7 @@ mod tests {
                             strategy: "redis-atomic".into(),
                             replica: "r".into(),
                             created_at: Utc::now(),
+                            idempotency_key: None,
                         },
                         version: 1,
                     }))
@@ -500,6 +535,7 @@ mod tests {
                 sku: Sku::parse("sku-1").expect("sku"),
                 user_id: user.to_owned(),
                 quantity: 1,
+                idempotency: None,
             },
             epoch: 1,
             generation: String::new(),

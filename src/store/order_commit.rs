@@ -90,6 +90,10 @@ pub enum Refusal {
     NotEnough {
         stock: i64,
     },
+    /// The user would pass the SKU's limit per user with this order.
+    LimitReached,
+    /// An order with the same idempotency key is recorded already.
+    Duplicate,
 }
 
 /// An order recorded, with the product row's version after it (for the cache write,
@@ -319,11 +323,13 @@ async fn write_order(
         return Ok(Err(diagnose(tx, order, write, epoch, strategy).await?));
     }
     let version = i64::try_from(updated.last_insert_id()).unwrap_or(i64::MAX);
-    let recorded = insert_order(tx, order, strategy, replica).await?;
-    Ok(Ok(Committed {
-        order: recorded,
-        version,
-    }))
+    // Refused (limit, duplicate key): the caller rolls back, the update with it.
+    Ok(insert_order(tx, order, strategy, replica)
+        .await?
+        .map(|recorded| Committed {
+            order: recorded,
+            version,
+        }))
 }
 
 /// `StockWrite::Decrement`'s statement: the stock falls by `quantity` only while the

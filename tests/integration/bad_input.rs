@@ -335,6 +335,22 @@ fn cases() -> Vec<Case> {
             "not_found",
         ),
         case(
+            "reset limit per user zero",
+            M::POST,
+            "/api/admin/reset",
+            r#"{"sku":"bad-input","stock":5,"limit_per_user":0}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "reset limit per user negative",
+            M::POST,
+            "/api/admin/reset",
+            r#"{"sku":"bad-input","stock":5,"limit_per_user":-1}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
             "a misspelt reset option",
             M::POST,
             "/api/admin/reset",
