@@ -226,7 +226,11 @@ impl From<OrderError> for AppError {
 fn order_status(outcome: Outcome) -> StatusCode {
     match outcome {
         Outcome::Created => StatusCode::CREATED,
-        Outcome::SoldOut | Outcome::LockLost | Outcome::LimitReached => StatusCode::CONFLICT,
+        // A duplicate is answered with the order under its key (`http::orders`); were
+        // it ever sent as an error, it is a conflict with that order.
+        Outcome::SoldOut | Outcome::LockLost | Outcome::LimitReached | Outcome::Duplicate => {
+            StatusCode::CONFLICT
+        }
         Outcome::NotFound => StatusCode::NOT_FOUND,
         Outcome::LockTimeout
         | Outcome::TooManyConflicts

@@ -182,6 +182,9 @@ pub enum Outcome {
     SoldOut,
     /// The user would pass the sale's limit per user.
     LimitReached,
+    /// An order with the same idempotency key is recorded; nothing was written (the
+    /// shopper is answered with that order).
+    Duplicate,
     /// The lock was not free in time.
     LockTimeout,
     /// optimistic: every attempt conflicted.
@@ -205,6 +208,7 @@ impl Outcome {
             Outcome::Created => "created",
             Outcome::SoldOut => "sold_out",
             Outcome::LimitReached => "limit_reached",
+            Outcome::Duplicate => "duplicate",
             Outcome::LockTimeout => "lock_timeout",
             Outcome::TooManyConflicts => "too_many_conflicts",
             Outcome::LockLost => "lock_lost",
@@ -225,8 +229,7 @@ impl OrderError {
             OrderError::StockUnavailable(_) => Outcome::Unavailable,
             OrderError::SoldOut { .. } => Outcome::SoldOut,
             OrderError::LimitReached => Outcome::LimitReached,
-            // Answered with the order recorded under the key.
-            OrderError::DuplicateKey => Outcome::Created,
+            OrderError::DuplicateKey => Outcome::Duplicate,
             OrderError::Busy(_) => Outcome::LockTimeout,
             OrderError::GaveUp(_) => Outcome::TooManyConflicts,
             OrderError::LockLost(_) | OrderError::Fenced { .. } | OrderError::StaleRead => {
