@@ -62,21 +62,26 @@ pub struct Idempotency {
 }
 
 impl Idempotency {
-    /// Validates a header's value (1-255 printable ASCII characters) for `order`.
+    /// Validates a header's value for `order`.
     pub fn for_order(raw: &[u8], order: &NewOrder) -> Result<Idempotency, String> {
-        let printable = raw.iter().all(|b| (0x20..0x7f).contains(b));
-        if raw.is_empty() || raw.len() > MAX_IDEMPOTENCY_KEY_LEN || !printable {
-            return Err(format!(
-                "the Idempotency-Key header must be 1-{MAX_IDEMPOTENCY_KEY_LEN} printable \
-                 ASCII characters"
-            ));
-        }
-        let key = String::from_utf8_lossy(raw).into_owned();
         Ok(Idempotency {
-            key,
+            key: idempotency_key(raw)
+                .map_err(|rule| format!("the Idempotency-Key header {rule}"))?,
             fingerprint: fingerprint(order),
         })
     }
+}
+
+/// An idempotency key: 1-255 visible ASCII characters (no spaces, which HTTP may trim
+/// from a header's ends; the column is ASCII).
+pub fn idempotency_key(raw: &[u8]) -> Result<String, String> {
+    let visible = raw.iter().all(|b| (0x21..0x7f).contains(b));
+    if raw.is_empty() || raw.len() > MAX_IDEMPOTENCY_KEY_LEN || !visible {
+        return Err(format!(
+            "must be 1-{MAX_IDEMPOTENCY_KEY_LEN} visible ASCII characters (no spaces)"
+        ));
+    }
+    Ok(String::from_utf8_lossy(raw).into_owned())
 }
 
 /// What makes two orders "the same request": SKU, user and quantity, each length-
@@ -132,7 +137,7 @@ mod tests {
         assert_ne!(a, Idempotency::for_order(b"k-1", &order("u", 2)).unwrap());
         assert_ne!(a, Idempotency::for_order(b"k-1", &order("v", 1)).unwrap());
         let long = vec![b'k'; MAX_IDEMPOTENCY_KEY_LEN + 1];
-        for bad in [&b""[..], &long, "ü".as_bytes(), b"a\tb"] {
+        for bad in [&b""[..], &long, "ü".as_bytes(), b"a\tb", b"a b"] {
             assert!(
                 Idempotency::for_order(bad, &order("u", 1)).is_err(),
                 "{bad:?}"

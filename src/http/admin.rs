@@ -165,6 +165,8 @@ pub async fn set_fencing(
 /// The cohort switch. Its body is read field by field so that a wrong `enabled` is
 /// named in the answer (serde's message for a wrong type does not name the field).
 #[derive(Debug, Serialize, ToSchema)]
+// Read by hand (`parse`), which refuses any other field: stated for the document.
+#[serde(deny_unknown_fields)]
 pub struct CohortBody {
     /// On: a replica's requests for a SKU queue locally and the holder hands the lock
     /// to the next one, up to 8 in a row, instead of releasing it. Off: every order

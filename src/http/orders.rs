@@ -78,8 +78,8 @@ impl OrderBody {
 /// until its deadline (`--idempotency-hold-ms`).
 #[utoipa::path(post, path = "/api/orders", tag = "orders",
     request_body = OrderBody,
-    params(("Idempotency-Key" = Option<String>, Header,
-        description = "1-255 printable ASCII characters. The order is placed at most \
+    params(("Idempotency-Key" = Option<String>, Header, pattern = "^[!-~]{1,255}$",
+        description = "1-255 visible ASCII characters (no spaces). The order is placed at most \
             once per key, cluster-wide: the same key with the same body answers what \
             the first request answered (201 with the same order, or the same \
             `sold_out`, `limit_reached` or `not_found`), 409 `in_progress` while it \
@@ -96,7 +96,7 @@ impl OrderBody {
             `in_progress`: a request with this Idempotency-Key is running, ask again \
             after Retry-After", body = ErrorBody),
         (status = 422, description = "`invalid_value`: a value is out of range, or the \
-            Idempotency-Key header is not 1-255 printable ASCII characters; \
+            Idempotency-Key header is not 1-255 visible ASCII characters; \
             `idempotency_key_reused`: the key was sent with another order", body = ErrorBody),
         (status = 503, description = "`lock_timeout`: the lock was not free in time; \
             `too_many_conflicts`: optimistic retries ran out; \
@@ -308,9 +308,11 @@ fn stored_answer(answer: &Result<Answer, AppError>) -> Option<(u16, String)> {
 
 /// `GET /api/orders?idempotency_key=K`.
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct OrderLookup {
     /// The Idempotency-Key the order was placed with.
+    #[param(pattern = "^[!-~]{1,255}$")]
     idempotency_key: String,
 }
 
@@ -322,16 +324,17 @@ pub struct OrderLookup {
         (status = 200, description = "The order placed with the key", body = Order),
         (status = 404, description = "`not_found`: no order has this key (none was \
             recorded, or it is still running)", body = ErrorBody),
+        (status = 422, description = "`invalid_value`: not an idempotency key (1-255 \
+            visible ASCII characters)", body = ErrorBody),
     ))]
 pub async fn order_by_key(
     State(state): State<AppState>,
-    Query(lookup): Query<OrderLookup>,
+    query: Result<Query<OrderLookup>, axum::extract::rejection::QueryRejection>,
 ) -> Result<ApiJson<Order>, AppError> {
-    let found = state
-        .store
-        .records
-        .order_by_key(&lookup.idempotency_key)
-        .await?;
+    let Query(lookup) = query?;
+    let key = crate::model::idempotency_key(lookup.idempotency_key.as_bytes())
+        .map_err(|rule| AppError::Invalid(format!("idempotency_key {rule}")))?;
+    let found = state.store.records.order_by_key(&key).await?;
     found
         .map(|(order, _)| ApiJson(order))
         .ok_or_else(|| AppError::NotFound("no order was recorded with this idempotency key".into()))
@@ -339,7 +342,7 @@ pub async fn order_by_key(
 
 /// One order, by the id its 201 gave (its `Location`).
 #[utoipa::path(get, path = "/api/orders/{id}", tag = "orders",
-    params(("id" = u64, Path, description = "The order's id")),
+    params(("id" = i64, Path, minimum = 0, description = "The order's id")),
     responses(
         (status = 200, description = "The order", body = Order),
         (status = 404, description = "`not_found`: no such order", body = ErrorBody),
