@@ -69,7 +69,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures::FutureExt;
 use tokio::sync::{mpsc, oneshot};
 
-use super::order_commit::{decrement, sale_epoch};
+use super::order_commit::{Limits, decrement, sale_epoch};
 use super::records::{insert_orders, is_duplicate_key};
 use super::{Committed, Records, Refusal, StockCache, StockWrite, StoreError};
 use crate::model::{NewOrder, Sku};
@@ -238,28 +238,6 @@ fn groups(batch: &[TakenOrder]) -> Vec<Group<'_>> {
     groups.into_values().collect()
 }
 
-/// The SKUs of the batch that have a limit per user. Read without a lock: a reset that
-/// sets a limit moves the SKU's epoch, so the batch's orders from before it are refused
-/// anyway, and one committed before the batch began is in its snapshot.
-async fn limited_skus(
-    tx: &mut sqlx::Transaction<'static, sqlx::MySql>,
-    batch: &[TakenOrder],
-) -> Result<Vec<String>, StoreError> {
-    let mut skus: Vec<&str> = batch.iter().map(|t| t.order.sku.as_str()).collect();
-    skus.sort_unstable();
-    skus.dedup();
-    let marks = vec!["?"; skus.len()].join(", ");
-    // Built from constant pieces and the number of SKUs only; the SKUs are bound.
-    let statement = sqlx::AssertSqlSafe(format!(
-        "SELECT sku FROM products WHERE limit_per_user IS NOT NULL AND sku IN ({marks})"
-    ));
-    let mut query = sqlx::query_scalar::<_, String>(statement);
-    for sku in skus {
-        query = query.bind(sku);
-    }
-    Ok(query.fetch_all(&mut **tx).await?)
-}
-
 /// Records batches in MySQL and settles their units in Redis.
 struct MySqlRecorder {
     records: Records,
@@ -337,17 +315,24 @@ impl MySqlRecorder {
     async fn write<'a>(&self, batch: &'a [TakenOrder]) -> Result<Written<'a>, StoreError> {
         let mut tx = self.records.begin().await?;
         let sale_epoch = sale_epoch(&mut tx).await?;
-        let limited = limited_skus(&mut tx, batch).await?;
         let mut versions = Vec::new();
         let mut refused = Vec::new();
         for group in groups(batch) {
-            // Redis ahead of MySQL: `record_alone` refuses its orders. A SKU with a
-            // limit per user: `record_alone` checks each order against it.
-            if group.epoch > sale_epoch || limited.iter().any(|sku| sku == group.sku.as_str()) {
+            // Redis ahead of MySQL: `record_alone` refuses its orders.
+            if group.epoch > sale_epoch {
                 refused.push(group);
                 continue;
             }
-            let updated = decrement(&mut tx, group.sku.as_str(), group.total, group.epoch).await?;
+            let updated = decrement(
+                &mut tx,
+                group.sku.as_str(),
+                group.total,
+                group.epoch,
+                Limits::Unlimited,
+            )
+            .await?;
+            // The epoch moved, MySQL has fewer units than Redis took, or the SKU has a
+            // limit per user: `record_alone` records or refuses each order precisely.
             if updated.rows_affected() == 0 {
                 refused.push(group);
             } else {

@@ -264,27 +264,27 @@ async fn write_order(
     if !checked && sale_epoch(tx).await? < epoch {
         return Ok(Err(Refusal::SaleChanged));
     }
-    let updated =
-        match write {
-            StockWrite::Set {
-                new_stock,
-                fence: None,
-            } => {
-                sqlx::query(
-                    "UPDATE products p
+    let updated = match write {
+        StockWrite::Set {
+            new_stock,
+            fence: None,
+        } => {
+            sqlx::query(
+                "UPDATE products p
                  SET p.stock = ?, p.version = LAST_INSERT_ID(p.version + 1)
                  WHERE p.sku = ? AND p.epoch <= ?",
-                )
-                .bind(new_stock)
-                .bind(sku)
-                .bind(epoch)
-                .execute(&mut **tx)
-                .await?
-            }
-            StockWrite::Set {
-                new_stock,
-                fence: Some(fence),
-            } => sqlx::query(
+            )
+            .bind(new_stock)
+            .bind(sku)
+            .bind(epoch)
+            .execute(&mut **tx)
+            .await?
+        }
+        StockWrite::Set {
+            new_stock,
+            fence: Some(fence),
+        } => {
+            sqlx::query(
                 "UPDATE products p JOIN product_fences f ON f.sku = p.sku AND f.lock_service = ?
                  SET p.stock = ?, p.version = LAST_INSERT_ID(p.version + 1)
                  WHERE p.sku = ? AND p.epoch <= ? AND f.fence = ? AND p.stock = ?",
@@ -296,23 +296,24 @@ async fn write_order(
             .bind(fence.token)
             .bind(fence.read_stock)
             .execute(&mut **tx)
-            .await?,
-            StockWrite::DecrementAtVersion { version } => {
-                sqlx::query(
-                    "UPDATE products p
+            .await?
+        }
+        StockWrite::DecrementAtVersion { version } => {
+            sqlx::query(
+                "UPDATE products p
                  SET p.stock = p.stock - ?, p.version = LAST_INSERT_ID(p.version + 1)
                  WHERE p.sku = ? AND p.epoch <= ? AND p.version = ? AND p.stock >= ?",
-                )
-                .bind(order.quantity)
-                .bind(sku)
-                .bind(epoch)
-                .bind(version)
-                .bind(order.quantity)
-                .execute(&mut **tx)
-                .await?
-            }
-            StockWrite::Decrement => decrement(tx, sku, order.quantity, epoch).await?,
-        };
+            )
+            .bind(order.quantity)
+            .bind(sku)
+            .bind(epoch)
+            .bind(version)
+            .bind(order.quantity)
+            .execute(&mut **tx)
+            .await?
+        }
+        StockWrite::Decrement => decrement(tx, sku, order.quantity, epoch, Limits::Checked).await?,
+    };
     if updated.rows_affected() == 0 {
         // The refused UPDATE holds the product row's lock until the rollback, and on
         // a hot row optimistic losers are many: it re-reads the row before its next
@@ -345,18 +346,28 @@ async fn write_order(
 /// COMMIT (`StoreError::RowLockTimeout`): nothing was written, the orders give their
 /// units back and answer 503 busy. db-for-update already holds its row, so the bound
 /// never applies there.
+///
+/// A group commit's `UPDATE` (`Limits::Unlimited`) also matches nothing for a SKU with
+/// a limit per user: its orders are then recorded one by one, each checked by
+/// `insert_order`, at no extra round trip for the SKUs without a limit.
 pub(super) async fn decrement(
     tx: &mut Transaction<'static, MySql>,
     sku: &str,
     quantity: i64,
     epoch: u64,
+    limits: Limits,
 ) -> Result<MySqlQueryResult, StoreError> {
+    let unlimited = match limits {
+        Limits::Checked => "",
+        Limits::Unlimited => " AND p.limit_per_user IS NULL",
+    };
     sqlx::query(sqlx::AssertSqlSafe(format!(
-        // The number is a constant; MariaDB takes no placeholder in SET STATEMENT.
+        // The number and the condition are constants; MariaDB takes no placeholder in
+        // SET STATEMENT.
         "SET STATEMENT innodb_lock_wait_timeout = {DECREMENT_ROW_WAIT_SECONDS} FOR
          UPDATE products p
          SET p.stock = p.stock - ?, p.version = LAST_INSERT_ID(p.version + 1)
-         WHERE p.sku = ? AND p.epoch <= ? AND p.stock >= ?"
+         WHERE p.sku = ? AND p.epoch <= ? AND p.stock >= ?{unlimited}"
     )))
     .bind(quantity)
     .bind(sku)
@@ -365,6 +376,15 @@ pub(super) async fn decrement(
     .execute(&mut **tx)
     .await
     .map_err(row_lock_error)
+}
+
+/// Whether the orders a decrement is for have their limit per user checked.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Limits {
+    /// Each order's insert checks it (`insert_order`).
+    Checked,
+    /// A group commit's multi-row insert, which does not: the SKU must have no limit.
+    Unlimited,
 }
 
 /// The sale epoch, read inside the caller's transaction without a lock: it only grows,
