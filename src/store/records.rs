@@ -24,6 +24,8 @@ pub struct Records {
 pub struct OptimisticRow {
     pub stock: i64,
     pub version: i64,
+    /// The SKU's limit per user in this sale, if any.
+    pub limit_per_user: Option<i64>,
     pub epoch: u64,
     /// The sale epoch of the last change that concerned the SKU.
     pub sku_epoch: u64,
@@ -89,19 +91,23 @@ impl Records {
     pub async fn optimistic_read(&self, sku: &Sku) -> Result<Option<OptimisticRow>, StoreError> {
         let read = || {
             sqlx::query_as(
-                "SELECT p.stock, p.version, e.value, p.epoch FROM products p
+                "SELECT p.stock, p.version, e.value, p.epoch, p.limit_per_user FROM products p
                  JOIN cluster_settings e ON e.name = 'epoch' WHERE p.sku = ?",
             )
             .bind(sku.as_str())
             .fetch_optional(&self.pool)
         };
-        let row: Option<(i64, i64, String, u64)> = on_live_connection(&self.pool, read).await?;
-        Ok(row.map(|(stock, version, epoch, sku_epoch)| OptimisticRow {
-            stock,
-            version,
-            epoch: epoch.parse().unwrap_or(0),
-            sku_epoch,
-        }))
+        type Row = (i64, i64, String, u64, Option<i64>);
+        let row: Option<Row> = on_live_connection(&self.pool, read).await?;
+        Ok(
+            row.map(|(stock, version, epoch, sku_epoch, limit)| OptimisticRow {
+                stock,
+                version,
+                limit_per_user: limit,
+                epoch: epoch.parse().unwrap_or(0),
+                sku_epoch,
+            }),
+        )
     }
 
     /// The product's stock and row version.
@@ -204,16 +210,8 @@ async fn migrate(pool: &MySqlPool) -> anyhow::Result<()> {
 }
 
 /// Inserts the order row inside the caller's transaction and returns it as recorded;
-/// `Ok(Err(_))` when MySQL refused it, having written nothing (the caller rolls back):
-///
-/// - `LimitReached`: the SKU has a limit per user (`products.limit_per_user`) and the
-///   user's units of the SKU with this order's would pass it. The caller's `UPDATE`
-///   of the product row holds that row's lock to COMMIT, so every order of the SKU
-///   waits for this one; the sum is read by the `INSERT … SELECT`, which InnoDB reads
-///   as a locking read (the latest committed rows, not the transaction's snapshot,
-///   which may predate the orders committed while it waited for the row). No extra
-///   round trip, limit or not.
-/// - `Duplicate`: an order with the same idempotency key exists (the unique key).
+/// `Ok(Err(Duplicate))` when an order with the same idempotency key exists (the unique
+/// key refused the row; the caller rolls back).
 pub(crate) async fn insert_order(
     tx: &mut Transaction<'_, MySql>,
     order: &NewOrder,
@@ -225,10 +223,7 @@ pub(crate) async fn insert_order(
     let inserted = sqlx::query(
         "INSERT INTO orders (sku, user_id, quantity, strategy, replica, created_at,
                              idempotency_key, fingerprint)
-         SELECT ?, ?, ?, ?, ?, ?, ?, ? FROM products p
-         WHERE p.sku = ? AND (p.limit_per_user IS NULL OR p.limit_per_user >= ? +
-             (SELECT COALESCE(SUM(o.quantity), 0) FROM orders o
-              WHERE o.sku = p.sku AND o.user_id = ?))",
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
     )
     .bind(order.sku.as_str())
     .bind(&order.user_id)
@@ -238,18 +233,12 @@ pub(crate) async fn insert_order(
     .bind(created_at)
     .bind(key)
     .bind(fingerprint)
-    .bind(order.sku.as_str())
-    .bind(order.quantity)
-    .bind(&order.user_id)
     .execute(&mut **tx)
     .await;
     let result = match inserted {
         Err(error) if is_duplicate_key(&error) => return Ok(Err(Refusal::Duplicate)),
         inserted => inserted?,
     };
-    if result.rows_affected() == 0 {
-        return Ok(Err(Refusal::LimitReached));
-    }
     Ok(Ok(Order {
         id: result.last_insert_id(),
         sku: order.sku.clone(),
@@ -301,7 +290,7 @@ const DUPLICATE_KEY: u16 = 1062;
 /// An idempotency key that an order already holds fails the whole statement
 /// (`is_duplicate_key`); the caller then records the batch's orders one by one, where
 /// the duplicate is refused alone. The limit per user is not checked here: the group
-/// committer records the orders of a SKU with a limit one by one (`insert_order`).
+/// committer records the orders of a SKU with a limit one by one (`write_order`).
 pub(crate) async fn insert_orders(
     tx: &mut Transaction<'_, MySql>,
     orders: &[&NewOrder],

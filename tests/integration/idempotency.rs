@@ -491,10 +491,14 @@ async fn reset_with_limit(cluster: &TestCluster, sku: &str, stock: i64, limit: O
 /// `limit_per_user: 1`: the same user's 20 orders at once over three replicas (no
 /// keys: a bot) make one order, the others answer 409 `limit_reached`; other users
 /// buy as before; a reset (a new sale) counts afresh. Enforced by MySQL in the order's
-/// transaction: without the check in the order's `INSERT … SELECT` (and, under
-/// redis-atomic, without its limited SKUs recorded one by one) the bot gets 20.
-async fn one_per_customer(strategy: &str) {
-    let cluster = TestCluster::start(3, &[]).await;
+/// transaction: without the locking sum of the user's units after the product row's
+/// `UPDATE` (and, under redis-atomic, without its limited SKUs recorded one by one)
+/// the bot gets up to 20. Under db-for-update each holder works 50 ms with the row
+/// locked, so the next replica's transaction waits for the row with a snapshot from
+/// before the holder's COMMIT: with a plain (snapshot) read of the user's units instead
+/// of a locking one, the bot gets several orders.
+async fn one_per_customer(strategy: &str, extra: &[&str]) {
+    let cluster = TestCluster::start(3, extra).await;
     cluster.set_strategy(strategy).await;
     let sku = "one-each";
     reset_with_limit(&cluster, sku, 100, Some(1)).await;
@@ -558,15 +562,15 @@ async fn one_per_customer(strategy: &str) {
 
 #[tokio::test]
 async fn one_per_customer_under_none() {
-    one_per_customer("none").await;
+    one_per_customer("none", &[]).await;
 }
 
 #[tokio::test]
 async fn one_per_customer_under_redis_atomic() {
-    one_per_customer("redis-atomic").await;
+    one_per_customer("redis-atomic", &[]).await;
 }
 
 #[tokio::test]
 async fn one_per_customer_under_db_for_update() {
-    one_per_customer("db-for-update").await;
+    one_per_customer("db-for-update", &["--work-ms", "50"]).await;
 }
