@@ -75,6 +75,7 @@ impl Server {
             store: store.clone(),
             strategies: strategy::registry(&backends),
             max_quantity: config.max_quantity,
+            idempotency_hold: std::time::Duration::from_millis(config.idempotency_hold_ms),
             requests: Arc::new(AtomicU64::new(0)),
             snapshots: Arc::new(Snapshots::new(None)),
             loadtests: Arc::new(LoadTests::new(

@@ -149,6 +149,14 @@ pub struct ServeConfig {
           value_parser = clap::value_parser!(u64).range(100..))]
     pub request_timeout_ms: u64,
 
+    /// How long a request holds its Idempotency-Key's claim before another request
+    /// with the key may presume it dead and take it over (after checking that no
+    /// order has the key). Longer than an order normally runs; an order that outlives
+    /// it still cannot be recorded twice (the key is unique in MySQL).
+    #[arg(long, env = "FLASHSALE_IDEMPOTENCY_HOLD_MS", default_value_t = 60_000,
+          value_parser = clap::value_parser!(u64).range(100..))]
+    pub idempotency_hold_ms: u64,
+
     /// Requests one replica runs at once, admin calls apart (they have 16 places of
     /// their own); more are refused with 503 at once.
     #[arg(long, env = "FLASHSALE_MAX_IN_FLIGHT", default_value_t = 1024,

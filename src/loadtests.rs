@@ -25,6 +25,7 @@ pub const BUILD_HINT: &str = "cargo build --release -p loadtest";
 
 /// What the page asks for. Bounds keep a click from becoming an unbounded load.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct LoadTestRequest {
     /// Strategy names; empty means all.
     #[serde(default)]

@@ -45,6 +45,56 @@ pub struct NewOrder {
     pub sku: Sku,
     pub user_id: String,
     pub quantity: i64,
+    /// The shopper's `Idempotency-Key`, recorded with the order (one order per key).
+    pub idempotency: Option<Idempotency>,
+}
+
+/// The longest `Idempotency-Key` taken, in bytes (the column's width).
+pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
+
+/// An idempotency key and the fingerprint of the request it came with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Idempotency {
+    pub key: String,
+    /// SHA-256 (hex) of the order's SKU, user and quantity: the same key with another
+    /// request is refused.
+    pub fingerprint: String,
+}
+
+impl Idempotency {
+    /// Validates a header's value for `order`.
+    pub fn for_order(raw: &[u8], order: &NewOrder) -> Result<Idempotency, String> {
+        Ok(Idempotency {
+            key: idempotency_key(raw)
+                .map_err(|rule| format!("the Idempotency-Key header {rule}"))?,
+            fingerprint: fingerprint(order),
+        })
+    }
+}
+
+/// An idempotency key: 1-255 visible ASCII characters (no spaces, which HTTP may trim
+/// from a header's ends; the column is ASCII).
+pub fn idempotency_key(raw: &[u8]) -> Result<String, String> {
+    let visible = raw.iter().all(|b| (0x21..0x7f).contains(b));
+    if raw.is_empty() || raw.len() > MAX_IDEMPOTENCY_KEY_LEN || !visible {
+        return Err(format!(
+            "must be 1-{MAX_IDEMPOTENCY_KEY_LEN} visible ASCII characters (no spaces)"
+        ));
+    }
+    Ok(String::from_utf8_lossy(raw).into_owned())
+}
+
+/// What makes two orders "the same request": SKU, user and quantity, each length-
+/// prefixed so no two different requests give the same bytes.
+fn fingerprint(order: &NewOrder) -> String {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    for part in [order.sku.as_str(), order.user_id.as_str()] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part.as_bytes());
+    }
+    hash.update(order.quantity.to_be_bytes());
+    hex::encode(hash.finalize())
 }
 
 /// An order recorded in MySQL.
@@ -57,6 +107,9 @@ pub struct Order {
     pub strategy: String,
     pub replica: String,
     pub created_at: DateTime<Utc>,
+    /// The `Idempotency-Key` it was placed with; absent for an order without one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
 }
 
 #[cfg(test)]
@@ -69,6 +122,27 @@ mod tests {
         assert!(parse_user_id("").is_err());
         assert!(parse_user_id("a\nb").is_err());
         assert!(parse_user_id(&"ü".repeat(65)).is_err());
+    }
+
+    #[test]
+    fn idempotency_keys_are_printable_ascii_and_fingerprint_the_request() {
+        let order = |user: &str, quantity| NewOrder {
+            sku: Sku::parse("phone-1").unwrap(),
+            user_id: user.to_owned(),
+            quantity,
+            idempotency: None,
+        };
+        let a = Idempotency::for_order(b"k-1", &order("u", 1)).unwrap();
+        assert_eq!(a, Idempotency::for_order(b"k-1", &order("u", 1)).unwrap());
+        assert_ne!(a, Idempotency::for_order(b"k-1", &order("u", 2)).unwrap());
+        assert_ne!(a, Idempotency::for_order(b"k-1", &order("v", 1)).unwrap());
+        let long = vec![b'k'; MAX_IDEMPOTENCY_KEY_LEN + 1];
+        for bad in [&b""[..], &long, "ü".as_bytes(), b"a\tb", b"a b"] {
+            assert!(
+                Idempotency::for_order(bad, &order("u", 1)).is_err(),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -21,7 +21,12 @@ pub struct Heartbeat {
     info: ReplicaInfo,
     requests: Arc<AtomicU64>,
     flow: Arc<SaleFlow>,
+    beats: u64,
 }
+
+/// Every this many beats (ten minutes) a replica purges idempotency keys past their
+/// 24 hours; any replica may, the deletes are idempotent.
+const PURGE_EVERY: u64 = 600;
 
 pub struct RunningHeartbeat {
     cluster: ClusterState,
@@ -53,6 +58,7 @@ impl Heartbeat {
             info,
             requests,
             flow,
+            beats: 0,
         }
     }
 
@@ -91,6 +97,16 @@ impl Heartbeat {
             Ok(Err(error)) => tracing::debug!(%error, "could not compare the sale's epochs"),
             Err(_) => tracing::debug!("comparing the sale's epochs took too long"),
         }
+        if self.beats.is_multiple_of(PURGE_EVERY) {
+            let purge = self.flow.store.records.purge_keys(10_000);
+            match tokio::time::timeout(INTERVAL * 2, purge).await {
+                Ok(Ok(0)) => {}
+                Ok(Ok(purged)) => tracing::info!(purged, "idempotency keys past 24 h purged"),
+                Ok(Err(error)) => tracing::debug!(%error, "could not purge idempotency keys"),
+                Err(_) => tracing::debug!("purging idempotency keys took too long"),
+            }
+        }
+        self.beats += 1;
     }
 }
 

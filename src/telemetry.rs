@@ -6,7 +6,8 @@
 //! |---|---|---|
 //! | `flashsale_http_requests_total` | route, method, status | `http::observe` |
 //! | `flashsale_http_request_duration_seconds` (histogram) | route | `http::observe` |
-//! | `flashsale_orders_total` | strategy, outcome (the API code, `strategy::Outcome`) | `http::orders` |
+//! | `flashsale_orders_total` | strategy, outcome (the API code, `strategy::Outcome`; `duplicate`: refused by MySQL for its idempotency key, answered with that key's order) | `http::orders` |
+//! | `flashsale_idempotent_replays_total` | — | `http::orders`, keyed orders answered from their key's stored answer |
 //! | `flashsale_lock_acquire_seconds` (histogram) | strategy, outcome (`acquired`, `timeout`, `abandoned`: the shopper left, `error`) | `strategy::flow` |
 //! | `flashsale_lock_hold_seconds` (histogram) | strategy | `strategy::flow` |
 //! | `flashsale_order_step_seconds` (histogram) | strategy, step (`read`, `check`: the lock's last check, `commit`, `cache_write`, `release`) | `strategy::flow`, the steps of the critical section `none` and the lease and queue locks share (redis-lock, db-unique, zookeeper, etcd, redlock); a failed step is timed too |
@@ -43,6 +44,10 @@ fn describe() {
     describe_counter!(
         "flashsale_orders_total",
         "Orders by strategy and outcome (the API's code)"
+    );
+    describe_counter!(
+        "flashsale_idempotent_replays_total",
+        "Orders answered from their Idempotency-Key's stored answer"
     );
     describe_histogram!(
         "flashsale_lock_acquire_seconds",

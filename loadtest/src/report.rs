@@ -536,6 +536,7 @@ mod tests {
             oversold: (orders - initial).max(0),
             consistent,
             updated_at: chrono::Utc::now(),
+            limit_per_user: None,
         }
     }
 

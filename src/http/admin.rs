@@ -27,6 +27,7 @@ use crate::store::{PauseFault, SaleChange};
 pub const MAX_STOCK: i64 = 10_000_000;
 
 #[derive(Debug, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct StrategyBody {
     #[schema(value_type = StrategyName)]
     strategy: String,
@@ -67,17 +68,26 @@ pub async fn set_strategy(
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ResetBody {
     #[schema(value_type = Sku)]
     sku: String,
     #[schema(value_type = i64, minimum = 0, maximum = 10_000_000)]
     stock: serde_json::Number,
+    /// The most units one user may buy of this SKU in this sale, enforced by MySQL in
+    /// each order's transaction (409 `limit_reached`); absent: no limit.
+    #[schema(value_type = Option<i64>, minimum = 1, maximum = 10_000_000)]
+    #[serde(default)]
+    limit_per_user: Option<serde_json::Number>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ResetDone {
     sku: Sku,
     stock: i64,
+    /// The sale's limit per user; absent: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    limit_per_user: Option<i64>,
 }
 
 /// Restocks a SKU in MySQL (clearing its orders) and then in Redis. MySQL goes first:
@@ -96,19 +106,31 @@ pub async fn reset(
 ) -> Result<ApiJson<ResetDone>, AppError> {
     let sku = Sku::parse(&body.sku).map_err(AppError::Invalid)?;
     let stock = integer_in_range("stock", &body.stock, 0, MAX_STOCK).map_err(AppError::Invalid)?;
+    let limit_per_user = body
+        .limit_per_user
+        .as_ref()
+        .map(|limit| integer_in_range("limit_per_user", limit, 1, MAX_STOCK))
+        .transpose()
+        .map_err(AppError::Invalid)?;
     state
         .flow
         .store
         .change_sale(SaleChange::Reset {
             sku: sku.clone(),
             stock,
+            limit_per_user,
         })
         .await?;
-    tracing::info!(%sku, stock, "stock reset");
-    Ok(ApiJson(ResetDone { sku, stock }))
+    tracing::info!(%sku, stock, ?limit_per_user, "stock reset");
+    Ok(ApiJson(ResetDone {
+        sku,
+        stock,
+        limit_per_user,
+    }))
 }
 
 #[derive(Debug, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct FencingBody {
     enabled: bool,
 }
@@ -143,6 +165,8 @@ pub async fn set_fencing(
 /// The cohort switch. Its body is read field by field so that a wrong `enabled` is
 /// named in the answer (serde's message for a wrong type does not name the field).
 #[derive(Debug, Serialize, ToSchema)]
+// Read by hand (`parse`), which refuses any other field: stated for the document.
+#[serde(deny_unknown_fields)]
 pub struct CohortBody {
     /// On: a replica's requests for a SKU queue locally and the holder hands the lock
     /// to the next one, up to 8 in a row, instead of releasing it. Off: every order
@@ -152,12 +176,17 @@ pub struct CohortBody {
 
 impl CohortBody {
     fn parse(body: &serde_json::Map<String, serde_json::Value>) -> Result<CohortBody, AppError> {
+        if let Some(unknown) = body.keys().find(|key| *key != "enabled") {
+            return Err(AppError::UnknownField(format!(
+                "unknown field `{unknown}`, expected `enabled`"
+            )));
+        }
         match body.get("enabled") {
             Some(serde_json::Value::Bool(enabled)) => Ok(CohortBody { enabled: *enabled }),
-            Some(other) => Err(AppError::Malformed(format!(
+            Some(other) => Err(AppError::Invalid(format!(
                 "`enabled` must be true or false, not {other}"
             ))),
-            None => Err(AppError::Malformed(
+            None => Err(AppError::Invalid(
                 "missing field `enabled` (true or false)".into(),
             )),
         }
@@ -203,6 +232,7 @@ pub async fn set_cohort(
 pub const MAX_PAUSE_MS: i64 = 120_000;
 
 #[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct FaultBody {
     /// Milliseconds the next lock holder stalls; by default 1.5 leases plus 0.5 s, so
     /// the lease surely runs out.
@@ -257,6 +287,7 @@ pub async fn arm_fault(
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct KillHolderBody {
     #[schema(value_type = Sku)]
     sku: String,
@@ -317,6 +348,7 @@ pub async fn disarm_fault(State(state): State<AppState>) -> Result<StatusCode, A
 
 /// What to reconcile: one SKU, or (no body, or no `sku`) every SKU.
 #[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ReconcileBody {
     #[schema(value_type = Option<Sku>)]
     #[serde(default)]
@@ -325,6 +357,7 @@ pub struct ReconcileBody {
 
 /// Whose fences to reset: one SKU, or (no body, or no `sku`) every SKU.
 #[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct FenceResetBody {
     #[schema(value_type = Option<Sku>)]
     #[serde(default)]
@@ -349,9 +382,7 @@ impl<S: Send + Sync, T: Default + serde::de::DeserializeOwned> FromRequest<S> fo
                 serde_json::Value::Null => Ok(OptionalBody(T::default())),
                 serde_json::Value::Object(_) => serde_json::from_value(body)
                     .map(OptionalBody)
-                    .map_err(|error| {
-                        AppError::Malformed(format!("the body does not fit: {error}"))
-                    }),
+                    .map_err(super::json::misfit),
                 _ => Err(AppError::Malformed(
                     "the body must be a JSON object (or null)".into(),
                 )),
@@ -407,6 +438,7 @@ pub async fn reconcile(
         .map(|at| ResetDone {
             sku: at.sku,
             stock: at.stock,
+            limit_per_user: None,
         })
         .collect();
     tracing::warn!(skus = skus.len(), "Redis stock rewritten from MySQL");

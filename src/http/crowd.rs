@@ -21,6 +21,7 @@ pub const MAX_SHOPPERS: i64 = 500;
 const PATIENCE: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct CrowdBody {
     #[schema(value_type = Sku)]
     sku: String,

@@ -27,13 +27,17 @@ pub struct ErrorBody {
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
-    /// The request could not be read as the expected JSON shape (syntax, missing
-    /// field, wrong type).
+    /// The request could not be read as JSON at all (syntax, an empty body, not an
+    /// object), or its query string does not fit.
     #[error("{0}")]
     Malformed(String),
-    /// The request was well-formed but a value is out of range or not allowed.
+    /// The body is a JSON object, but not one the route takes: a field missing or of
+    /// the wrong type, or a value out of range or not allowed.
     #[error("{0}")]
     Invalid(String),
+    /// The body has a field the route does not know; the message names it.
+    #[error("{0}")]
+    UnknownField(String),
     #[error("{0}")]
     NotFound(String),
     #[error("this route does not take that HTTP method")]
@@ -49,6 +53,18 @@ pub enum AppError {
     /// The request conflicts with what is going on (e.g. a load test already runs).
     #[error("{0}")]
     Conflict(String),
+    /// Another request with the same Idempotency-Key is running.
+    #[error(
+        "an order with this Idempotency-Key is under way; ask again after Retry-After \
+         for its answer"
+    )]
+    InProgress,
+    /// The Idempotency-Key was sent before with another order.
+    #[error(
+        "this Idempotency-Key was sent with another order (SKU, user or quantity); a key \
+         names one order: use a new key for a new order"
+    )]
+    KeyReused,
     /// A feature this replica cannot offer right now; the message says why.
     #[error("{0}")]
     Unavailable(String),
@@ -59,8 +75,10 @@ pub enum AppError {
     /// never begins; one already in its critical section runs to its end (committed or
     /// rolled back), so check the orders before buying again.
     #[error(
-        "the request took longer than {0:?}; an order already under way finishes on its own \
-         (check before retrying), one not yet begun never begins"
+        "the request took longer than {0:?}; an order already under way finishes on its own, \
+         one not yet begun never begins: sent with an Idempotency-Key K, send it again with \
+         the same key (it is placed at most once) or look for it with \
+         GET /api/orders?idempotency_key=K"
     )]
     TimedOut(std::time::Duration),
     /// An order that was not placed; its outcome names the code (`Outcome`).
@@ -79,6 +97,7 @@ impl AppError {
         match self {
             AppError::Malformed(_) => (StatusCode::BAD_REQUEST, "malformed_request"),
             AppError::Invalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_value"),
+            AppError::UnknownField(_) => (StatusCode::UNPROCESSABLE_ENTITY, "unknown_field"),
             AppError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             AppError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             AppError::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
@@ -92,6 +111,8 @@ impl AppError {
             AppError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             AppError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
             AppError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            AppError::InProgress => (StatusCode::CONFLICT, "in_progress"),
+            AppError::KeyReused => (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused"),
             AppError::Overloaded => (StatusCode::SERVICE_UNAVAILABLE, "overloaded"),
             AppError::TimedOut(_) => (StatusCode::SERVICE_UNAVAILABLE, "timeout"),
             AppError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
@@ -103,23 +124,32 @@ impl AppError {
     }
 }
 
-impl IntoResponse for AppError {
-    fn into_response(self) -> Response {
+impl AppError {
+    /// The status and the body this error answers with.
+    pub fn status_and_body(&self) -> (StatusCode, ErrorBody) {
         let (status, code) = self.status_and_code();
-        let body = Json(ErrorBody {
+        let body = ErrorBody {
             error: code.to_owned(),
             message: self.to_string(),
-        });
-        let mut response = (status, body).into_response();
+        };
+        (status, body)
+    }
+}
+
+impl IntoResponse for AppError {
+    fn into_response(self) -> Response {
+        let (status, body) = self.status_and_body();
+        let mut response = (status, Json(body)).into_response();
         let retry_after = match &self {
             AppError::Order(error)
                 if order_status(error.outcome()) == StatusCode::SERVICE_UNAVAILABLE =>
             {
                 Some("1")
             }
-            AppError::BackendUnavailable { .. } | AppError::Overloaded | AppError::TimedOut(_) => {
-                Some("1")
-            }
+            AppError::BackendUnavailable { .. }
+            | AppError::Overloaded
+            | AppError::TimedOut(_)
+            | AppError::InProgress => Some("1"),
             _ => None,
         };
         if matches!(self, AppError::Unauthorized) {
@@ -196,7 +226,11 @@ impl From<OrderError> for AppError {
 fn order_status(outcome: Outcome) -> StatusCode {
     match outcome {
         Outcome::Created => StatusCode::CREATED,
-        Outcome::SoldOut | Outcome::LockLost => StatusCode::CONFLICT,
+        // A duplicate is answered with the order under its key (`http::orders`); were
+        // it ever sent as an error, it is a conflict with that order.
+        Outcome::SoldOut | Outcome::LockLost | Outcome::LimitReached | Outcome::Duplicate => {
+            StatusCode::CONFLICT
+        }
         Outcome::NotFound => StatusCode::NOT_FOUND,
         Outcome::LockTimeout
         | Outcome::TooManyConflicts
@@ -221,6 +255,10 @@ fn order_message(error: &OrderError) -> String {
             available,
             requested,
         } => format!("sold out: {available} left, {requested} requested"),
+        OrderError::LimitReached => "this shopper has bought as many units of this SKU as \
+             the sale allows per user (limit_per_user); nothing was written"
+            .into(),
+        OrderError::DuplicateKey => "an order with this Idempotency-Key is recorded already".into(),
         OrderError::Busy(message) | OrderError::GaveUp(message) => message.clone(),
         OrderError::LockLost(detail) => format!(
             "the lock was lost before the order was committed; nothing was written ({detail})"

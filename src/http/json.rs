@@ -26,9 +26,19 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
             return Err(AppError::Malformed("the body must be a JSON object".into()));
         }
         whole_numbers_as_integers(&mut body);
-        serde_json::from_value(body)
-            .map(ApiJson)
-            .map_err(|error| AppError::Malformed(format!("the body does not fit: {error}")))
+        serde_json::from_value(body).map(ApiJson).map_err(misfit)
+    }
+}
+
+/// A JSON object the route does not take: a field it does not know (named, so a
+/// misspelt option is not silently dropped), or one missing, of the wrong type or out
+/// of range. 400 is kept for bodies that are not a JSON object at all.
+pub fn misfit(error: serde_json::Error) -> AppError {
+    let message = error.to_string();
+    if message.starts_with("unknown field") {
+        AppError::UnknownField(message)
+    } else {
+        AppError::Invalid(format!("the body does not fit: {message}"))
     }
 }
 

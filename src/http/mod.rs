@@ -95,7 +95,11 @@ pub fn router(
         ));
 
     let public = Router::new()
-        .route("/api/orders", post(orders::place_order))
+        .route(
+            "/api/orders",
+            post(orders::place_order).get(orders::order_by_key),
+        )
+        .route("/api/orders/{id}", get(orders::order))
         .route("/api/strategies", get(strategies::list))
         .route("/api/stats", get(stats::stats))
         .route("/api/timeline", get(timeline::timeline))

@@ -39,6 +39,8 @@ const ADMIN_TOKEN: &str = "admin_token";
     ),
     paths(
         orders::place_order,
+        orders::order,
+        orders::order_by_key,
         strategies::list,
         stats::stats,
         timeline::timeline,
@@ -137,8 +139,14 @@ impl Modify for RouterLayers {
 const SHARED_RESPONSES: &[(&str, &str)] = &[
     (
         "Malformed",
-        "`malformed_request`: the body or query string cannot be read as this \
-         operation's shape (syntax, missing field, wrong type)",
+        "`malformed_request`: the body is not a JSON object (bad syntax, empty, an \
+         array), or the query string cannot be read as this operation's",
+    ),
+    (
+        "NotTaken",
+        "`unknown_field`: the body has a field this operation does not know (the \
+         message names it); `invalid_value`: a field is missing, of the wrong type or \
+         out of range",
     ),
     (
         "TooLarge",
@@ -220,6 +228,7 @@ fn add_layer_responses(operation: &mut Operation) {
         shared(responses, "400", "Malformed");
     }
     if reads_body {
+        not_taken(responses);
         shared(responses, "413", "TooLarge");
         shared(responses, "415", "NotJson");
     }
@@ -242,6 +251,19 @@ fn shared(responses: &mut Responses, status: &str, name: &str) {
         .responses
         .entry(status.to_owned())
         .or_insert_with(|| Ref::from_response_name(name).into());
+}
+
+/// Every body is refused with 422 when it has a field the operation does not know: an
+/// operation that describes its own 422 gets the sentence added, the others the
+/// shared response.
+fn not_taken(responses: &mut Responses) {
+    const UNKNOWN: &str = "; `unknown_field`: the body has a field this operation does \
+                           not know (the message names it)";
+    match responses.responses.get_mut("422") {
+        Some(RefOr::T(own)) => own.description.push_str(UNKNOWN),
+        Some(RefOr::Ref(_)) => {}
+        None => shared(responses, "422", "NotTaken"),
+    }
 }
 
 /// This document, as this replica serves it.
@@ -307,7 +329,7 @@ mod tests {
     fn layers_add_their_answers() {
         let json = serde_json::to_value(document(&["none"], 10)).unwrap();
         let reset = &json["paths"]["/api/admin/reset"]["post"];
-        for status in ["400", "401", "403", "413", "415", "503"] {
+        for status in ["400", "401", "403", "413", "415", "422", "503"] {
             assert!(
                 reset["responses"][status].is_object(),
                 "reset lacks {status}"

@@ -16,11 +16,14 @@ const HISTORY_LENGTH: u32 = 50;
 /// A report may carry one run per strategy; more is not a load-test report.
 const MAX_RUNS_PER_REPORT: usize = 64;
 
+/// A kept report: the report's own fields and its id. Spelt out rather than
+/// flattened: `LoadReport` refuses fields it does not know, and its schema says so.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct StoredReport {
     id: i64,
-    #[serde(flatten)]
-    report: LoadReport,
+    generated_at: chrono::DateTime<chrono::Utc>,
+    config: crate::report::LoadConfig,
+    runs: Vec<crate::report::RunResult>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -36,7 +39,12 @@ pub async fn list(State(state): State<AppState>) -> Result<ApiJson<Vec<StoredRep
     Ok(ApiJson(
         reports
             .into_iter()
-            .map(|(id, report)| StoredReport { id, report })
+            .map(|(id, report)| StoredReport {
+                id,
+                generated_at: report.generated_at,
+                config: report.config,
+                runs: report.runs,
+            })
             .collect(),
     ))
 }

@@ -23,6 +23,8 @@ pub struct AppState {
     pub strategies: Registry,
     /// Largest quantity one order may ask for.
     pub max_quantity: i64,
+    /// How long an order holds its idempotency key's claim (`store::idempotency`).
+    pub idempotency_hold: std::time::Duration,
     /// Requests served by this replica, announced in its heartbeat.
     pub requests: Arc<AtomicU64>,
     /// The dashboard's live snapshot, rebuilt while anyone listens.

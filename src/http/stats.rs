@@ -37,6 +37,7 @@ pub fn sku_stats(record: ProductRecord, stock_redis: Option<i64>) -> SkuStats {
         orders: record.orders,
         ordered_quantity: record.ordered_quantity,
         updated_at: record.updated_at,
+        limit_per_user: record.limit_per_user,
     }
 }
 
@@ -111,6 +112,7 @@ mod tests {
             orders: ordered,
             ordered_quantity: ordered,
             updated_at: Utc::now(),
+            limit_per_user: None,
         }
     }
 

@@ -69,8 +69,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures::FutureExt;
 use tokio::sync::{mpsc, oneshot};
 
-use super::order_commit::{decrement, sale_epoch};
-use super::records::insert_orders;
+use super::order_commit::{Limits, decrement, sale_epoch};
+use super::records::{insert_orders, is_duplicate_key};
 use super::{Committed, Records, Refusal, StockCache, StockWrite, StoreError};
 use crate::model::{NewOrder, Sku};
 
@@ -263,6 +263,16 @@ impl Recorder for MySqlRecorder {
         }
         let mut answers: Vec<Option<Recorded>> = batch.iter().map(|_| None).collect();
         let refused = match self.write(batch).await {
+            // An idempotency key already recorded (a retry whose claim had expired, or
+            // two keyed orders of one key queued together): nothing was written. Each
+            // order alone, where only the duplicate is refused and gives its units back.
+            Err(StoreError::Mysql(error)) if is_duplicate_key(&error) => {
+                let mut answers = Vec::with_capacity(batch.len());
+                for taken in batch {
+                    answers.push(self.record_alone(taken).await);
+                }
+                return answers;
+            }
             Err(error) => {
                 // Nothing was written (the transaction rolls back as it drops).
                 let error = Arc::new(error);
@@ -308,12 +318,21 @@ impl MySqlRecorder {
         let mut versions = Vec::new();
         let mut refused = Vec::new();
         for group in groups(batch) {
+            // Redis ahead of MySQL: `record_alone` refuses its orders.
             if group.epoch > sale_epoch {
-                // Redis ahead of MySQL: `record_alone` refuses its orders.
                 refused.push(group);
                 continue;
             }
-            let updated = decrement(&mut tx, group.sku.as_str(), group.total, group.epoch).await?;
+            let updated = decrement(
+                &mut tx,
+                group.sku.as_str(),
+                group.total,
+                group.epoch,
+                Limits::Unlimited,
+            )
+            .await?;
+            // The epoch moved, MySQL has fewer units than Redis took, or the SKU has a
+            // limit per user: `record_alone` records or refuses each order precisely.
             if updated.rows_affected() == 0 {
                 refused.push(group);
             } else {
@@ -477,6 +496,7 @@ mod tests {
                             strategy: "redis-atomic".into(),
                             replica: "r".into(),
                             created_at: Utc::now(),
+                            idempotency_key: None,
                         },
                         version: 1,
                     }))
@@ -500,6 +520,7 @@ mod tests {
                 sku: Sku::parse("sku-1").expect("sku"),
                 user_id: user.to_owned(),
                 quantity: 1,
+                idempotency: None,
             },
             epoch: 1,
             generation: String::new(),

@@ -6,6 +6,7 @@
 
 mod cluster_state;
 mod group_commit;
+mod idempotency;
 mod order_commit;
 mod records;
 mod sale;
@@ -14,6 +15,7 @@ mod timeline;
 
 pub use cluster_state::{ClusterEvent, ClusterSettings, ClusterState, PauseFault, ReplicaInfo};
 pub use group_commit::{GroupCommit, MAX_BATCH, PendingOrder, Recorded, TakenOrder};
+pub use idempotency::{Claim, ClaimToken, KEY_RETENTION};
 pub use order_commit::{Committed, Fence, LockedProduct, Refusal, StockWrite};
 pub use records::{ProductRecord, Records};
 pub use sale::{SaleChange, SaleSettings, StockAt};

@@ -53,8 +53,12 @@ pub enum StockWrite {
         new_stock: i64,
         fence: Option<Fence>,
     },
-    /// optimistic: decrement, only if the row is still at the version read.
-    DecrementAtVersion { version: i64 },
+    /// optimistic: decrement, only if the row is still at the version read. The SKU's
+    /// limit per user comes with that read (`Records::optimistic_read`).
+    DecrementAtVersion {
+        version: i64,
+        limit_per_user: Option<i64>,
+    },
     /// redis-atomic and db-for-update: decrement, only if the stock covers it.
     Decrement,
 }
@@ -90,6 +94,10 @@ pub enum Refusal {
     NotEnough {
         stock: i64,
     },
+    /// The user would pass the SKU's limit per user with this order.
+    LimitReached,
+    /// An order with the same idempotency key is recorded already.
+    Duplicate,
 }
 
 /// An order recorded, with the product row's version after it (for the cache write,
@@ -256,31 +264,41 @@ async fn write_order(
     // the sale epoch only grows: a second read would only widen the window between
     // its read and this write, in which rivals make it conflict (the hot-row test
     // took 14 s instead of 8).
-    let checked = matches!(write, StockWrite::DecrementAtVersion { .. });
-    if !checked && sale_epoch(tx).await? < epoch {
-        return Ok(Err(Refusal::SaleChanged));
-    }
-    let updated =
-        match write {
-            StockWrite::Set {
-                new_stock,
-                fence: None,
-            } => {
-                sqlx::query(
-                    "UPDATE products p
+    // The SKU's limit per user is read with the sale epoch (no extra round trip), from
+    // the transaction's snapshot: a reset that changes it moves the SKU's epoch, so an
+    // order that began before the reset is refused by the `UPDATE` below, and one that
+    // began after it sees it.
+    let limit_per_user = match write {
+        StockWrite::DecrementAtVersion { limit_per_user, .. } => limit_per_user,
+        _ => {
+            let (sale_epoch, limit_per_user) = sale_epoch_and_limit(tx, sku).await?;
+            if sale_epoch < epoch {
+                return Ok(Err(Refusal::SaleChanged));
+            }
+            limit_per_user
+        }
+    };
+    let updated = match write {
+        StockWrite::Set {
+            new_stock,
+            fence: None,
+        } => {
+            sqlx::query(
+                "UPDATE products p
                  SET p.stock = ?, p.version = LAST_INSERT_ID(p.version + 1)
                  WHERE p.sku = ? AND p.epoch <= ?",
-                )
-                .bind(new_stock)
-                .bind(sku)
-                .bind(epoch)
-                .execute(&mut **tx)
-                .await?
-            }
-            StockWrite::Set {
-                new_stock,
-                fence: Some(fence),
-            } => sqlx::query(
+            )
+            .bind(new_stock)
+            .bind(sku)
+            .bind(epoch)
+            .execute(&mut **tx)
+            .await?
+        }
+        StockWrite::Set {
+            new_stock,
+            fence: Some(fence),
+        } => {
+            sqlx::query(
                 "UPDATE products p JOIN product_fences f ON f.sku = p.sku AND f.lock_service = ?
                  SET p.stock = ?, p.version = LAST_INSERT_ID(p.version + 1)
                  WHERE p.sku = ? AND p.epoch <= ? AND f.fence = ? AND p.stock = ?",
@@ -292,23 +310,24 @@ async fn write_order(
             .bind(fence.token)
             .bind(fence.read_stock)
             .execute(&mut **tx)
-            .await?,
-            StockWrite::DecrementAtVersion { version } => {
-                sqlx::query(
-                    "UPDATE products p
+            .await?
+        }
+        StockWrite::DecrementAtVersion { version, .. } => {
+            sqlx::query(
+                "UPDATE products p
                  SET p.stock = p.stock - ?, p.version = LAST_INSERT_ID(p.version + 1)
                  WHERE p.sku = ? AND p.epoch <= ? AND p.version = ? AND p.stock >= ?",
-                )
-                .bind(order.quantity)
-                .bind(sku)
-                .bind(epoch)
-                .bind(version)
-                .bind(order.quantity)
-                .execute(&mut **tx)
-                .await?
-            }
-            StockWrite::Decrement => decrement(tx, sku, order.quantity, epoch).await?,
-        };
+            )
+            .bind(order.quantity)
+            .bind(sku)
+            .bind(epoch)
+            .bind(version)
+            .bind(order.quantity)
+            .execute(&mut **tx)
+            .await?
+        }
+        StockWrite::Decrement => decrement(tx, sku, order.quantity, epoch, Limits::Checked).await?,
+    };
     if updated.rows_affected() == 0 {
         // The refused UPDATE holds the product row's lock until the rollback, and on
         // a hot row optimistic losers are many: it re-reads the row before its next
@@ -319,11 +338,18 @@ async fn write_order(
         return Ok(Err(diagnose(tx, order, write, epoch, strategy).await?));
     }
     let version = i64::try_from(updated.last_insert_id()).unwrap_or(i64::MAX);
-    let recorded = insert_order(tx, order, strategy, replica).await?;
-    Ok(Ok(Committed {
-        order: recorded,
-        version,
-    }))
+    if let Some(limit) = limit_per_user
+        && bought(tx, order).await?.saturating_add(order.quantity) > limit
+    {
+        return Ok(Err(Refusal::LimitReached));
+    }
+    // Refused (a duplicate key): the caller rolls back, the update with it.
+    Ok(insert_order(tx, order, strategy, replica)
+        .await?
+        .map(|recorded| Committed {
+            order: recorded,
+            version,
+        }))
 }
 
 /// `StockWrite::Decrement`'s statement: the stock falls by `quantity` only while the
@@ -339,18 +365,28 @@ async fn write_order(
 /// COMMIT (`StoreError::RowLockTimeout`): nothing was written, the orders give their
 /// units back and answer 503 busy. db-for-update already holds its row, so the bound
 /// never applies there.
+///
+/// A group commit's `UPDATE` (`Limits::Unlimited`) also matches nothing for a SKU with
+/// a limit per user: its orders are then recorded one by one, each checked by
+/// `write_order`, at no extra round trip for the SKUs without a limit.
 pub(super) async fn decrement(
     tx: &mut Transaction<'static, MySql>,
     sku: &str,
     quantity: i64,
     epoch: u64,
+    limits: Limits,
 ) -> Result<MySqlQueryResult, StoreError> {
+    let unlimited = match limits {
+        Limits::Checked => "",
+        Limits::Unlimited => " AND p.limit_per_user IS NULL",
+    };
     sqlx::query(sqlx::AssertSqlSafe(format!(
-        // The number is a constant; MariaDB takes no placeholder in SET STATEMENT.
+        // The number and the condition are constants; MariaDB takes no placeholder in
+        // SET STATEMENT.
         "SET STATEMENT innodb_lock_wait_timeout = {DECREMENT_ROW_WAIT_SECONDS} FOR
          UPDATE products p
          SET p.stock = p.stock - ?, p.version = LAST_INSERT_ID(p.version + 1)
-         WHERE p.sku = ? AND p.epoch <= ? AND p.stock >= ?"
+         WHERE p.sku = ? AND p.epoch <= ? AND p.stock >= ?{unlimited}"
     )))
     .bind(quantity)
     .bind(sku)
@@ -359,6 +395,50 @@ pub(super) async fn decrement(
     .execute(&mut **tx)
     .await
     .map_err(row_lock_error)
+}
+
+/// The sale epoch and the SKU's limit per user, in one plain read inside the caller's
+/// transaction (see `sale_epoch` and `write_order`).
+async fn sale_epoch_and_limit(
+    tx: &mut Transaction<'static, MySql>,
+    sku: &str,
+) -> Result<(u64, Option<i64>), StoreError> {
+    let row: Option<(String, Option<i64>)> = sqlx::query_as(
+        "SELECT e.value, p.limit_per_user FROM cluster_settings e
+           LEFT JOIN products p ON p.sku = ?
+         WHERE e.name = 'epoch'",
+    )
+    .bind(sku)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(row.map_or((0, None), |(epoch, limit)| {
+        (epoch.parse().unwrap_or(0), limit)
+    }))
+}
+
+/// The units `order`'s user bought of its SKU in this sale (the SKU's orders, which a
+/// reset deletes). A locking read: the caller holds the product row's lock, which
+/// every order of the SKU takes before inserting, and this reads the orders committed
+/// while it waited for the row, where its snapshot may be older.
+async fn bought(tx: &mut Transaction<'static, MySql>, order: &NewOrder) -> Result<i64, StoreError> {
+    let units: i64 = sqlx::query_scalar(
+        "SELECT CAST(COALESCE(SUM(quantity), 0) AS SIGNED) FROM orders
+         WHERE sku = ? AND user_id = ? LOCK IN SHARE MODE",
+    )
+    .bind(order.sku.as_str())
+    .bind(&order.user_id)
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok(units)
+}
+
+/// Whether the orders a decrement is for have their limit per user checked.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Limits {
+    /// Each order's transaction checks it (`write_order`).
+    Checked,
+    /// A group commit's multi-row insert, which does not: the SKU must have no limit.
+    Unlimited,
 }
 
 /// The sale epoch, read inside the caller's transaction without a lock: it only grows,
@@ -477,7 +557,7 @@ pub fn judge(
                 Ok(new_stock)
             }
         }
-        StockWrite::DecrementAtVersion { version } if version != row.version => {
+        StockWrite::DecrementAtVersion { version, .. } if version != row.version => {
             Err(Refusal::VersionChanged)
         }
         StockWrite::DecrementAtVersion { .. } | StockWrite::Decrement => {
@@ -698,11 +778,27 @@ mod tests {
             Err(Refusal::NotEnough { stock: 1 })
         );
         assert_eq!(
-            judge(StockWrite::DecrementAtVersion { version: 2 }, 1, 1, &row),
+            judge(
+                StockWrite::DecrementAtVersion {
+                    version: 2,
+                    limit_per_user: None
+                },
+                1,
+                1,
+                &row
+            ),
             Err(Refusal::VersionChanged)
         );
         assert_eq!(
-            judge(StockWrite::DecrementAtVersion { version: 3 }, 1, 1, &row),
+            judge(
+                StockWrite::DecrementAtVersion {
+                    version: 3,
+                    limit_per_user: None
+                },
+                1,
+                1,
+                &row
+            ),
             Ok(0)
         );
     }

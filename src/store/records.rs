@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, SubsecRound, Utc};
 use sqlx::mysql::MySqlPool;
 use sqlx::{MySql, Row, Transaction};
 
-use super::StoreError;
+use super::{Refusal, StoreError};
 use crate::model::{NewOrder, Order, Sku};
 use crate::mysql_pool::{self, on_live_connection};
 use crate::report::LoadReport;
@@ -24,6 +24,8 @@ pub struct Records {
 pub struct OptimisticRow {
     pub stock: i64,
     pub version: i64,
+    /// The SKU's limit per user in this sale, if any.
+    pub limit_per_user: Option<i64>,
     pub epoch: u64,
     /// The sale epoch of the last change that concerned the SKU.
     pub sku_epoch: u64,
@@ -47,6 +49,8 @@ pub struct ProductRecord {
     pub ordered_quantity: i64,
     /// When the product row last changed (a reset or a sale).
     pub updated_at: DateTime<Utc>,
+    /// Units one user may buy in this sale; `None`: no limit.
+    pub limit_per_user: Option<i64>,
 }
 
 impl Records {
@@ -87,19 +91,23 @@ impl Records {
     pub async fn optimistic_read(&self, sku: &Sku) -> Result<Option<OptimisticRow>, StoreError> {
         let read = || {
             sqlx::query_as(
-                "SELECT p.stock, p.version, e.value, p.epoch FROM products p
+                "SELECT p.stock, p.version, e.value, p.epoch, p.limit_per_user FROM products p
                  JOIN cluster_settings e ON e.name = 'epoch' WHERE p.sku = ?",
             )
             .bind(sku.as_str())
             .fetch_optional(&self.pool)
         };
-        let row: Option<(i64, i64, String, u64)> = on_live_connection(&self.pool, read).await?;
-        Ok(row.map(|(stock, version, epoch, sku_epoch)| OptimisticRow {
-            stock,
-            version,
-            epoch: epoch.parse().unwrap_or(0),
-            sku_epoch,
-        }))
+        type Row = (i64, i64, String, u64, Option<i64>);
+        let row: Option<Row> = on_live_connection(&self.pool, read).await?;
+        Ok(
+            row.map(|(stock, version, epoch, sku_epoch, limit)| OptimisticRow {
+                stock,
+                version,
+                limit_per_user: limit,
+                epoch: epoch.parse().unwrap_or(0),
+                sku_epoch,
+            }),
+        )
     }
 
     /// The product's stock and row version.
@@ -115,11 +123,11 @@ impl Records {
     /// Products with their order totals; all of them, or only `sku`.
     pub async fn products(&self, sku: Option<&Sku>) -> Result<Vec<ProductRecord>, StoreError> {
         let rows = sqlx::query(
-            "SELECT p.sku, p.initial_stock, p.stock, p.updated_at,
+            "SELECT p.sku, p.initial_stock, p.stock, p.updated_at, p.limit_per_user,
                     COUNT(o.id) AS orders, CAST(COALESCE(SUM(o.quantity), 0) AS SIGNED) AS ordered
              FROM products p LEFT JOIN orders o ON o.sku = p.sku
              WHERE (? IS NULL OR p.sku = ?)
-             GROUP BY p.sku, p.initial_stock, p.stock, p.updated_at
+             GROUP BY p.sku, p.initial_stock, p.stock, p.updated_at, p.limit_per_user
              ORDER BY p.sku",
         )
         .bind(sku.map(Sku::as_str))
@@ -140,6 +148,7 @@ impl Records {
                     orders: row.try_get("orders")?,
                     ordered_quantity: row.try_get("ordered")?,
                     updated_at: row.try_get("updated_at")?,
+                    limit_per_user: row.try_get("limit_per_user")?,
                 })
             })
             .collect()
@@ -200,17 +209,21 @@ async fn migrate(pool: &MySqlPool) -> anyhow::Result<()> {
     Ok(migrated?)
 }
 
-/// Inserts the order row inside the caller's transaction and returns it as recorded.
+/// Inserts the order row inside the caller's transaction and returns it as recorded;
+/// `Ok(Err(Duplicate))` when an order with the same idempotency key exists (the unique
+/// key refused the row; the caller rolls back).
 pub(crate) async fn insert_order(
     tx: &mut Transaction<'_, MySql>,
     order: &NewOrder,
     strategy: &str,
     replica: &str,
-) -> Result<Order, StoreError> {
-    let created_at = Utc::now();
-    let result = sqlx::query(
-        "INSERT INTO orders (sku, user_id, quantity, strategy, replica, created_at)
-         VALUES (?, ?, ?, ?, ?, ?)",
+) -> Result<Result<Order, Refusal>, StoreError> {
+    let created_at = Utc::now().trunc_subsecs(6);
+    let (key, fingerprint) = idempotency_columns(order);
+    let inserted = sqlx::query(
+        "INSERT INTO orders (sku, user_id, quantity, strategy, replica, created_at,
+                             idempotency_key, fingerprint)
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
     )
     .bind(order.sku.as_str())
     .bind(&order.user_id)
@@ -218,9 +231,15 @@ pub(crate) async fn insert_order(
     .bind(strategy)
     .bind(replica)
     .bind(created_at)
+    .bind(key)
+    .bind(fingerprint)
     .execute(&mut **tx)
-    .await?;
-    Ok(Order {
+    .await;
+    let result = match inserted {
+        Err(error) if is_duplicate_key(&error) => return Ok(Err(Refusal::Duplicate)),
+        inserted => inserted?,
+    };
+    Ok(Ok(Order {
         id: result.last_insert_id(),
         sku: order.sku.clone(),
         user_id: order.user_id.clone(),
@@ -228,8 +247,27 @@ pub(crate) async fn insert_order(
         strategy: strategy.to_owned(),
         replica: replica.to_owned(),
         created_at,
-    })
+        idempotency_key: key.map(str::to_owned),
+    }))
 }
+
+/// The order's idempotency key and fingerprint, as bound to the `orders` columns.
+fn idempotency_columns(order: &NewOrder) -> (Option<&str>, Option<&str>) {
+    match &order.idempotency {
+        Some(idempotency) => (
+            Some(idempotency.key.as_str()),
+            Some(idempotency.fingerprint.as_str()),
+        ),
+        None => (None, None),
+    }
+}
+
+/// MySQL's "duplicate entry" for a unique key.
+pub(crate) fn is_duplicate_key(error: &sqlx::Error) -> bool {
+    super::order_commit::mysql_error_number(error) == Some(DUPLICATE_KEY)
+}
+
+const DUPLICATE_KEY: u16 = 1062;
 
 /// Inserts several orders with one statement inside the caller's transaction and
 /// returns them as recorded, in the order given, each with its own id.
@@ -239,7 +277,8 @@ pub(crate) async fn insert_order(
 /// auto-increment: consecutive ids for a multi-row insert hold only for some
 /// `innodb_autoinc_lock_mode`s and `auto_increment_increment`s, which a server may
 /// change. Each returned row is matched to an order by its content (SKU, user,
-/// quantity; the strategy, replica and time are the same for every row), so not even
+/// quantity, idempotency key: the shopper learns the id of the row that holds its
+/// key; the strategy, replica and time are the same for every row), so not even
 /// the order of the returned rows matters: orders with the same content are the same
 /// row for every purpose, so which of them gets which id is immaterial. A returned
 /// row that matches no order is an error before COMMIT: nothing is recorded.
@@ -247,51 +286,61 @@ pub(crate) async fn insert_order(
 /// Every row gets the same `created_at` (the orders are recorded by one transaction),
 /// cut to the microseconds the column keeps, so the returned orders are exactly the
 /// rows.
+///
+/// An idempotency key that an order already holds fails the whole statement
+/// (`is_duplicate_key`); the caller then records the batch's orders one by one, where
+/// the duplicate is refused alone. The limit per user is not checked here: the group
+/// committer records the orders of a SKU with a limit one by one (`write_order`).
 pub(crate) async fn insert_orders(
     tx: &mut Transaction<'_, MySql>,
     orders: &[&NewOrder],
     strategy: &str,
     replica: &str,
 ) -> Result<Vec<Order>, StoreError> {
-    use chrono::SubsecRound;
     use std::collections::HashMap;
 
     if orders.is_empty() {
         return Ok(Vec::new());
     }
     let created_at = Utc::now().trunc_subsecs(6);
-    let rows = vec!["(?, ?, ?, ?, ?, ?)"; orders.len()].join(", ");
+    let rows = vec!["(?, ?, ?, ?, ?, ?, ?, ?)"; orders.len()].join(", ");
     // Built from constant pieces and the number of rows only; the values are bound.
     let statement = sqlx::AssertSqlSafe(format!(
-        "INSERT INTO orders (sku, user_id, quantity, strategy, replica, created_at)
-         VALUES {rows} RETURNING id, sku, user_id, quantity"
+        "INSERT INTO orders (sku, user_id, quantity, strategy, replica, created_at,
+                             idempotency_key, fingerprint)
+         VALUES {rows} RETURNING id, sku, user_id, quantity, idempotency_key"
     ));
-    let mut insert = sqlx::query_as::<_, (i64, String, String, i64)>(statement);
+    let mut insert = sqlx::query_as::<_, (i64, String, String, i64, Option<String>)>(statement);
     for order in orders {
+        let (key, fingerprint) = idempotency_columns(order);
         insert = insert
             .bind(order.sku.as_str())
             .bind(&order.user_id)
             .bind(order.quantity)
             .bind(strategy)
             .bind(replica)
-            .bind(created_at);
+            .bind(created_at)
+            .bind(key)
+            .bind(fingerprint);
     }
     let returned = insert.fetch_all(&mut **tx).await?;
 
     // Positions of the orders by content; each returned row takes one.
-    let mut unmatched: HashMap<(String, String, i64), Vec<usize>> = HashMap::new();
+    type Content = (String, String, i64, Option<String>);
+    let mut unmatched: HashMap<Content, Vec<usize>> = HashMap::new();
     for (position, order) in orders.iter().enumerate().rev() {
         let key = (
             order.sku.as_str().to_owned(),
             order.user_id.clone(),
             order.quantity,
+            idempotency_columns(order).0.map(str::to_owned),
         );
         unmatched.entry(key).or_default().push(position);
     }
     let mut ids: Vec<Option<u64>> = vec![None; orders.len()];
-    for (id, sku, user_id, quantity) in returned {
+    for (id, sku, user_id, quantity, key) in returned {
         let position = unmatched
-            .get_mut(&(sku, user_id, quantity))
+            .get_mut(&(sku, user_id, quantity, key))
             .and_then(Vec::pop);
         let (Some(position), Ok(id)) = (position, u64::try_from(id)) else {
             return Err(StoreError::Corrupt {
@@ -317,7 +366,79 @@ pub(crate) async fn insert_orders(
                 strategy: strategy.to_owned(),
                 replica: replica.to_owned(),
                 created_at,
+                idempotency_key: idempotency_columns(order).0.map(str::to_owned),
             })
         })
         .collect()
+}
+
+type OrderRow = (
+    i64,
+    String,
+    String,
+    i64,
+    String,
+    String,
+    DateTime<Utc>,
+    Option<String>,
+    Option<String>,
+);
+
+/// An order row and the fingerprint of the request it was placed with.
+fn order_from_row(row: OrderRow) -> Result<(Order, Option<String>), StoreError> {
+    let (id, sku, user_id, quantity, strategy, replica, created_at, key, fingerprint) = row;
+    let sku = Sku::parse(&sku).map_err(|detail| StoreError::Corrupt {
+        what: "orders.sku",
+        detail,
+    })?;
+    let id = u64::try_from(id).map_err(|e| StoreError::Corrupt {
+        what: "orders.id",
+        detail: e.to_string(),
+    })?;
+    let order = Order {
+        id,
+        sku,
+        user_id,
+        quantity,
+        strategy,
+        replica,
+        created_at,
+        idempotency_key: key,
+    };
+    Ok((order, fingerprint))
+}
+
+impl Records {
+    /// The order with this id, if recorded.
+    pub async fn order(&self, id: u64) -> Result<Option<Order>, StoreError> {
+        let read = || {
+            sqlx::query_as::<_, OrderRow>(
+                "SELECT id, sku, user_id, quantity, strategy, replica, created_at,
+                        idempotency_key, fingerprint
+                 FROM orders WHERE id = ?",
+            )
+            .bind(id)
+            .fetch_optional(&self.pool)
+        };
+        let row = on_live_connection(&self.pool, read).await?;
+        Ok(row.map(order_from_row).transpose()?.map(|(order, _)| order))
+    }
+
+    /// The order recorded with this idempotency key, with its request's fingerprint.
+    pub async fn order_by_key(&self, key: &str) -> Result<Option<(Order, String)>, StoreError> {
+        let read = || {
+            sqlx::query_as::<_, OrderRow>(
+                "SELECT id, sku, user_id, quantity, strategy, replica, created_at,
+                        idempotency_key, fingerprint
+                 FROM orders WHERE idempotency_key = ?",
+            )
+            .bind(key)
+            .fetch_optional(&self.pool)
+        };
+        let row = on_live_connection(&self.pool, read).await?;
+        Ok(row
+            .map(order_from_row)
+            .transpose()?
+            .map(|(order, fingerprint)| (order, fingerprint.unwrap_or_default())))
+    }
 }

@@ -52,10 +52,12 @@ pub enum SaleChange {
     Fencing(bool),
     /// The cohort layer on or off: orders begun under the other mode are refused.
     Cohort(bool),
-    /// New stock for a SKU (created if new); its orders and fences are cleared.
+    /// New stock for a SKU (created if new); its orders and fences are cleared, so a
+    /// limit per user (`None`: none) counts each user's units afresh.
     Reset {
         sku: Sku,
         stock: i64,
+        limit_per_user: Option<i64>,
     },
     /// Rewrite the Redis stock of `sku`, or of every SKU, from MySQL: repairs missing
     /// and stale values. Only the orders of the SKUs rewritten are fenced off.
@@ -402,17 +404,24 @@ impl Records {
                     .execute(&mut *tx)
                     .await?;
             }
-            SaleChange::Reset { sku, stock } => {
+            SaleChange::Reset {
+                sku,
+                stock,
+                limit_per_user,
+            } => {
                 // The version keeps growing across resets (and is moved to this
                 // epoch's range below).
                 sqlx::query(
-                    "INSERT INTO products (sku, stock, initial_stock, version) VALUES (?, ?, ?, 1)
+                    "INSERT INTO products (sku, stock, initial_stock, version, limit_per_user)
+                     VALUES (?, ?, ?, 1, ?)
                      ON DUPLICATE KEY UPDATE stock = VALUES(stock),
-                         initial_stock = VALUES(initial_stock), version = version + 1",
+                         initial_stock = VALUES(initial_stock), version = version + 1,
+                         limit_per_user = VALUES(limit_per_user)",
                 )
                 .bind(sku.as_str())
                 .bind(stock)
                 .bind(stock)
+                .bind(limit_per_user)
                 .execute(&mut *tx)
                 .await?;
                 sqlx::query("DELETE FROM orders WHERE sku = ?")

@@ -367,6 +367,8 @@ impl SaleFlow {
                 available: stock.max(0),
                 requested: order.quantity,
             },
+            Refusal::LimitReached => OrderError::LimitReached,
+            Refusal::Duplicate => OrderError::DuplicateKey,
         }
     }
 

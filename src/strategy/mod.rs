@@ -132,6 +132,13 @@ pub enum OrderError {
     StockUnavailable(String),
     #[error("sold out")]
     SoldOut { available: i64, requested: i64 },
+    /// The user would pass the sale's limit per user; nothing was written.
+    #[error("the limit per user is reached")]
+    LimitReached,
+    /// MySQL holds an order with the order's idempotency key already; nothing was
+    /// written (the HTTP layer answers with that order).
+    #[error("an order with this idempotency key is recorded already")]
+    DuplicateKey,
     /// The strategy could not get exclusive access in time (lock wait, or optimistic
     /// retries exhausted): worth retrying later.
     #[error("{0}")]
@@ -173,6 +180,11 @@ pub enum OrderError {
 pub enum Outcome {
     Created,
     SoldOut,
+    /// The user would pass the sale's limit per user.
+    LimitReached,
+    /// An order with the same idempotency key is recorded; nothing was written (the
+    /// shopper is answered with that order).
+    Duplicate,
     /// The lock was not free in time.
     LockTimeout,
     /// optimistic: every attempt conflicted.
@@ -195,6 +207,8 @@ impl Outcome {
         match self {
             Outcome::Created => "created",
             Outcome::SoldOut => "sold_out",
+            Outcome::LimitReached => "limit_reached",
+            Outcome::Duplicate => "duplicate",
             Outcome::LockTimeout => "lock_timeout",
             Outcome::TooManyConflicts => "too_many_conflicts",
             Outcome::LockLost => "lock_lost",
@@ -214,6 +228,8 @@ impl OrderError {
             OrderError::UnknownSku(_) => Outcome::NotFound,
             OrderError::StockUnavailable(_) => Outcome::Unavailable,
             OrderError::SoldOut { .. } => Outcome::SoldOut,
+            OrderError::LimitReached => Outcome::LimitReached,
+            OrderError::DuplicateKey => Outcome::Duplicate,
             OrderError::Busy(_) => Outcome::LockTimeout,
             OrderError::GaveUp(_) => Outcome::TooManyConflicts,
             OrderError::LockLost(_) | OrderError::Fenced { .. } | OrderError::StaleRead => {

@@ -131,6 +131,7 @@ impl OptimisticStrategy {
             flow.simulate_work().await;
             let write = StockWrite::DecrementAtVersion {
                 version: row.version,
+                limit_per_user: row.limit_per_user,
             };
             let committed = store
                 .records

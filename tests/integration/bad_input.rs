@@ -85,32 +85,32 @@ fn cases() -> Vec<Case> {
             M::POST,
             order,
             r#"{"sku":"bad-input","user_id":"u"}"#,
-            400,
-            "malformed_request",
+            422,
+            "invalid_value",
         ),
         case(
             "missing sku",
             M::POST,
             order,
             r#"{"user_id":"u","quantity":1}"#,
-            400,
-            "malformed_request",
+            422,
+            "invalid_value",
         ),
         case(
             "quantity as string",
             M::POST,
             order,
             r#"{"sku":"bad-input","user_id":"u","quantity":"1"}"#,
-            400,
-            "malformed_request",
+            422,
+            "invalid_value",
         ),
         case(
             "sku as number",
             M::POST,
             order,
             r#"{"sku":5,"user_id":"u","quantity":1}"#,
-            400,
-            "malformed_request",
+            422,
+            "invalid_value",
         ),
         case(
             "quantity zero",
@@ -251,8 +251,8 @@ fn cases() -> Vec<Case> {
             M::POST,
             "/api/admin/reset",
             r#"{"sku":"bad-input"}"#,
-            400,
-            "malformed_request",
+            422,
+            "invalid_value",
         ),
         case(
             "unknown strategy switch",
@@ -267,24 +267,24 @@ fn cases() -> Vec<Case> {
             M::PUT,
             "/api/admin/strategy",
             r#"{"strategy":3}"#,
-            400,
-            "malformed_request",
+            422,
+            "invalid_value",
         ),
         case(
             "cohort switched by a string",
             M::PUT,
             "/api/admin/cohort",
             r#"{"enabled":"yes"}"#,
-            400,
-            "malformed_request",
+            422,
+            "invalid_value",
         ),
         case(
             "cohort switch without enabled",
             M::PUT,
             "/api/admin/cohort",
             "{}",
-            400,
-            "malformed_request",
+            422,
+            "invalid_value",
         ),
         case(
             "cohort switched by an array",
@@ -315,8 +315,8 @@ fn cases() -> Vec<Case> {
             M::POST,
             "/api/admin/fences/reset",
             r#"{"sku":5}"#,
-            400,
-            "malformed_request",
+            422,
+            "invalid_value",
         ),
         case(
             "stats bad sku",
@@ -333,6 +333,38 @@ fn cases() -> Vec<Case> {
             "",
             404,
             "not_found",
+        ),
+        case(
+            "reset limit per user zero",
+            M::POST,
+            "/api/admin/reset",
+            r#"{"sku":"bad-input","stock":5,"limit_per_user":0}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "reset limit per user negative",
+            M::POST,
+            "/api/admin/reset",
+            r#"{"sku":"bad-input","stock":5,"limit_per_user":-1}"#,
+            422,
+            "invalid_value",
+        ),
+        case(
+            "a misspelt reset option",
+            M::POST,
+            "/api/admin/reset",
+            r#"{"sku":"bad-input","stock":5,"limt_per_user":1}"#,
+            422,
+            "unknown_field",
+        ),
+        case(
+            "an order with a field too many",
+            M::POST,
+            order,
+            r#"{"sku":"bad-input","user_id":"u","quantity":1,"coupon":"x"}"#,
+            422,
+            "unknown_field",
         ),
         case(
             "unknown API route",
@@ -436,5 +468,66 @@ async fn valid_edge_input_is_served() {
     assert_eq!(
         (lower["stock_mysql"].as_i64(), lower["orders"].as_i64()),
         (Some(3), Some(0))
+    );
+}
+
+/// Every route that reads a JSON body, as the OpenAPI document lists them, refuses a
+/// field it does not know with 422 `unknown_field` naming it, and changes nothing: a
+/// misspelt option (`"limt_per_user": 1`) is never silently dropped. Without
+/// `deny_unknown_fields` on a route's body (or the cohort switch's own check), that
+/// route answers 400 or 422 `invalid_value` for a missing field, or acts on the body.
+#[tokio::test]
+async fn every_body_refuses_an_unknown_field_by_name() {
+    const TOKEN: &str = "unknown-field-token";
+    let cluster = TestCluster::start(
+        1,
+        &["--admin-token", TOKEN, "--loadtest-bin", "/usr/bin/true"],
+    )
+    .await;
+    let sku = "unknown-field";
+    cluster.reset(sku, 5).await;
+    let before = cluster.sku_stats(sku).await;
+    let document = cluster.get_json(0, "/api/openapi.json").await;
+    let paths = document["paths"].as_object().expect("paths");
+    let mut checked = Vec::new();
+    for (path, item) in paths {
+        for (method, operation) in item.as_object().expect("path item") {
+            if operation.get("requestBody").is_none() {
+                continue;
+            }
+            let method = Method::from_bytes(method.to_uppercase().as_bytes()).expect("method");
+            // A field of the body as sent by a client that misspelt one: alone, so
+            // the answer cannot be about another field.
+            let response = cluster
+                .http
+                .request(method.clone(), cluster.url(0, path))
+                .json(&serde_json::json!({ "zz_not_a_field": 1 }))
+                .send()
+                .await
+                .expect("request sent");
+            let status = response.status();
+            let body: Value = response.json().await.unwrap_or(Value::Null);
+            assert_eq!(
+                (status, body["error"].as_str()),
+                (StatusCode::UNPROCESSABLE_ENTITY, Some("unknown_field")),
+                "{method} {path}: {body}"
+            );
+            assert!(
+                body["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("zz_not_a_field")),
+                "{method} {path} names the field: {body}"
+            );
+            let documented = &operation["responses"]["422"];
+            assert!(documented.is_object(), "{method} {path} documents its 422");
+            checked.push(format!("{method} {path}"));
+        }
+    }
+    // The routes with a body this build has; a new one is checked as it is documented.
+    assert!(checked.len() >= 12, "{checked:?}");
+    assert_eq!(
+        cluster.sku_stats(sku).await,
+        before,
+        "nothing stored changed"
     );
 }

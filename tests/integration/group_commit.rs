@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use deadpool_redis::redis::AsyncCommands;
-use flashsale::model::{NewOrder, Sku};
+use flashsale::model::{Idempotency, NewOrder, Sku};
 use flashsale::store::{
     GroupCommit, PendingOrder, Records, Refusal, StockCache, StoreError, Taken, TakenOrder,
 };
@@ -144,6 +144,7 @@ pub async fn take(cache: &StockCache, sku: &str, user: &str, epoch: u64) -> Take
             sku,
             user_id: user.to_owned(),
             quantity: 1,
+            idempotency: None,
         },
         epoch,
         generation,
@@ -427,6 +428,7 @@ async fn a_batch_that_fails_before_commit_gives_every_order_its_units_back() {
             sku: sku_name.clone(),
             user_id: "greedy".to_owned(),
             quantity: HUGE,
+            idempotency: None,
         },
         epoch,
         generation,
@@ -569,4 +571,52 @@ async fn orders_queued_behind_a_held_product_row_answer_busy_not_internal() {
     let (status, _, body) = order(9).await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
     mysql.close().await;
+}
+
+/// Two orders with one idempotency key in one batch (a claim taken over while its
+/// holder still ran, both on one replica): the batch's multi-row INSERT fails on the
+/// unique key, nothing of the batch is written, and its orders are recorded one by one:
+/// the key's first order and the other orders are recorded, its second is refused
+/// `Duplicate` and gives its unit back. Without that fallback every order of the batch
+/// fails (units given back, nothing sold); without the key in the batch's INSERT both
+/// orders of the key are recorded.
+#[tokio::test]
+async fn a_duplicate_key_in_a_batch_refuses_only_itself() {
+    let cluster = TestCluster::start(1, &[]).await;
+    cluster.set_strategy("redis-atomic").await;
+    let sku = "batched-keys";
+    cluster.reset(sku, 10).await;
+    let (committer, cache) = committer(&cluster).await;
+    let epoch = epoch(&cluster).await;
+    let mut batch = Vec::new();
+    for user in ["twice", "other", "twice"] {
+        let mut taken = take(&cache, sku, user, epoch).await;
+        if user == "twice" {
+            let key = Idempotency::for_order(b"one-key", &taken.order).expect("key");
+            taken.order.idempotency = Some(key);
+        }
+        batch.push(taken);
+    }
+    let pending = submit_together(&committer, batch);
+    let mut answers = Vec::new();
+    for pending in pending {
+        answers.push(pending.recorded().await);
+    }
+    assert!(matches!(answers[0], Ok(Ok(_))), "{:?}", answers[0]);
+    assert!(matches!(answers[1], Ok(Ok(_))), "{:?}", answers[1]);
+    assert!(
+        matches!(answers[2], Ok(Err(Refusal::Duplicate))),
+        "{:?}",
+        answers[2]
+    );
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        (
+            stats["orders"].as_i64(),
+            stats["stock_mysql"].as_i64(),
+            stats["stock_redis"].as_i64()
+        ),
+        (Some(2), Some(8), Some(8)),
+        "{stats}"
+    );
 }

@@ -21,6 +21,7 @@ mod guarantees_optimistic;
 mod guarantees_sale_changes;
 mod guarantees_support;
 mod hangups;
+mod idempotency;
 mod killed_after_commit;
 mod limits;
 mod lock_cancellation;

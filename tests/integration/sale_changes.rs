@@ -612,6 +612,7 @@ async fn an_admin_change_dropped_by_its_caller_still_reaches_redis() {
     let reset = || SaleChange::Reset {
         sku: sku.clone(),
         stock: 5,
+        limit_per_user: None,
     };
     store
         .change_sale(reset())

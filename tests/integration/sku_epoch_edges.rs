@@ -95,6 +95,7 @@ async fn a_refusal_after_a_row_wait_is_diagnosed_from_the_current_row() {
         sku: Sku::parse(a).unwrap(),
         user_id: "late".into(),
         quantity: 1,
+        idempotency: None,
     };
     let waiting = tokio::spawn(async move {
         records

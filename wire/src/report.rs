@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct LoadReport {
     pub generated_at: DateTime<Utc>,
     pub config: LoadConfig,
@@ -17,6 +18,7 @@ pub struct LoadReport {
 
 /// How the load test was run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct LoadConfig {
     pub targets: Vec<String>,
     pub users: u64,
@@ -63,6 +65,7 @@ fn is_one(n: &u32) -> bool {
 /// One strategy's run: client-side counts and latency, then the stock figures from
 /// the service's own records.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct RunResult {
     pub strategy: String,
     /// Which of the strategy's repeated runs this is, from 1.
@@ -94,6 +97,7 @@ pub struct RunResult {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct Latency {
     pub p50: f64,
     pub p90: f64,

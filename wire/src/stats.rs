@@ -58,6 +58,10 @@ pub struct SkuStats {
     pub oversold: i64,
     pub consistent: bool,
     pub updated_at: DateTime<Utc>,
+    /// The most units one user may buy of this SKU in this sale (set by its last
+    /// reset); `None`: no limit (and from replicas older than the limit).
+    #[serde(default)]
+    pub limit_per_user: Option<i64>,
 }
 
 /// What a replica announces about itself with each heartbeat.
