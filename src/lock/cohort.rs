@@ -710,6 +710,24 @@ mod tests {
             "a holder that saw its lock lost hands it to nobody (issue 37, defect 3)"
         );
 
+        // The flow marks a hold lost when MySQL refused its write (a fence, a stale
+        // read) though the lock itself saw nothing: the layer trusts it no more.
+        let marked = async |guard: &CohortGuard<MemoryGuard>| {
+            assert!(!guard.known_lost(), "a fresh hold is not known lost");
+            guard.mark_lost();
+            assert!(guard.known_lost(), "a hold marked lost is known lost");
+        };
+        assert!(
+            !handed_after(&cohort, marked, ON).await,
+            "a hold the order path marked lost is not handed on"
+        );
+        let seen_lost = async |guard: &CohortGuard<MemoryGuard>| {
+            lock.lost.lock().expect("lost").insert("sku".to_owned());
+            let _ = guard.ensure_held().await;
+            assert!(guard.known_lost(), "the lock's own loss shows through the layer");
+        };
+        assert!(!handed_after(&cohort, seen_lost, ON).await);
+
         let paused = async |guard: &CohortGuard<MemoryGuard>| guard.suspend_renewal();
         assert!(
             !handed_after(&cohort, paused, ON).await,
