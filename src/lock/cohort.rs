@@ -724,7 +724,10 @@ mod tests {
         let seen_lost = async |guard: &CohortGuard<MemoryGuard>| {
             lock.lost.lock().expect("lost").insert("sku".to_owned());
             let _ = guard.ensure_held().await;
-            assert!(guard.known_lost(), "the lock's own loss shows through the layer");
+            assert!(
+                guard.known_lost(),
+                "the lock's own loss shows through the layer"
+            );
         };
         assert!(!handed_after(&cohort, seen_lost, ON).await);
 

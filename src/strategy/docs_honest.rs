@@ -256,3 +256,38 @@ fn every_route_is_documented_and_every_documented_route_served() {
         );
     }
 }
+
+/// Each test docs/choosing.md names as the evidence of a property exists: a test
+/// renamed or deleted would leave the table claiming what nothing checks (it named
+/// `db_unique_serves_replicas_in_the_order_they_began_waiting` after the queue that
+/// test checked was deleted).
+#[test]
+fn every_test_the_guide_names_exists() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/integration");
+    let mut tests = String::new();
+    for entry in std::fs::read_dir(dir).expect("tests/integration") {
+        let path = entry.expect("an entry").path();
+        tests += &std::fs::read_to_string(&path).unwrap_or_default();
+    }
+    let guide = include_str!("../../docs/choosing.md");
+    let is_name = |word: &&str| {
+        word.contains('_')
+            && word
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == ':')
+    };
+    let names: Vec<&str> = guide
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(is_name)
+        .collect();
+    assert!(names.len() > 10, "the guide's tests were read: {names:?}");
+    for name in names {
+        let function = name.rsplit("::").next().unwrap_or(name);
+        assert!(
+            tests.contains(&format!("fn {function}(")),
+            "docs/choosing.md names {name}, which no test in tests/integration is"
+        );
+    }
+}
