@@ -41,16 +41,21 @@ impl Strategy for DbForUpdateStrategy {
                  (no lock: an order of an epoch MySQL never reached is refused)",
                 "SET STATEMENT innodb_lock_wait_timeout = <wait s> FOR \
                  SELECT stock, epoch FROM products WHERE sku = ? FOR UPDATE",
+                "SELECT e.value, p.limit_per_user FROM cluster_settings e \
+                 LEFT JOIN products p ON p.sku = ? WHERE e.name = 'epoch'",
                 "UPDATE products p SET p.stock = p.stock - ?, p.version = p.version + 1 \
-                 WHERE p.sku = ? AND p.epoch <= <epoch>",
+                 WHERE p.sku = ? AND p.epoch <= <epoch> AND p.stock >= ?",
                 "INSERT INTO orders (...) VALUES (...); COMMIT",
                 "Lua: if version > cached version then SET <ns>:stock:<sku>",
             ],
             failure_mode: "Connections and row locks are held for the whole critical section: a \
                            slow holder blocks every buyer of the SKU and ties up a database \
                            connection each; waits past innodb_lock_wait_timeout (error 1205) \
-                           answer 503. It cannot deadlock here: an order locks only its one \
-                           product row.",
+                           answer 503. Row-lock waits cannot form a cycle: an order locks one \
+                           product row, and admin changes lock the epoch row first. With a \
+                           per-user limit, the order's locking read of the user's orders also \
+                           takes InnoDB gap locks, so two orders of neighbouring SKUs can \
+                           deadlock; InnoDB rolls one back and it answers 503 (retry).",
         }
     }
 

@@ -28,9 +28,11 @@ pub fn explanation() -> Explanation {
             "release, or undo of an INSERT whose request hung up (on that INSERT's connection): DELETE FROM distributed_locks WHERE lock_name = ? AND owner = ?",
         ],
         failure_mode: "A crashed holder's row blocks everyone until it expires. Waiters poll: \
-                       each failed INSERT is a statement on the MariaDB the holder needs, and \
-                       the next holder finds the row gone up to a backoff (250 ms) after the \
-                       release; who gets it is luck, not order of arrival. Like every lease \
+                       each failed INSERT is a statement on the MariaDB the holder needs; \
+                       with the cohort layer off, the next holder finds the row gone up to a \
+                       backoff (250 ms) after the release, with it on (the default) each \
+                       replica's first waiter is woken by a release notice. Who gets it is \
+                       luck, not order of arrival. Like every lease \
                        lock, a holder paused past its expiry can be overtaken and write after \
                        the next holder; fencing (the row id, registered before the read, and \
                        the stock read compared at commit) refuses it.",

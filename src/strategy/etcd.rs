@@ -20,10 +20,10 @@ pub fn explanation() -> Explanation {
                whose keep-alive fails known lost; a cut acquisition's key deleted once its put \
                answered (a key left unknown revokes the session).",
         commands: vec![
-            "LeaseGrant(ttl) → the replica's session lease, once; LeaseKeepAlive(lease) every ttl/3 while the replica lives",
+            "LeaseGrant(ttl) → the replica's session lease, once per session (again after one is lost); LeaseKeepAlive(lease) every ttl/3 while the replica lives",
             "Txn: if <prefix>/<lease>-<n> is absent, PUT it on the lease; GET <prefix> newest 2 by create revision → held if no key before ours",
             "else: Watch the key just before ours until deleted; Txn: if our key is still there, GET the key just before it again",
-            "before commit: GET <prefix>/<lease>-<n> (still there: same create revision, same lease)",
+            "before commit: GET <prefix>/<lease>-<n> (the session still kept alive, and the key still there with the same create revision)",
             "release: Txn: if our key is still there, DELETE it, which wakes the next waiter",
         ],
         failure_mode: "Lease expiry: a holder cut off from etcd, or paused, longer than the \

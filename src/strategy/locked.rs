@@ -13,7 +13,9 @@ use crate::model::{NewOrder, Order, Sku};
 /// What the cohort layer adds to every lock, said on each lock's card.
 const COHORT: &str = "Around the lock, the cohort layer (on unless switched off): a \
                       replica's requests for a SKU queue locally, and a holder hands the \
-                      lock to the next of them instead of releasing it, up to 8 in a row.";
+                      lock to the next of them instead of releasing it, up to 8 in a row; for \
+                      db-unique and Redlock a release is announced on Redis and each \
+                      replica's first waiter asks again at once.";
 
 pub struct LockStrategy<L: DistributedLock> {
     explanation: Explanation,

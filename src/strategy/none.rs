@@ -28,9 +28,10 @@ impl Strategy for NoCoordination {
                    starts from; the sale epoch still keeps an order of another strategy out.",
             commands: vec![
                 "GET <ns>:stock:<sku>",
-                "BEGIN; UPDATE products p JOIN cluster_settings e ON e.name = 'epoch' \
-                 SET p.stock = <read - q>, p.version = p.version + 1 \
-                 WHERE p.sku = ? AND e.value = <epoch>; INSERT INTO orders (...) VALUES (...); COMMIT",
+                "BEGIN; SELECT e.value, p.limit_per_user FROM cluster_settings e \
+                 LEFT JOIN products p ON p.sku = ? WHERE e.name = 'epoch'; \
+                 UPDATE products p SET p.stock = <read - q>, p.version = p.version + 1 \
+                 WHERE p.sku = ? AND p.epoch <= <epoch>; INSERT INTO orders (...) VALUES (...); COMMIT",
                 "Lua: if version > cached version then SET <ns>:stock:<sku> <read - q>, \
                  SET <ns>:stock-version:<sku> <version>",
             ],

@@ -10,9 +10,11 @@ pub fn explanation() -> Explanation {
         title: "Redlock over independent Redis nodes",
         family: Family::LockService,
         summary: "The same key and random token are SET NX PX on every independent Redis \
-                  node. The lock is held if a majority granted it while time was left: \
-                  validity = lease − time spent − a clock-drift allowance; otherwise it is \
-                  released on every node and tried again after a random delay.",
+                  node. The lock is held if a majority granted it with more than half the \
+                  lease left (time spent + a clock-drift allowance < lease/2); otherwise it \
+                  is released on every node and tried again after a random delay, or at \
+                  once when another replica announces a release (the cohort layer's \
+                  notice, on by default).",
         adds: "Held only with more than half the lease left (elapsed + drift < lease/2, \
                drift = 1% of the lease + 2 ms; elapsed counts the fencing rounds too), so \
                that the watchdog's first renewal, a third of a lease in, finds the keys; a \
@@ -21,7 +23,7 @@ pub fn explanation() -> Explanation {
         commands: vec![
             "on each node (50 ms timeout): SET <ns>:redlock:<sku> <token> NX PX <lease>",
             "else on every node: if GET key == token then DEL key (Lua); wait a random \
-             delay (from 5 ms, doubling up to 250 ms); retry",
+             delay (from 5 ms, doubling up to 250 ms) or a release notice; retry",
             "watchdog and check before commit: compare-and-PEXPIRE on every node, majority",
             "fencing token: GET <ns>:redlock-fence:<sku> on a majority of the granting nodes, \
              SET the largest + 1 on a majority (Lua, while still holding there)",
