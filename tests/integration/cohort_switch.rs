@@ -98,14 +98,7 @@ async fn an_order_begun_under_the_other_mode_is_refused() {
     cluster.set_strategy("redis-lock").await;
     let sku = "cohort-switched";
     cluster.reset(sku, 3).await;
-    let armed = cluster
-        .http
-        .post(cluster.url(0, "/api/admin/faults"))
-        .json(&json!({ "pause_holder_ms": 4000, "at": "before_commit" }))
-        .send()
-        .await
-        .expect("arm");
-    assert_eq!(armed.status(), StatusCode::OK);
+    cluster.arm_pause(0, 4000, Some("before_commit")).await;
     let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
     let stalled = tokio::spawn(async move {
         let response = http

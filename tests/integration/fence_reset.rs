@@ -242,14 +242,7 @@ async fn an_order_in_flight_across_a_fence_reset_is_refused() {
 
     // The pause only has to outlast the waiter's arrival and the reset (a few
     // heartbeats); its end is not waited for by the clock but by the answers.
-    let armed = cluster
-        .http
-        .post(cluster.url(0, "/api/admin/faults"))
-        .json(&json!({ "pause_holder_ms": 8000, "at": "before_commit" }))
-        .send()
-        .await
-        .expect("arm");
-    assert_eq!(armed.status(), StatusCode::OK);
+    cluster.arm_pause(0, 8000, Some("before_commit")).await;
     let spawn_order = |replica: usize, user: &'static str| {
         let (http, url) = (cluster.http.clone(), cluster.url(replica, "/api/orders"));
         let body = json!({ "sku": sku, "user_id": user, "quantity": 1 });

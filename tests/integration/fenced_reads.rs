@@ -95,14 +95,9 @@ async fn stalled_holder_and_rival(
     pause: Duration,
 ) -> Result<(), String> {
     cluster.reset(sku, 2).await;
-    let armed = cluster
-        .http
-        .post(cluster.url(0, "/api/admin/faults"))
-        .json(&json!({ "pause_holder_ms": pause.as_millis() as u64, "at": point }))
-        .send()
-        .await
-        .expect("arm the fault");
-    assert_eq!(armed.status(), StatusCode::OK, "arming at {point}");
+    cluster
+        .arm_pause(0, pause.as_millis() as u64, Some(point))
+        .await;
 
     let stalled = {
         let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));

@@ -21,14 +21,7 @@ async fn paused_holder(strategy: &str, fencing: bool) -> (TestCluster, StatusCod
     cluster.set_fencing(fencing).await;
     let sku = "last-unit";
     cluster.reset(sku, 1).await;
-    let armed = cluster
-        .http
-        .post(cluster.url(1, "/api/admin/faults"))
-        .json(&json!({ "pause_holder_ms": 4000 }))
-        .send()
-        .await
-        .expect("arm the fault");
-    assert_eq!(armed.status(), StatusCode::OK);
+    cluster.arm_pause(1, 4000, None).await;
 
     let both = async {
         tokio::join!(cluster.order(0, sku, "stalled", 1), async {

@@ -9,7 +9,7 @@ use deadpool_redis::redis::AsyncCommands;
 use reqwest::StatusCode;
 use sqlx::{Connection, MySqlConnection};
 
-use crate::guarantees_support::{arm_pause, order, orders_of, running, sell_out, spawn_order};
+use crate::guarantees_support::{order, orders_of, running, sell_out, spawn_order};
 use crate::support::{TestCluster, eventually, redis_pool};
 
 /// A redis-lock holder reads a stale cached stock (9 where MySQL has 5) and stalls
@@ -30,7 +30,7 @@ async fn a_reconcile_during_a_stalled_order_keeps_its_stale_read_out() {
         .set(format!("{}:stock:{sku}", cluster.namespace), 9)
         .await
         .expect("a stale cached stock");
-    arm_pause(&cluster, 3000, "before_commit").await;
+    cluster.arm_pause(0, 3000, Some("before_commit")).await;
     let stalled = spawn_order(&cluster, 0, sku, "stale");
     assert!(cluster.wait_until_pause_claimed().await, "never stalled");
 
@@ -68,7 +68,7 @@ async fn a_fencing_switch_during_a_stalled_order_keeps_its_unfenced_write_out() 
     cluster.set_fencing(false).await;
     let sku = "unfenced-across-switch";
     cluster.reset(sku, 1).await;
-    arm_pause(&cluster, 4000, "before_commit").await;
+    cluster.arm_pause(0, 4000, Some("before_commit")).await;
     let stalled = spawn_order(&cluster, 0, sku, "stalled");
     assert!(cluster.wait_until_pause_claimed().await, "never stalled");
 

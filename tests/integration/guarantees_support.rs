@@ -55,18 +55,6 @@ pub fn spawn_order(
     })
 }
 
-/// Arms the paused-holder fault: the next lock holder to reach `point` stalls `ms`.
-pub async fn arm_pause(cluster: &TestCluster, ms: u64, point: &str) {
-    let armed = cluster
-        .http
-        .post(cluster.url(0, "/api/admin/faults"))
-        .json(&json!({ "pause_holder_ms": ms, "at": point }))
-        .send()
-        .await
-        .expect("arm the fault");
-    assert_eq!(armed.status(), StatusCode::OK, "the fault was armed");
-}
-
 /// Orders of `user` for `sku` in MySQL.
 pub async fn orders_of(mysql: &MySqlPool, sku: &str, user: &str) -> i64 {
     sqlx::query_scalar("SELECT COUNT(*) FROM orders WHERE sku = ? AND user_id = ?")

@@ -225,14 +225,7 @@ async fn order_that_stalls(
     pause_ms: u64,
     point: &str,
 ) -> tokio::task::JoinHandle<reqwest::Result<reqwest::Response>> {
-    let armed = cluster
-        .http
-        .post(cluster.url(0, "/api/admin/faults"))
-        .json(&json!({ "pause_holder_ms": pause_ms, "at": point }))
-        .send()
-        .await
-        .expect("arm");
-    assert_eq!(armed.status(), StatusCode::OK);
+    cluster.arm_pause(0, pause_ms, Some(point)).await;
     let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
     let body = json!({ "sku": sku, "user_id": user, "quantity": 1 });
     tokio::spawn(async move { http.post(url).json(&body).send().await })

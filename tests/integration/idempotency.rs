@@ -358,14 +358,7 @@ async fn after_a_kill_after_commit_the_key_answers_the_order() {
             &["--lock-lease-ms", "1500", "--idempotency-hold-ms", "1000"],
         )
         .await;
-    let armed = cluster
-        .http
-        .post(cluster.url(0, "/api/admin/faults"))
-        .json(&json!({ "pause_holder_ms": 60_000, "at": "after_commit" }))
-        .send()
-        .await
-        .expect("arm the fault");
-    assert_eq!(armed.status(), StatusCode::OK);
+    cluster.arm_pause(0, 60_000, Some("after_commit")).await;
     let body = json!({ "sku": sku, "user_id": "unlucky", "quantity": 1 });
     let key = "killed-key";
     let stuck = {

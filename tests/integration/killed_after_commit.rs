@@ -30,14 +30,7 @@ async fn next_holder_sells_from_mysql_not_the_stale_cache(strategy: &str) {
             &["--lock-lease-ms", "1500", "--zk-session-ms", "2000"],
         )
         .await;
-    let armed = cluster
-        .http
-        .post(cluster.url(0, "/api/admin/faults"))
-        .json(&json!({ "pause_holder_ms": 60_000, "at": "after_commit" }))
-        .send()
-        .await
-        .expect("arm the fault");
-    assert_eq!(armed.status(), StatusCode::OK);
+    cluster.arm_pause(0, 60_000, Some("after_commit")).await;
 
     let stuck = {
         let (http, url) = (

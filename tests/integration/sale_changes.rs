@@ -93,14 +93,7 @@ async fn stall_an_order(
     cluster: &TestCluster,
     sku: &str,
 ) -> tokio::task::JoinHandle<(StatusCode, String)> {
-    let armed = cluster
-        .http
-        .post(cluster.url(0, "/api/admin/faults"))
-        .json(&json!({ "pause_holder_ms": 1500, "at": "before_commit" }))
-        .send()
-        .await
-        .expect("arm");
-    assert_eq!(armed.status(), StatusCode::OK);
+    cluster.arm_pause(0, 1500, Some("before_commit")).await;
     let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
     let body = json!({ "sku": sku, "user_id": "stalled", "quantity": 1 });
     let order = tokio::spawn(async move {

@@ -197,14 +197,7 @@ async fn a_holder_stalled_across_changes_of_another_sku_commits() {
     let (a, b) = ("stalled-a", "changed-b");
     cluster.reset(a, 3).await;
     cluster.reset(b, 3).await;
-    let armed = cluster
-        .http
-        .post(cluster.url(0, "/api/admin/faults"))
-        .json(&json!({ "pause_holder_ms": 1500, "at": "before_commit" }))
-        .send()
-        .await
-        .expect("arm");
-    assert_eq!(armed.status(), StatusCode::OK);
+    cluster.arm_pause(0, 1500, Some("before_commit")).await;
     let stalled = {
         let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
         let body = json!({ "sku": a, "user_id": "stalled", "quantity": 1 });

@@ -310,6 +310,23 @@ impl TestCluster {
         }
     }
 
+    /// Arms the paused-holder fault on `replica`: the next lock holder to reach `point`
+    /// (any point: `None`) stalls `ms` milliseconds.
+    pub async fn arm_pause(&self, replica: usize, ms: u64, point: Option<&str>) {
+        let fault = match point {
+            Some(point) => json!({ "pause_holder_ms": ms, "at": point }),
+            None => json!({ "pause_holder_ms": ms }),
+        };
+        let armed = self
+            .http
+            .post(self.url(replica, "/api/admin/faults"))
+            .json(&fault)
+            .send()
+            .await
+            .expect("arm the fault");
+        assert_eq!(armed.status(), StatusCode::OK, "the fault was armed");
+    }
+
     /// Waits (up to 20 s) until a lock holder has claimed the armed paused-holder fault
     /// (`pause_armed_ms` back to null): from then on that holder holds the lock.
     pub async fn wait_until_pause_claimed(&self) -> bool {
