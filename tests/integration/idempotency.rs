@@ -36,6 +36,27 @@ async fn keyed_order(cluster: &TestCluster, base_url: &str, body: &Value, key: &
     }
 }
 
+/// `keyed_order` to `url` in a task of its own, for an order the test leaves running
+/// (its replica stalled or killed): its status and body, or the request's error.
+fn keyed_order_in_background(
+    cluster: &TestCluster,
+    url: String,
+    body: &Value,
+    key: &'static str,
+) -> tokio::task::JoinHandle<reqwest::Result<(StatusCode, Value)>> {
+    let (http, body) = (cluster.http.clone(), body.clone());
+    tokio::spawn(async move {
+        let response = http
+            .post(url)
+            .header("Idempotency-Key", key)
+            .json(&body)
+            .send()
+            .await?;
+        let status = response.status();
+        Ok((status, response.json().await.unwrap_or(Value::Null)))
+    })
+}
+
 /// Sends the keyed order until it is answered with anything but 409 `in_progress`
 /// (which must carry Retry-After), for up to 20 s; the final answer and how many
 /// `in_progress` answers came first.
@@ -178,26 +199,7 @@ async fn an_expired_claim_still_makes_one_order() {
     cluster.reset(sku, 10).await;
     let body = json!({ "sku": sku, "user_id": "patient", "quantity": 1 });
     let key = "slow-holder-key";
-    let first = {
-        let (http, url, body) = (
-            cluster.http.clone(),
-            cluster.url(0, "/api/orders"),
-            body.clone(),
-        );
-        tokio::spawn(async move {
-            let response = http
-                .post(url)
-                .header("Idempotency-Key", key)
-                .json(&body)
-                .send()
-                .await
-                .expect("first order");
-            (
-                response.status(),
-                response.json::<Value>().await.unwrap_or(Value::Null),
-            )
-        })
-    };
+    let first = keyed_order_in_background(&cluster, cluster.url(0, "/api/orders"), &body, key);
     let pool = cluster.mysql().await;
     let expired = eventually(Duration::from_secs(10), || async {
         let expired: Option<Option<i64>> = sqlx::query_scalar(
@@ -217,7 +219,8 @@ async fn an_expired_claim_still_makes_one_order() {
     let (first_status, first_body) = tokio::time::timeout(Duration::from_secs(30), first)
         .await
         .expect("the first order ends")
-        .expect("first task");
+        .expect("first task")
+        .expect("first order");
     assert_eq!(first_status, StatusCode::CREATED, "{first_body}");
     assert_eq!(second.status, StatusCode::CREATED, "{}", second.body);
     assert_eq!(first_body["id"], second.body["id"], "one order for both");
@@ -361,21 +364,8 @@ async fn after_a_kill_after_commit_the_key_answers_the_order() {
     cluster.arm_pause(0, 60_000, Some("after_commit")).await;
     let body = json!({ "sku": sku, "user_id": "unlucky", "quantity": 1 });
     let key = "killed-key";
-    let stuck = {
-        let (http, url, body) = (
-            cluster.http.clone(),
-            format!("{}/api/orders", doomed.base_url),
-            body.clone(),
-        );
-        tokio::spawn(async move {
-            http.post(url)
-                .header("Idempotency-Key", key)
-                .json(&body)
-                .send()
-                .await
-                .map(|r| r.status())
-        })
-    };
+    let url = format!("{}/api/orders", doomed.base_url);
+    let stuck = keyed_order_in_background(&cluster, url, &body, key);
     assert!(cluster.wait_until_pause_claimed().await, "never held");
     assert!(
         eventually(Duration::from_secs(10), || async {
@@ -419,21 +409,8 @@ async fn a_claim_left_by_a_killed_replica_is_taken_over() {
         .await;
     let body = json!({ "sku": sku, "user_id": "retrier", "quantity": 1 });
     let key = "claimed-key";
-    let stuck = {
-        let (http, url, body) = (
-            cluster.http.clone(),
-            format!("{}/api/orders", doomed.base_url),
-            body.clone(),
-        );
-        tokio::spawn(async move {
-            http.post(url)
-                .header("Idempotency-Key", key)
-                .json(&body)
-                .send()
-                .await
-                .map(|r| r.status())
-        })
-    };
+    let url = format!("{}/api/orders", doomed.base_url);
+    let stuck = keyed_order_in_background(&cluster, url, &body, key);
     assert!(
         eventually(Duration::from_secs(10), || async {
             scalar(
