@@ -20,14 +20,9 @@
 //!   wait for a lock once; the `-<n>` lets a replica's requests queue side by side when
 //!   the cohort layer is off. One lease per acquisition instead cost a grant and a
 //!   revoke (raft writes) per acquisition: 0.80-0.86 of the orders/s (BENCHMARKS.md).
-//! - The queue put runs in a task of its own, to its answer, so an acquisition dropped
-//!   at any await point leaves a cleanup that knows whether its key was made and
-//!   deletes it. (Deleted at once instead, a put still in flight could land after the
-//!   delete, on a lease kept alive for the replica: a key nobody would ever delete.)
-//!   A put or delete whose outcome stays unknown (no answer; a refusal changed
-//!   nothing) gives the session up: renewals stop and its holders are told, a third of
-//!   the TTL at least before the lease expires with every key on it, and the next
-//!   acquisition opens a new session.
+//! - An acquisition dropped at any await point leaves a cleanup that knows whether
+//!   its key was made (`undo.rs`); a put or delete whose outcome stays unknown gives
+//!   the session up, and the next acquisition opens a new one.
 //! - The keep-alive marks the session lost when its stream cannot be opened, breaks,
 //!   stalls, or says the lease is gone (an etcd restart breaks it too): the holders
 //!   know (`known_lost`) while the lease still has a third of its TTL to run.
@@ -61,28 +56,25 @@ use std::time::Duration;
 use async_trait::async_trait;
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions,
-    SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
-    WatchStream,
+    SortOrder, SortTarget, Txn, TxnOp, WatchFilterType, WatchOptions, WatchStream,
 };
 use tokio::sync::{Mutex, OnceCell};
-use tokio::task::JoinHandle;
 use tokio::time::{Instant, timeout, timeout_at};
 
+mod calls;
 mod session;
+mod undo;
 mod view;
 
+use calls::{CALL_TIMEOUT, bounded, delete_own, etcd_error, read_of, revision_of};
 use session::Session;
+use undo::{Joined, Made, PutFailed};
 
 use super::task::Tasks;
 use super::{DistributedLock, HeldLock, LockError, LockView};
 
-/// Bound on every call but the wait for a deletion.
-const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// The first look at the queue while a watch may be unsynced; doubled at each look.
 const FIRST_LOOK: Duration = Duration::from_millis(10);
-/// Tries of a background cleanup (a key delete, a lease revoke), 300 ms apart.
-const CLEANUP_TRIES: u32 = 4;
-const CLEANUP_PAUSE: Duration = Duration::from_millis(300);
 
 pub struct EtcdLock {
     endpoints: Vec<String>,
@@ -198,43 +190,6 @@ impl DistributedLock for EtcdLock {
     }
 }
 
-/// Bounds a short etcd call by `CALL_TIMEOUT`.
-async fn bounded<T>(
-    call: impl Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, LockError> {
-    timeout(CALL_TIMEOUT, call)
-        .await
-        .map_err(|_| LockError::backend("etcd", format!("no answer within {CALL_TIMEOUT:?}")))?
-        .map_err(etcd_error)
-}
-
-fn etcd_error(error: etcd_client::Error) -> LockError {
-    LockError::backend("etcd", error)
-}
-
-/// The store's revision an answer was read at (0: no header).
-fn revision_of(header: Option<&etcd_client::ResponseHeader>) -> i64 {
-    header.map_or(0, |header| header.revision())
-}
-
-/// The queue put's answer: our key's create revision, and the key just before it.
-type Joined = Result<(i64, Option<KeyValue>), PutFailed>;
-
-/// A queue put that failed, and whether it may have landed all the same (no answer).
-struct PutFailed {
-    error: LockError,
-    may_have_landed: bool,
-}
-
-/// Whether etcd refused a call outright, which then changed nothing (any other error
-/// leaves its outcome unknown).
-fn refused(error: &etcd_client::Error) -> bool {
-    use tonic::Code;
-    matches!(error, etcd_client::Error::GRpcStatus(status) if matches!(status.code(),
-        Code::InvalidArgument | Code::NotFound | Code::ResourceExhausted
-            | Code::FailedPrecondition | Code::OutOfRange))
-}
-
 /// Step 2: puts `key` on the lease, and reads the two newest keys by create revision:
 /// ours and the one created just before it, if any (none: ours has the lowest create
 /// revision, the lock is held). Returns our key's create revision, which is the
@@ -251,34 +206,16 @@ async fn join(mut client: Client, key: String, prefix: String, lease: i64) -> Jo
             TxnOp::put(key.as_str(), "", Some(on_lease)),
             TxnOp::get(prefix, Some(newest_two)),
         ]);
-    let unanswered = |error| PutFailed {
-        error,
-        may_have_landed: true,
-    };
     let response = match timeout(CALL_TIMEOUT, client.txn(txn)).await {
-        Ok(Ok(response)) => response,
-        Ok(Err(error)) => {
-            return Err(PutFailed {
-                may_have_landed: !refused(&error),
-                error: etcd_error(error),
-            });
-        }
-        Err(_) => {
-            return Err(unanswered(LockError::backend(
-                "etcd",
-                "no answer to the put",
-            )));
-        }
+        Ok(answer) => answer.map_err(PutFailed::from)?,
+        Err(_) => return Err(PutFailed::unknown("no answer to the put")),
     };
     let revision = revision_of(response.header());
     match read_of(&response, 1).as_slice() {
         [own, before @ ..] if response.succeeded() && own.key() == key.as_bytes() => {
             Ok((revision, before.first().cloned()))
         }
-        _ => Err(unanswered(LockError::backend(
-            "etcd",
-            format!("{key} not queued"),
-        ))),
+        _ => Err(PutFailed::unknown(format!("{key} not queued"))),
     }
 }
 
@@ -404,26 +341,6 @@ async fn deleted(watch: &mut WatchStream) -> Result<(), LockError> {
     }
 }
 
-/// The keys read by the `index`th operation of a transaction (none if it was no read).
-fn read_of(response: &TxnResponse, index: usize) -> Vec<KeyValue> {
-    match response.op_responses().into_iter().nth(index) {
-        Some(TxnOpResponse::Get(mut get)) => get.take_kvs(),
-        _ => Vec::new(),
-    }
-}
-
-/// What an acquisition made in etcd, as far as it knows.
-enum Made {
-    /// The queue put has not answered yet.
-    Putting(JoinHandle<Joined>),
-    /// The key, at this create revision.
-    Key(i64),
-    /// A put that failed and may have landed all the same.
-    Unknown,
-    /// Nothing: the put was refused, or the release deleted the key.
-    Nothing,
-}
-
 /// A held etcd lock (while acquiring, an acquisition): its key, on the session's lease.
 pub struct EtcdGuard {
     key: String,
@@ -477,18 +394,7 @@ impl HeldLock for EtcdGuard {
         let (client, key, revision) = (self.client.clone(), self.key.clone(), self.revision);
         let ttl = self.session.ttl;
         self.tasks.spawn_detached(async move {
-            let moved = async {
-                let lease = session::grant(&client, ttl).await?;
-                let on_lease = PutOptions::new().with_lease(lease);
-                let txn = Txn::new()
-                    .when([Compare::create_revision(
-                        key.as_str(),
-                        CompareOp::Equal,
-                        revision,
-                    )])
-                    .and_then([TxnOp::put(key.as_str(), "", Some(on_lease))]);
-                bounded(client.clone().txn(txn)).await
-            };
+            let moved = session::move_to_unrenewed_lease(&client, &key, revision, ttl);
             if let Err(error) = moved.await {
                 tracing::warn!(key, %error, "the pause could not stop this hold's renewals");
             }
@@ -509,45 +415,5 @@ impl HeldLock for EtcdGuard {
             ))),
             other => other.map(drop),
         }
-    }
-}
-
-/// Deletes `key` if it still has create revision `revision`; whether it had.
-async fn delete_own(mut client: Client, key: &str, revision: i64) -> Result<bool, LockError> {
-    let txn = Txn::new()
-        .when([Compare::create_revision(key, CompareOp::Equal, revision)])
-        .and_then([TxnOp::delete(key, None)]);
-    Ok(bounded(client.txn(txn)).await?.succeeded())
-}
-
-/// Dropped before its release was answered, a guard deletes its key in the background,
-/// once its queue put answered; a key whose fate stays unknown gives the session up.
-impl Drop for EtcdGuard {
-    fn drop(&mut self) {
-        let made = std::mem::replace(&mut self.made, Made::Nothing);
-        if matches!(made, Made::Nothing) {
-            return;
-        }
-        let (client, key, session) = (self.client.clone(), self.key.clone(), self.session.clone());
-        self.tasks.spawn_detached(async move {
-            let made = match made {
-                Made::Putting(put) => match put.await {
-                    Ok(Ok((revision, _))) => Made::Key(revision),
-                    Ok(Err(failed)) if !failed.may_have_landed => return,
-                    _ => Made::Unknown,
-                },
-                made => made,
-            };
-            if let Made::Key(revision) = made {
-                for _ in 0..CLEANUP_TRIES {
-                    if delete_own(client.clone(), &key, revision).await.is_ok() {
-                        return;
-                    }
-                    tokio::time::sleep(CLEANUP_PAUSE).await;
-                }
-            }
-            tracing::debug!(key, "key left in an unknown state; giving the session up");
-            session.give_up();
-        });
     }
 }

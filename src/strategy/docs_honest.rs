@@ -89,7 +89,9 @@ fn cards() -> Vec<(Explanation, Vec<&'static str>)> {
             etcd::explanation(),
             vec![
                 include_str!("../lock/etcd.rs"),
+                include_str!("../lock/etcd/calls.rs"),
                 include_str!("../lock/etcd/session.rs"),
+                include_str!("../lock/etcd/undo.rs"),
                 include_str!("../lock/etcd/view.rs"),
             ],
         ),

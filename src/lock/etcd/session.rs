@@ -6,10 +6,11 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use etcd_client::{Client, LeaseGrantOptions};
+use etcd_client::{Client, Compare, CompareOp, LeaseGrantOptions, PutOptions, Txn, TxnOp};
 use tokio::time::{Duration, Instant, timeout_at};
 
-use super::{CLEANUP_PAUSE, CLEANUP_TRIES, bounded};
+use super::calls::bounded;
+use super::undo::{CLEANUP_PAUSE, CLEANUP_TRIES};
 use crate::lock::LockError;
 use crate::lock::task::{AbortOnDrop, Tasks};
 
@@ -97,6 +98,26 @@ pub async fn grant(client: &Client, ttl: i64) -> Result<i64, LockError> {
     let options = LeaseGrantOptions::new().with_id(id);
     bounded(client.clone().lease_grant(ttl, Some(options))).await?;
     Ok(id)
+}
+
+/// The paused-holder fault: moves `key` (if it still has create revision `revision`,
+/// which it keeps, and with it its place in the queue) onto a lease of its own that
+/// nobody renews, so it goes after the TTL while the replica's other keys stay.
+pub async fn move_to_unrenewed_lease(
+    client: &Client,
+    key: &str,
+    revision: i64,
+    ttl: i64,
+) -> Result<(), LockError> {
+    let lease = grant(client, ttl).await?;
+    let txn = Txn::new()
+        .when([Compare::create_revision(key, CompareOp::Equal, revision)])
+        .and_then([TxnOp::put(
+            key,
+            "",
+            Some(PutOptions::new().with_lease(lease)),
+        )]);
+    bounded(client.clone().txn(txn)).await.map(drop)
 }
 
 /// Keeps a lease alive: a renewal is due every third of the TTL, counted from when the

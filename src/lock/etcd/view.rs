@@ -3,7 +3,8 @@
 
 use etcd_client::{GetOptions, SortOrder, SortTarget};
 
-use super::{EtcdLock, bounded};
+use super::EtcdLock;
+use super::calls::bounded;
 use crate::lock::{LockError, LockView};
 
 impl EtcdLock {
