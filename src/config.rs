@@ -42,6 +42,19 @@ pub enum Command {
     Serve(ServeConfig),
     /// Run several `serve` replicas on consecutive ports and stop them together.
     Cluster(ClusterConfig),
+    /// Ask a replica whether it is ready: exit 0 when `--url` answers 2xx within 2 s,
+    /// 1 otherwise. The container image's health check, so it needs no curl.
+    Healthcheck(HealthcheckConfig),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct HealthcheckConfig {
+    #[arg(
+        long,
+        env = "FLASHSALE_HEALTHCHECK_URL",
+        default_value = "http://127.0.0.1:8080/readyz"
+    )]
+    pub url: String,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -422,7 +435,7 @@ mod tests {
     fn open_admin_only_on_loopback() {
         let parse = |args: &[&str]| match Cli::try_parse_from(args).expect("parses").command {
             Command::Serve(config) => config,
-            Command::Cluster(_) => unreachable!(),
+            _ => unreachable!(),
         };
         assert!(parse(&["flashsale", "serve"]).check().is_ok());
         assert!(

@@ -8,6 +8,7 @@
 //! - `store`: the Redis stock cache, the MySQL records and cluster-wide state;
 //!   `redis_pool`, `mysql_pool`: the connections `store` and `lock` share;
 //! - `app`, `replica`, `cluster`: putting replicas together and running them;
+//!   `healthcheck`: asking one whether it is ready;
 //! - `config`, `model`: options and the domain values; `logging`, `telemetry`: logs and
 //!   metrics;
 //! - `bench`: what the `lockbench` processes share (one lock alone, measured).
@@ -16,6 +17,7 @@ pub mod app;
 pub mod bench;
 pub mod cluster;
 pub mod config;
+pub mod healthcheck;
 pub mod http;
 pub mod loadtests;
 pub mod lock;

@@ -1,4 +1,5 @@
-//! The `flashsale` binary: `serve` runs one replica, `cluster` runs several.
+//! The `flashsale` binary: `serve` runs one replica, `cluster` runs several,
+//! `healthcheck` asks one whether it is ready.
 
 use clap::Parser;
 use flashsale::config::{Cli, Command};
@@ -21,5 +22,12 @@ async fn main() -> anyhow::Result<()> {
                 .await
         }
         Command::Cluster(config) => flashsale::cluster::run(config, cli.log_format).await,
+        Command::Healthcheck(config) => {
+            if let Err(why) = flashsale::healthcheck::ask(&config.url).await {
+                eprintln!("not ready: {why}");
+                std::process::exit(1);
+            }
+            Ok(())
+        }
     }
 }

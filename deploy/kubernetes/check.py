@@ -169,10 +169,14 @@ for name, docs in (("overlays/lab", lab), ("overlays/managed", managed)):
         fail(f"{name}: FLASHSALE_REPLICA_ID is {env.get('FLASHSALE_REPLICA_ID')}, not the pod's name")
     if env.get("FLASHSALE_ADMIN_TOKEN") != "<from secretKeyRef>":
         fail(f"{name}: the admin token does not come from a Secret")
-    probes = {p: container.get(p, {}) for p in ("readinessProbe", "livenessProbe")}
-    for probe, spec in probes.items():
-        if "/healthz" not in yaml.safe_dump(spec):
-            fail(f"{name}: the replicas' {probe} does not ask /healthz")
+    admin = find(docs, "Secret", "flashsale-admin")
+    if admin and config_data(admin).get("token"):
+        fail(f"{name}: the admin Secret ships a token; nothing may start with one not chosen")
+    # Ready means "takes orders", alive means "serves": neither follows the shared
+    # backends (/healthz), or one outage would empty the Service (src/http/health.rs).
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/livez")):
+        if container.get(probe, {}).get("httpGet", {}).get("path") != path:
+            fail(f"{name}: the replicas' {probe} does not ask {path}")
     if name.endswith("managed") and any(d["kind"] == "StatefulSet" for d in docs):
         fail("overlays/managed runs StatefulSets: it is for backends run elsewhere")
 

@@ -1,6 +1,11 @@
-//! `GET /healthz`: is this replica serving, and can it reach each backend? Answers 200
-//! when every backend answers within a second, 503 otherwise, so a load balancer
-//! routes around a replica that lost its backends.
+//! The replica's health, three ways, because each asker needs a different answer:
+//! - `GET /livez`: the process serves (an orchestrator restarts it when this fails);
+//! - `GET /readyz`: this replica can take orders. A shared backend's outage does not
+//!   make it unready: every replica shares that backend, so turning them all unready
+//!   would leave a load balancer with no endpoints and shoppers with "connection
+//!   refused"; ready, each order answers 503 `backend_unavailable` and says why;
+//! - `GET /healthz`: for people and the dashboard, whether each backend answers within
+//!   a second (200, or 503 naming the one that does not).
 
 use std::time::Duration;
 
@@ -21,6 +26,35 @@ pub struct Health {
     status: &'static str,
     replica: String,
     backends: Vec<BackendHealth>,
+}
+
+/// What `/livez` and `/readyz` answer: the probe's verdict and the replica's name.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Probe {
+    status: &'static str,
+    replica: String,
+}
+
+#[utoipa::path(get, path = "/livez", tag = "monitoring",
+    responses((status = 200, description = "The process serves", body = Probe)))]
+pub async fn livez(State(state): State<AppState>) -> ApiJson<Probe> {
+    ApiJson(Probe {
+        status: "alive",
+        replica: state.flow.replica_id.clone(),
+    })
+}
+
+/// Ready as soon as it listens: the replica built its state (migrations, the sale's
+/// strategy) before binding, and a backend's outage is answered per order (see the
+/// module doc). Shutting down, the listener closes and the probe finds no one.
+#[utoipa::path(get, path = "/readyz", tag = "monitoring",
+    responses((status = 200, description = "This replica takes orders (a shared backend \
+        may still be down: orders then answer 503 backend_unavailable)", body = Probe)))]
+pub async fn readyz(State(state): State<AppState>) -> ApiJson<Probe> {
+    ApiJson(Probe {
+        status: "ready",
+        replica: state.flow.replica_id.clone(),
+    })
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -111,6 +111,8 @@ pub fn router(
 
     // Long-lived or must answer even when the replica is saturated: outside the limits.
     let unlimited = Router::new()
+        .route("/livez", get(health::livez))
+        .route("/readyz", get(health::readyz))
         .route("/healthz", get(health::healthz))
         .route("/metrics", get(metrics::render))
         .route("/api/events", get(events::events))

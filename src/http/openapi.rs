@@ -61,6 +61,8 @@ const ADMIN_TOKEN: &str = "admin_token";
         loadtests::start,
         runs::list,
         runs::save,
+        health::livez,
+        health::readyz,
         health::healthz,
         metrics::render,
         events::events,

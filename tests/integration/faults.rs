@@ -1198,3 +1198,51 @@ async fn redlock_with_a_minority_and_a_majority_of_nodes_down() {
 async fn redlock_fenced_with_a_minority_and_a_majority_of_nodes_down() {
     redlock_with_nodes_down(true).await;
 }
+
+/// `/readyz` means "this replica takes orders", not "every backend answers": with Redis
+/// dead, the replica stays ready (so a load balancer keeps it, and every replica, as
+/// endpoints) while each order answers 503 `backend_unavailable` and `/healthz` names
+/// Redis. A readiness that followed the backends (as `/healthz` does, and as the
+/// manifests' probe did) turns 503 here. `flashsale healthcheck`, the image's check,
+/// exits 0 against it and 1 against a port where nothing listens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_through_a_redis_outage() {
+    let mut redis = PrivateRedis::start().await;
+    let url = redis.url();
+    let cluster = TestCluster::start(1, &["--redis-url", &url, "--redlock-urls", &url]).await;
+    cluster.set_strategy("redis-lock").await;
+    cluster.reset("probe", 10).await;
+    redis.kill().await;
+
+    let client = crate::support::http_client();
+    for probe in ["/livez", "/readyz"] {
+        let answer = client.get(cluster.url(0, probe)).send().await.expect(probe);
+        assert_eq!(answer.status(), StatusCode::OK, "{probe} with Redis down");
+    }
+    let health = client
+        .get(cluster.url(0, "/healthz"))
+        .send()
+        .await
+        .expect("/healthz");
+    assert_eq!(
+        health.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "/healthz names the outage"
+    );
+    let order = cluster.order(0, "probe", "u1", 1).await;
+    assert_eq!(order.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: serde_json::Value = order.json().await.expect("JSON error");
+    assert_eq!(body["error"], "backend_unavailable", "{body}");
+
+    let healthcheck = |url: String| async move {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_flashsale"))
+            .args(["healthcheck", "--url", &url])
+            .output()
+            .await
+            .expect("flashsale healthcheck")
+            .status
+    };
+    assert!(healthcheck(cluster.url(0, "/readyz")).await.success());
+    let nobody = format!("http://127.0.0.1:{}/readyz", free_port());
+    assert_eq!(healthcheck(nobody).await.code(), Some(1));
+}
