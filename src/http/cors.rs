@@ -5,9 +5,12 @@
 
 use std::time::Duration;
 
-use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
-use axum::http::{HeaderValue, Method};
+use axum::http::header::{AUTHORIZATION, CONTENT_TYPE, LOCATION, RETRY_AFTER};
+use axum::http::{HeaderName, HeaderValue, Method};
 use tower_http::cors::{AllowOrigin, CorsLayer};
+
+const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// The layer for `origins` (`*` for any origin), or none when the list is empty.
 pub fn layer(origins: &[String]) -> Option<CorsLayer> {
@@ -28,8 +31,10 @@ pub fn layer(origins: &[String]) -> Option<CorsLayer> {
         CorsLayer::new()
             .allow_origin(allowed)
             .allow_methods([Method::GET, Method::POST, Method::PUT, Method::DELETE])
-            .allow_headers([CONTENT_TYPE, AUTHORIZATION])
-            .expose_headers([RETRY_AFTER])
+            // A shop's page sends its orders' Idempotency-Key, and reads where the order
+            // is (Location), when to retry, and the id to quote in a support request.
+            .allow_headers([CONTENT_TYPE, AUTHORIZATION, IDEMPOTENCY_KEY])
+            .expose_headers([RETRY_AFTER, LOCATION, X_REQUEST_ID])
             .max_age(Duration::from_secs(3600)),
     )
 }

@@ -145,6 +145,51 @@ async fn cors_only_for_configured_origins() {
     assert_eq!(preflight(&shop, "https://evil.example").await, None);
 }
 
+/// A shop's page on another origin can send an order's `Idempotency-Key` (the
+/// preflight allows the header) and read the answer's `Location`, `Retry-After` and
+/// `x-request-id` (exposed). Without them in the CORS layer, the browser drops the
+/// header from the preflight's answer and hides the three from the page.
+#[tokio::test]
+async fn cors_lets_a_shop_send_its_key_and_read_the_answer() {
+    let shop = TestCluster::start(1, &["--cors-origin", "https://shop.example"]).await;
+    let http = crate::support::http_client();
+    let preflight = http
+        .request(Method::OPTIONS, shop.url(0, "/api/orders"))
+        .header("origin", "https://shop.example")
+        .header("access-control-request-method", "POST")
+        .header(
+            "access-control-request-headers",
+            "content-type, idempotency-key",
+        )
+        .send()
+        .await
+        .expect("preflight");
+    let allowed = header_of(&preflight, "access-control-allow-headers");
+    assert!(allowed.contains("idempotency-key"), "allowed: {allowed}");
+    shop.reset("cors", 5).await;
+    let order = http
+        .post(shop.url(0, "/api/orders"))
+        .header("origin", "https://shop.example")
+        .header("idempotency-key", "cors-1")
+        .json(&json!({ "sku": "cors", "user_id": "u1", "quantity": 1 }))
+        .send()
+        .await
+        .expect("order");
+    assert_eq!(order.status(), StatusCode::CREATED);
+    let exposed = header_of(&order, "access-control-expose-headers");
+    for header in ["location", "retry-after", "x-request-id"] {
+        assert!(exposed.contains(header), "{header} not in {exposed}");
+    }
+}
+
+fn header_of(response: &reqwest::Response, name: &str) -> String {
+    let value = response.headers().get(name);
+    value
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase()
+}
+
 /// Secrets never reach the logs, even at debug level: not the admin token, not a
 /// wrong token someone presented, not the database password.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
