@@ -18,14 +18,16 @@
 //! | `flashsale_consistent` (gauge) | sku | `/metrics`, from the records |
 //! | `flashsale_records_up` (gauge) | — | `/metrics`: 0 while the records cannot be read |
 //! | `flashsale_timeline_dropped_total` | — | `store::Timeline`, sections not recorded |
-//! | `flashsale_group_commit_orders` (histogram) | — | `store::group_commit`, orders per batch (redis-atomic) |
+//! | `flashsale_group_commit_orders` (histogram, buckets 1 to 512 orders) | — | `store::group_commit`, orders per batch (redis-atomic) |
+//! | `flashsale_build_info` (gauge, 1) | version, commit | here, at start |
+//! | `process_*` (CPU seconds, resident memory, open files, threads, start time) | — | `metrics-process`, at each scrape |
 
 use std::sync::OnceLock;
 
 use std::time::Duration;
 
 use metrics::{describe_counter, describe_gauge, describe_histogram};
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use metrics_util::MetricKindMask;
 
 /// A gauge not set for this long is dropped from `/metrics`.
@@ -92,12 +94,19 @@ fn describe() {
         "flashsale_group_commit_orders",
         "Orders recorded per MySQL transaction by redis-atomic's group commit"
     );
+    describe_gauge!(
+        "flashsale_build_info",
+        "1, labelled with the version and commit this replica was built from"
+    );
 }
 
 /// Latency buckets in seconds: from sub-millisecond Redis calls to lock waits.
 const BUCKETS: [f64; 14] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
+
+/// Orders per group-commit batch: a count, not seconds (a batch takes up to 512).
+const BATCH_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
 /// The process's Prometheus handle, installing the recorder on first use (several
 /// in-process replicas, as in the tests, share it).
@@ -108,7 +117,11 @@ pub fn prometheus() -> PrometheusHandle {
             let builder = PrometheusBuilder::new();
             // Gauges of SKUs nobody sold for a while are dropped: bounded label sets.
             let builder = builder.idle_timeout(MetricKindMask::GAUGE, Some(GAUGE_IDLE));
-            let recorder = match builder.set_buckets(&BUCKETS) {
+            let batches = Matcher::Full("flashsale_group_commit_orders".into());
+            let buckets = builder
+                .set_buckets(&BUCKETS)
+                .and_then(|builder| builder.set_buckets_for_metric(batches, &BATCH_BUCKETS));
+            let recorder = match buckets {
                 Ok(builder) => builder.build_recorder(),
                 Err(error) => {
                     tracing::warn!(%error, "default histogram buckets");
@@ -120,9 +133,25 @@ pub fn prometheus() -> PrometheusHandle {
                 tracing::warn!("a metrics recorder was already installed; /metrics stays empty");
             }
             describe();
+            metrics::gauge!("flashsale_build_info",
+                "version" => env!("CARGO_PKG_VERSION"), "commit" => env!("FLASHSALE_COMMIT"))
+            .set(1.0);
             handle
         })
         .clone()
+}
+
+/// Reads this process's CPU, memory, files and threads into the `process_*` metrics:
+/// called at each scrape, so they are as fresh as the scrape.
+pub fn collect_process() {
+    static COLLECTOR: OnceLock<metrics_process::Collector> = OnceLock::new();
+    COLLECTOR
+        .get_or_init(|| {
+            let collector = metrics_process::Collector::default();
+            collector.describe();
+            collector
+        })
+        .collect();
 }
 
 /// Makes every event counter exist at 0 for every strategy, so its `# HELP` is there and

@@ -53,6 +53,7 @@ pub async fn render(State(state): State<AppState>) -> Response {
             metrics::gauge!("flashsale_records_up").set(0.0);
         }
     }
+    crate::telemetry::collect_process();
     let body = state.metrics.render();
     ([(CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
@@ -64,10 +65,10 @@ fn set_sku_gauges(skus: &[stats::SkuStats]) {
         let name = sku.sku.to_string();
         metrics::gauge!("flashsale_stock", "sku" => name.clone(), "store" => "mysql")
             .set(sku.stock_mysql as f64);
-        if let Some(redis) = sku.stock_redis {
-            metrics::gauge!("flashsale_stock", "sku" => name.clone(), "store" => "redis")
-                .set(redis as f64);
-        }
+        // Redis lost the SKU's stock (a restart, an eviction): no value rather than the
+        // last one, which would say Redis still agrees.
+        let redis = sku.stock_redis.map_or(f64::NAN, |redis| redis as f64);
+        metrics::gauge!("flashsale_stock", "sku" => name.clone(), "store" => "redis").set(redis);
         metrics::gauge!("flashsale_oversold", "sku" => name.clone()).set(sku.oversold as f64);
         metrics::gauge!("flashsale_consistent", "sku" => name)
             .set(f64::from(u8::from(sku.consistent)));

@@ -128,19 +128,62 @@ async fn metrics_are_exposed_in_prometheus_format() {
         .expect("switch");
     assert_eq!(switched.status(), StatusCode::OK);
     assert_eq!(order("c").await, StatusCode::CONFLICT);
+    // A batch of redis-atomic's group commit, counted in orders (buckets up to 512).
+    cluster_strategy(http, &url("/api/admin/strategy"), "redis-atomic").await;
+    let batch = http
+        .post(url("/api/admin/reset"))
+        .json(&json!({ "sku": "batched", "stock": 5 }))
+        .send()
+        .await
+        .expect("reset");
+    assert_eq!(batch.status(), StatusCode::OK);
+    let batched = http
+        .post(url("/api/orders"))
+        .json(&json!({ "sku": "batched", "user_id": "d", "quantity": 1 }))
+        .send()
+        .await
+        .expect("order");
+    assert_eq!(batched.status(), StatusCode::CREATED);
+    // Redis loses the SKU's stock (after the switch, which rewrites it from MySQL): its gauge has no value, not the last one (0, which
+    // would say Redis still agrees with MySQL).
+    let mut redis = crate::support::redis_client()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis");
+    let stock_key = format!("{}:stock:{sku}", cluster.namespace);
+    let _: i64 = deadpool_redis::redis::cmd("DEL")
+        .arg(&stock_key)
+        .query_async(&mut redis)
+        .await
+        .expect("DEL");
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .output()
+        .expect("git");
+    let commit = String::from_utf8_lossy(&commit.stdout).trim().to_owned();
+    let build_info = format!(
+        "flashsale_build_info{{version=\"{}\",commit=\"{commit}\"}} 1\n",
+        env!("CARGO_PKG_VERSION")
+    );
     let response = http.get(url("/metrics")).send().await.expect("GET");
     assert_eq!(response.status(), StatusCode::OK);
     let text = response.text().await.expect("body");
     for expected in [
-        "flashsale_http_requests_total{route=\"/api/orders\",method=\"POST\",status=\"201\"} 1\n",
+        "flashsale_http_requests_total{route=\"/api/orders\",method=\"POST\",status=\"201\"} 2\n",
         "flashsale_http_requests_total{route=\"/api/orders\",method=\"POST\",status=\"409\"} 2\n",
-        "flashsale_http_request_duration_seconds_count{route=\"/api/orders\"} 3\n",
+        "flashsale_http_request_duration_seconds_count{route=\"/api/orders\"} 4\n",
         "flashsale_orders_total{strategy=\"none\",outcome=\"created\"} 1\n",
         "flashsale_orders_total{strategy=\"none\",outcome=\"sold_out\"} 1\n",
         "flashsale_orders_total{strategy=\"redis-lock\",outcome=\"sold_out\"} 1\n",
         "flashsale_lock_acquire_seconds_count{strategy=\"redis-lock\",outcome=\"acquired\"} 1\n",
         "flashsale_oversold{sku=\"measured\"} 0\n",
         "flashsale_stock{sku=\"measured\",store=\"mysql\"} 0\n",
+        "flashsale_stock{sku=\"measured\",store=\"redis\"} NaN\n",
+        "flashsale_group_commit_orders_bucket{le=\"1\"} 1\n",
+        "flashsale_group_commit_orders_bucket{le=\"512\"} 1\n",
+        &build_info,
+        "process_cpu_seconds_total ",
+        "process_resident_memory_bytes ",
         "# HELP flashsale_orders_total",
         "# TYPE flashsale_orders_total counter",
     ] {
@@ -149,6 +192,16 @@ async fn metrics_are_exposed_in_prometheus_format() {
             "/metrics lacks {expected}:\n{text}"
         );
     }
+}
+
+async fn cluster_strategy(http: &reqwest::Client, url: &str, strategy: &str) {
+    let switched = http
+        .put(url)
+        .json(&json!({ "strategy": strategy }))
+        .send()
+        .await
+        .expect("switch");
+    assert_eq!(switched.status(), StatusCode::OK);
 }
 
 /// While Redis is unreachable `/metrics` still answers 200, so the graphs show the
