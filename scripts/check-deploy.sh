@@ -56,8 +56,10 @@ docker-compose ${profile_args[@]+"${profile_args[@]}"} config -q
 docker-compose ${profile_args[@]+"${profile_args[@]}"} config >"$tmp/compose.yml"
 log "docker-compose.yml is valid with profiles: ${profile_args[*]:-none}"
 
-# 2. Prometheus's own check of its configuration.
+# 2. Prometheus's own check of its configuration and its alert rules, and the rules'
+#    unit tests: each alert fires on what should fire it and not on the rest.
 promtool check config deploy/prometheus/prometheus.yml >&2
+promtool test rules deploy/prometheus/alerts.test.yml >&2
 
 # 3. How the pieces fit together, and the dashboard's queries as recording rules
 #    for promtool (step 4).
