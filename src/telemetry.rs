@@ -19,6 +19,9 @@
 //! | `flashsale_records_up` (gauge) | — | `/metrics`: 0 while the records cannot be read |
 //! | `flashsale_timeline_dropped_total` | — | `store::Timeline`, sections not recorded |
 //! | `flashsale_group_commit_orders` (histogram, buckets 1 to 512 orders) | — | `store::group_commit`, orders per batch (redis-atomic) |
+//! | `flashsale_orders_in_flight` (gauge) | — | `/metrics`: orders this replica runs now, their shoppers gone or not |
+//! | `flashsale_pool_connections` (gauge) | pool (`redis`, `mysql`: the store's), state (`in_use`, `idle`) | `/metrics` |
+//! | `flashsale_pool_waiters` (gauge) | pool (`redis`; sqlx does not count its waiters) | `/metrics` |
 //! | `flashsale_build_info` (gauge, 1) | version, commit | here, at start |
 //! | `process_*` (CPU seconds, resident memory, open files, threads, start time) | — | `metrics-process`, at each scrape |
 
@@ -93,6 +96,18 @@ fn describe() {
     describe_histogram!(
         "flashsale_group_commit_orders",
         "Orders recorded per MySQL transaction by redis-atomic's group commit"
+    );
+    describe_gauge!(
+        "flashsale_orders_in_flight",
+        "Orders this replica runs now (a shopper who left is counted until the order ends)"
+    );
+    describe_gauge!(
+        "flashsale_pool_connections",
+        "The store's connections by pool and state (lent out, idle)"
+    );
+    describe_gauge!(
+        "flashsale_pool_waiters",
+        "Callers waiting for a connection of the store's pool"
     );
     describe_gauge!(
         "flashsale_build_info",

@@ -54,6 +54,7 @@ pub async fn render(State(state): State<AppState>) -> Response {
         }
     }
     crate::telemetry::collect_process();
+    set_load_gauges(&state);
     let body = state.metrics.render();
     ([(CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
@@ -72,5 +73,20 @@ fn set_sku_gauges(skus: &[stats::SkuStats]) {
         metrics::gauge!("flashsale_oversold", "sku" => name.clone()).set(sku.oversold as f64);
         metrics::gauge!("flashsale_consistent", "sku" => name)
             .set(f64::from(u8::from(sku.consistent)));
+    }
+}
+
+/// What this replica is busy with now: orders in flight and its pools' connections.
+fn set_load_gauges(state: &AppState) {
+    metrics::gauge!("flashsale_orders_in_flight").set(state.orders_in_flight.len() as f64);
+    for pool in state.flow.store.pool_use() {
+        let name = pool.pool;
+        metrics::gauge!("flashsale_pool_connections", "pool" => name, "state" => "in_use")
+            .set(pool.in_use as f64);
+        metrics::gauge!("flashsale_pool_connections", "pool" => name, "state" => "idle")
+            .set(pool.idle as f64);
+        if let Some(waiting) = pool.waiting {
+            metrics::gauge!("flashsale_pool_waiters", "pool" => name).set(waiting as f64);
+        }
     }
 }

@@ -63,6 +63,22 @@ pub enum StoreError {
     GroupCommitLost,
 }
 
+/// How busy a connection pool is, for `/metrics`: connections lent out, idle, and
+/// callers waiting for one (a pool that makes callers wait is a bottleneck of its own).
+pub struct PoolUse {
+    pub pool: &'static str,
+    pub in_use: usize,
+    pub idle: usize,
+    /// None where the pool does not count them (sqlx).
+    pub waiting: Option<usize>,
+}
+
+impl Store {
+    pub fn pool_use(&self) -> [PoolUse; 2] {
+        [self.cache.pool_use(), self.records.pool_use()]
+    }
+}
+
 impl StoreError {
     /// The failure itself, looked at through the sharing of a group commit: a batch's
     /// orders must answer as one order alone with that failure would.

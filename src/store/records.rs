@@ -54,6 +54,18 @@ pub struct ProductRecord {
 }
 
 impl Records {
+    pub fn pool_use(&self) -> super::PoolUse {
+        let idle = self.pool.num_idle();
+        super::PoolUse {
+            pool: "mysql",
+            in_use: usize::try_from(self.pool.size())
+                .unwrap_or(0)
+                .saturating_sub(idle),
+            idle,
+            waiting: None,
+        }
+    }
+
     /// Connects, retrying until `patience` runs out (the database may still be
     /// starting, as under docker-compose), then applies the migrations.
     pub async fn connect(url: &str, pool_size: u32, patience: Duration) -> anyhow::Result<Self> {

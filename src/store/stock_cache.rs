@@ -341,6 +341,16 @@ impl StockCache {
         Ok(conn.mget(keys).await?)
     }
 
+    pub fn pool_use(&self) -> super::PoolUse {
+        let status = self.pool.status();
+        super::PoolUse {
+            pool: "redis",
+            in_use: status.size.saturating_sub(status.available),
+            idle: status.available,
+            waiting: Some(status.waiting),
+        }
+    }
+
     pub async fn ping(&self) -> Result<(), StoreError> {
         let mut conn = self.pool.get().await?;
         let _: String = deadpool_redis::redis::cmd("PING")
