@@ -74,7 +74,7 @@ function runName(report) {
 }
 
 async function loadHistory() {
-  const reports = await api("GET", "/api/runs");
+  const reports = await api("GET", "/api/runs?limit=50");
   state.latestRun = new Map((reports[0] ? reports[0].runs : []).map((run) => [run.strategy, run]));
   renderLearnCards();
   renderComparison(reports[0]);

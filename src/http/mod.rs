@@ -105,6 +105,7 @@ pub fn router(
         .route("/api/timeline", get(timeline::timeline))
         .route("/api/loadtests", get(loadtests::status))
         .route("/api/runs", get(runs::list))
+        .route("/api/runs/{id}", get(runs::one))
         .route("/api", axum::routing::any(unknown_api_route))
         .route("/api/", axum::routing::any(unknown_api_route))
         .route("/api/{*rest}", axum::routing::any(unknown_api_route));

@@ -60,6 +60,7 @@ const ADMIN_TOKEN: &str = "admin_token";
         loadtests::status,
         loadtests::start,
         runs::list,
+        runs::one,
         runs::save,
         health::livez,
         health::readyz,

@@ -181,24 +181,41 @@ impl Records {
         Ok(result.last_insert_id())
     }
 
-    /// The latest `limit` reports, newest first, with their ids.
-    pub async fn reports(&self, limit: u32) -> Result<Vec<(i64, LoadReport)>, StoreError> {
-        let rows: Vec<(i64, String)> =
-            sqlx::query_as("SELECT id, report FROM load_test_runs ORDER BY id DESC LIMIT ?")
-                .bind(limit)
-                .fetch_all(&self.pool)
-                .await?;
+    /// Up to `limit` reports older than `before` (all: `None`), newest first, with
+    /// their ids.
+    pub async fn reports(
+        &self,
+        limit: u32,
+        before: Option<u64>,
+    ) -> Result<Vec<(i64, LoadReport)>, StoreError> {
+        let rows: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT id, report FROM load_test_runs WHERE id < ? ORDER BY id DESC LIMIT ?",
+        )
+        .bind(before.unwrap_or(u64::MAX))
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
         rows.into_iter()
-            .map(|(id, json)| {
-                serde_json::from_str(&json)
-                    .map(|report| (id, report))
-                    .map_err(|e| StoreError::Corrupt {
-                        what: "load_test_runs.report",
-                        detail: e.to_string(),
-                    })
-            })
+            .map(|(id, json)| Ok((id, parse_report(&json)?)))
             .collect()
     }
+
+    /// The report kept under `id`, if any.
+    pub async fn report(&self, id: i64) -> Result<Option<LoadReport>, StoreError> {
+        let json: Option<String> =
+            sqlx::query_scalar("SELECT report FROM load_test_runs WHERE id = ?")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await?;
+        json.as_deref().map(parse_report).transpose()
+    }
+}
+
+fn parse_report(json: &str) -> Result<LoadReport, StoreError> {
+    serde_json::from_str(json).map_err(|e| StoreError::Corrupt {
+        what: "load_test_runs.report",
+        detail: e.to_string(),
+    })
 }
 
 /// Applies the migrations, one replica at a time. sqlx takes a lock too, but with

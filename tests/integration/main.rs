@@ -33,6 +33,7 @@ mod none_strategy;
 mod openapi_fuzz;
 mod operations;
 mod row_lock_queue;
+mod runs;
 mod sale_changes;
 mod sku_epoch_edges;
 mod sku_scoped_changes;
