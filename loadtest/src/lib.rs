@@ -8,6 +8,7 @@ pub mod merge;
 pub mod options;
 pub mod report;
 pub mod service;
+pub mod slo;
 pub mod split;
 
 use std::sync::Arc;

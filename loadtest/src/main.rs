@@ -11,6 +11,7 @@ use flashsale_wire::report::LoadReport;
 use loadtest::merge::MergeOptions;
 use loadtest::options::{Cli, Command, Options};
 use loadtest::service::Service;
+use loadtest::slo::Objectives;
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -22,8 +23,9 @@ async fn main() -> ExitCode {
     }
 }
 
-/// Exit 0: every lock strategy sold within its stock and ended consistent; 1: one did
-/// not (after the report is written); 2: the run itself failed. A part of a split
+/// Exit 0: every lock strategy sold within its stock and ended consistent, and every
+/// run met the objectives given (`--max-p99-ms`, `--min-orders-per-s`); 1: one did not
+/// (after the report is written); 2: the run itself failed. A part of a split
 /// crowd exits 0 once its partial report is written: the merge judges the run.
 async fn load_test(options: Options) -> ExitCode {
     let (service, strategies) = match loadtest::prepare(&options).await {
@@ -60,7 +62,12 @@ async fn load_test(options: Options) -> ExitCode {
         }
     };
     let history = (!options.no_history).then_some(&service);
-    conclude(&report, &options.out, history, "/goose-<strategy>.html").await
+    let objectives = Objectives {
+        max_p99_ms: options.max_p99_ms.clone(),
+        min_orders_per_s: options.min_orders_per_s.clone(),
+    };
+    let goose = "/goose-<strategy>.html";
+    conclude(&report, &options.out, history, goose, &objectives).await
 }
 
 /// Exit as `load_test` does, for the split crowd's report; 2 also when the parts'
@@ -86,7 +93,8 @@ async fn merge(options: MergeOptions) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    conclude(&report, &options.out, history.as_ref(), "").await
+    let objectives = Objectives::default();
+    conclude(&report, &options.out, history.as_ref(), "", &objectives).await
 }
 
 /// Prints the table, writes the files, saves the report to the history, and judges.
@@ -95,6 +103,7 @@ async fn conclude(
     out: &Path,
     history: Option<&Service>,
     goose_reports: &str,
+    objectives: &Objectives,
 ) -> ExitCode {
     println!("\n{}", loadtest::report::text_table(report));
     if let Err(error) = loadtest::report::write_files(report, out) {
@@ -115,7 +124,7 @@ async fn conclude(
     {
         eprintln!("loadtest: warning: {error:#}");
     }
-    let violations = loadtest::report::violations(report);
+    let violations = loadtest::slo::judge(report, objectives);
     for violation in &violations {
         eprintln!("loadtest: FAILED: {violation}");
     }

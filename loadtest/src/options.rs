@@ -89,6 +89,16 @@ pub struct Options {
     #[arg(long)]
     pub no_history: bool,
 
+    /// Exit 1 when a run's p99 latency is above this many ms: `300` for every
+    /// strategy, `redis-lock=300,etcd=500` per strategy, or both (`500,etcd=900`).
+    #[arg(long, value_parser = crate::slo::parse_objective)]
+    pub max_p99_ms: Option<crate::slo::Objective>,
+
+    /// Exit 1 when a run sells fewer orders per second than this (the same forms as
+    /// `--max-p99-ms`).
+    #[arg(long, value_parser = crate::slo::parse_objective)]
+    pub min_orders_per_s: Option<crate::slo::Objective>,
+
     /// Inject a fault into each run: `pause-holder` makes one lock holder per run stall
     /// past its lease after its last check (Kleppmann's scenario).
     #[arg(long, value_enum)]

@@ -323,3 +323,54 @@ async fn the_cohort_option_switches_the_cluster_and_is_recorded() {
     assert_eq!(cohort_now().await, true);
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// Objectives, as k6's thresholds: a run that misses `--max-p99-ms` (here an
+/// unreachable 1 µs) fails the load test, naming the strategy, though nothing was
+/// oversold; a reachable objective passes. Without `slo::judge` in the verdict the
+/// run would pass on its records alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_missed_objective_fails_the_run_and_names_the_strategy() {
+    let cluster = TestCluster::start(1, &["--lock-wait-ms", "20000"]).await;
+    let out = std::env::temp_dir().join(format!("flashsale-slo-{}", cluster.namespace));
+    let options = Options::parse_from([
+        "loadtest",
+        "--targets",
+        &cluster.replicas[0].base_url,
+        "--strategies",
+        "redis-lock",
+        "--users",
+        "4",
+        "--stock",
+        "8",
+        "--max-seconds",
+        "20",
+        "--max-p99-ms",
+        "redis-lock=0.001",
+        "--min-orders-per-s",
+        "0.5",
+        "--no-history",
+        "--out",
+        &out.to_string_lossy(),
+    ]);
+    let (service, strategies) = loadtest::prepare(&options).await.expect("targets ready");
+    let report = loadtest::run(&options, &service, &strategies)
+        .await
+        .expect("load ran");
+    assert_eq!(report.runs[0].oversold, 0, "{:?}", report.runs[0]);
+    let objectives = loadtest::slo::Objectives {
+        max_p99_ms: options.max_p99_ms.clone(),
+        min_orders_per_s: options.min_orders_per_s.clone(),
+    };
+    let failures = loadtest::slo::judge(&report, &objectives);
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert!(
+        failures[0].starts_with("redis-lock (run 1): p99 ") && failures[0].contains("--max-p99-ms"),
+        "{failures:?}"
+    );
+    let reachable = loadtest::slo::Objectives {
+        max_p99_ms: Some(loadtest::slo::parse_objective("60000").expect("parses")),
+        ..objectives
+    };
+    assert!(loadtest::slo::judge(&report, &reachable).is_empty());
+    let _ = std::fs::remove_dir_all(&out);
+}
