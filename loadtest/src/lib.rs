@@ -6,6 +6,7 @@ pub mod crowd;
 pub mod explore;
 pub mod merge;
 pub mod options;
+mod provenance;
 pub mod report;
 pub mod service;
 pub mod slo;
@@ -114,11 +115,13 @@ pub async fn run(
     })
 }
 
-/// The cluster's switches as the service reported them, for the report.
-#[derive(Debug, Clone, Copy)]
+/// The cluster's switches as the service reported them, and what produced the run, for
+/// the report.
+#[derive(Debug, Clone)]
 pub(crate) struct Switches {
     pub fencing: bool,
     pub cohort: Option<bool>,
+    pub provenance: flashsale_wire::report::Provenance,
 }
 
 impl Switches {
@@ -126,6 +129,7 @@ impl Switches {
         Switches {
             fencing: stats.fencing,
             cohort: stats.cohort,
+            provenance: provenance::of(stats),
         }
     }
 }
@@ -150,6 +154,7 @@ pub(crate) fn load_config(
         repeat: options.repeat,
         rate: options.rate,
         parts: options.part.map_or(1, |part| part.of),
+        provenance: Some(switches.provenance),
     }
 }
 

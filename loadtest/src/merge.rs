@@ -152,6 +152,8 @@ fn same_settings(a: &LoadConfig, b: &LoadConfig) -> bool {
     LoadConfig {
         fencing: b.fencing,
         cohort: b.cohort,
+        // Each part ran on its own machine.
+        provenance: b.provenance.clone(),
         ..a.clone()
     } == *b
 }
@@ -246,6 +248,7 @@ mod tests {
             repeat: 1,
             rate: None,
             parts: 2,
+            provenance: None,
         }
     }
 

@@ -467,6 +467,7 @@ mod tests {
                 repeat: 1,
                 rate: None,
                 parts: 1,
+                provenance: None,
             },
             runs,
         }

@@ -84,6 +84,7 @@ pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppEr
         lock_lease_ms: millis(state.flow.lock_lease),
         lock_wait_ms: millis(state.flow.lock_wait),
         work_ms: millis(state.flow.work),
+        commit: Some(env!("FLASHSALE_COMMIT").to_owned()),
         replicas: store.cluster.live_replicas().await?,
         counters: store.cluster.counters().await?,
         skus: records

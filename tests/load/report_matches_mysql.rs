@@ -324,7 +324,7 @@ async fn the_cohort_option_switches_the_cluster_and_is_recorded() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
-/// Objectives, as k6's thresholds: a run that misses `--max-p99-ms` (here an
+/// Objectives, as k6's thresholds, and the run's provenance: a run that misses `--max-p99-ms` (here an
 /// unreachable 1 µs) fails the load test, naming the strategy, though nothing was
 /// oversold; a reachable objective passes. Without `slo::judge` in the verdict the
 /// run would pass on its records alone.
@@ -357,6 +357,23 @@ async fn a_missed_objective_fails_the_run_and_names_the_strategy() {
         .await
         .expect("load ran");
     assert_eq!(report.runs[0].oversold, 0, "{:?}", report.runs[0]);
+    // The report says what produced it: the replica's commit and settings, the machine.
+    let made_by = report.config.provenance.clone().expect("provenance");
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .output()
+        .expect("git");
+    let head = String::from_utf8_lossy(&head.stdout).trim().to_owned();
+    assert_eq!(made_by.commit.as_deref(), Some(head.as_str()));
+    assert_eq!(
+        (made_by.replicas, made_by.lock_wait_ms),
+        (1, 20000),
+        "{made_by:?}"
+    );
+    assert!(
+        made_by.cores >= 1 && made_by.memory_mib.is_some_and(|m| m > 0),
+        "{made_by:?}"
+    );
     let objectives = loadtest::slo::Objectives {
         max_p99_ms: options.max_p99_ms.clone(),
         min_orders_per_s: options.min_orders_per_s.clone(),

@@ -52,6 +52,28 @@ pub struct LoadConfig {
     /// merge`); 1, and left out, for a single process.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub parts: u32,
+    /// What produced the figures; `None` in reports older than this field.
+    #[serde(default)]
+    pub provenance: Option<Provenance>,
+}
+
+/// What produced a report's figures, so two reports can be told apart: the service's
+/// build and timing settings, and the machine the load test ran on (in the lab, the
+/// replicas' too).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Provenance {
+    /// The commit the answering replica was built from ("unknown" outside git).
+    pub commit: Option<String>,
+    pub lock_lease_ms: u64,
+    pub lock_wait_ms: u64,
+    pub work_ms: u64,
+    /// Replicas alive when the runs began.
+    pub replicas: u64,
+    /// Cores the load test's machine offers it (part 1's, for a split crowd).
+    pub cores: u64,
+    pub memory_mib: Option<u64>,
+    pub cpu: Option<String>,
 }
 
 fn one() -> u32 {

@@ -39,6 +39,9 @@ pub struct Stats {
     /// This replica's simulated work inside the critical section (`FLASHSALE_WORK_MS`).
     #[serde(default)]
     pub work_ms: u64,
+    /// The commit this replica was built from; `None` from older replicas.
+    #[serde(default)]
+    pub commit: Option<String>,
     pub replicas: Vec<ReplicaInfo>,
     pub skus: Vec<SkuStats>,
     /// Cluster-wide event counts by `strategy.counter` (lock timeouts, locks lost,
