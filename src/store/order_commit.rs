@@ -39,6 +39,7 @@ use sqlx::mysql::{MySqlDatabaseError, MySqlQueryResult};
 use sqlx::{MySql, Transaction};
 
 use super::StoreError;
+use super::idempotency::settle_in_order;
 use super::records::{Records, insert_order};
 use crate::model::{NewOrder, Order, Sku};
 use crate::mysql_pool::on_live_connection;
@@ -96,7 +97,8 @@ pub enum Refusal {
     },
     /// The user would pass the SKU's limit per user with this order.
     LimitReached,
-    /// An order with the same idempotency key is recorded already.
+    /// An order with the same idempotency key is recorded already, or the key's
+    /// claim is no longer this order's (`idempotency::settle_in_order`).
     Duplicate,
 }
 
@@ -338,18 +340,27 @@ async fn write_order(
         return Ok(Err(diagnose(tx, order, write, epoch, strategy).await?));
     }
     let version = i64::try_from(updated.last_insert_id()).unwrap_or(i64::MAX);
+    // The order row before the limit: an order with the key recorded already is the
+    // answer (`Duplicate`), not `limit_reached` (the user's units count that order).
+    // Refused: the caller rolls back, the update with it.
+    let recorded = match insert_order(tx, order, strategy, replica).await? {
+        Ok(recorded) => recorded,
+        Err(refusal) => return Ok(Err(refusal)),
+    };
     if let Some(limit) = limit_per_user
-        && bought(tx, order).await?.saturating_add(order.quantity) > limit
+        && bought(tx, order).await? > limit
     {
         return Ok(Err(Refusal::LimitReached));
     }
-    // Refused (a duplicate key): the caller rolls back, the update with it.
-    Ok(insert_order(tx, order, strategy, replica)
-        .await?
-        .map(|recorded| Committed {
-            order: recorded,
-            version,
-        }))
+    // The key's answer is this order, written with it; a claim taken over meanwhile
+    // (this holder outlived its hold) refuses the order: the key is the new holder's.
+    if !settle_in_order(tx, &[&recorded], &[order.idempotency.as_ref()]).await? {
+        return Ok(Err(Refusal::Duplicate));
+    }
+    Ok(Ok(Committed {
+        order: recorded,
+        version,
+    }))
 }
 
 /// `StockWrite::Decrement`'s statement: the stock falls by `quantity` only while the
@@ -416,8 +427,8 @@ async fn sale_epoch_and_limit(
     }))
 }
 
-/// The units `order`'s user bought of its SKU in this sale (the SKU's orders, which a
-/// reset deletes). A locking read: the caller holds the product row's lock, which
+/// The units `order`'s user bought of its SKU in this sale, this order included (the
+/// SKU's orders, which a reset deletes). A locking read: the caller holds the product row's lock, which
 /// every order of the SKU takes before inserting, and this reads the orders committed
 /// while it waited for the row, where its snapshot may be older.
 async fn bought(tx: &mut Transaction<'static, MySql>, order: &NewOrder) -> Result<i64, StoreError> {
