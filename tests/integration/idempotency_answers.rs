@@ -324,3 +324,36 @@ async fn a_redis_only_sold_out_is_not_stored() {
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
     assert_eq!(orders_with_key(&cluster, key).await, 1);
 }
+
+/// Under a lock strategy a refusal of MySQL's (`limit_reached` here) rolls the
+/// holder's transaction back: the stock it marked pending in Redis is still MySQL's,
+/// and the holder clears its own mark, so the next holder does not rebuild the stock
+/// from MySQL for nothing. Without the clearing, the mark stays after the refusal
+/// (verified).
+#[tokio::test]
+async fn a_refusal_of_mysql_leaves_no_pending_mark() {
+    let cluster = TestCluster::start(1, &[]).await;
+    cluster.set_strategy("redis-lock").await;
+    let sku = "refused-mark";
+    reset_with_limit(&cluster, sku, 10, Some(1)).await;
+    assert_eq!(
+        cluster.order(0, sku, "once", 1).await.status(),
+        StatusCode::CREATED
+    );
+    let refused = cluster.order(0, sku, "once", 1).await;
+    assert_eq!(refused.status(), StatusCode::CONFLICT);
+    let body: Value = refused.json().await.expect("JSON");
+    assert_eq!(body["error"], "limit_reached", "{body}");
+    let mut redis = redis_pool().get().await.expect("redis");
+    let pending: Option<String> = redis
+        .get(format!("{}:stock-pending:{sku}", cluster.namespace))
+        .await
+        .expect("GET");
+    assert_eq!(pending, None, "the refused holder's pending mark was left");
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        (stats["stock_redis"].as_i64(), stats["stock_mysql"].as_i64()),
+        (Some(9), Some(9)),
+        "{stats}"
+    );
+}
