@@ -427,20 +427,30 @@ async fn sale_epoch_and_limit(
     }))
 }
 
-/// The units `order`'s user bought of its SKU in this sale, this order included (the
-/// SKU's orders, which a reset deletes). A locking read: the caller holds the product row's lock, which
-/// every order of the SKU takes before inserting, and this reads the orders committed
-/// while it waited for the row, where its snapshot may be older.
+/// The units `order`'s user bought of its SKU in this sale, this order included: its
+/// units added to the user's row of `units_per_user` (created at the first order), in
+/// the caller's transaction. One statement, which locks that one row by its primary
+/// key until the COMMIT: it serialises only this user's orders of this SKU (the
+/// caller holds the product row anyway), and takes no gap lock on `orders`, so orders
+/// of other SKUs never wait for it (migration 0011 says why that matters).
+///
+/// The total comes back through `LAST_INSERT_ID(expr)` when the row existed (two rows
+/// affected: MySQL's count for an upsert that updated); a new row holds the order's
+/// quantity.
 async fn bought(tx: &mut Transaction<'static, MySql>, order: &NewOrder) -> Result<i64, StoreError> {
-    let units: i64 = sqlx::query_scalar(
-        "SELECT CAST(COALESCE(SUM(quantity), 0) AS SIGNED) FROM orders
-         WHERE sku = ? AND user_id = ? LOCK IN SHARE MODE",
+    let added = sqlx::query(
+        "INSERT INTO units_per_user (sku, user_id, units) VALUES (?, ?, ?)
+         ON DUPLICATE KEY UPDATE units = LAST_INSERT_ID(units + VALUES(units))",
     )
     .bind(order.sku.as_str())
     .bind(&order.user_id)
-    .fetch_one(&mut **tx)
+    .bind(order.quantity)
+    .execute(&mut **tx)
     .await?;
-    Ok(units)
+    Ok(match added.rows_affected() {
+        1 => order.quantity,
+        _ => i64::try_from(added.last_insert_id()).unwrap_or(i64::MAX),
+    })
 }
 
 /// Whether the orders a decrement is for have their limit per user checked.

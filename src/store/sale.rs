@@ -428,6 +428,11 @@ impl Records {
                     .bind(sku.as_str())
                     .execute(&mut *tx)
                     .await?;
+                // The limit per user counts each sale afresh.
+                sqlx::query("DELETE FROM units_per_user WHERE sku = ?")
+                    .bind(sku.as_str())
+                    .execute(&mut *tx)
+                    .await?;
                 // A lock service whose data was wiped restarts its tokens low; a reset
                 // is the way to let it fence again.
                 sqlx::query("DELETE FROM product_fences WHERE sku = ?")
