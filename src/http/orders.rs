@@ -121,6 +121,12 @@ pub async fn place_order(
         )
     })?;
     let mut order = body.validate(state.max_quantity)?;
+    // Two keys would name two requests, or none: refused rather than one picked.
+    if headers.get_all(IDEMPOTENCY_KEY).iter().nth(1).is_some() {
+        return Err(AppError::Malformed(
+            "send at most one Idempotency-Key header".into(),
+        ));
+    }
     if let Some(raw) = headers.get(IDEMPOTENCY_KEY) {
         let key = Idempotency::for_order(raw.as_bytes(), &order).map_err(AppError::Invalid)?;
         order.idempotency = Some(key);

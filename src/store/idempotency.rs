@@ -317,14 +317,18 @@ impl Records {
     }
 
     /// Deletes the claims and answers older than `KEY_RETENTION`, at most `limit` of
-    /// them; how many went. The orders keep their keys: a key sent again after the
+    /// them, except claims whose holder is still within its hold (its order's
+    /// transaction settles the claim, and would roll back finding it gone); how many
+    /// went. The orders keep their keys: a key sent again after the
     /// purge finds its order through the unique key and is answered with it.
     pub async fn purge_keys(&self, limit: u32) -> Result<u64, StoreError> {
         let seconds = KEY_RETENTION.as_secs();
         let purge = || {
             sqlx::query(
                 "DELETE FROM idempotency_keys
-                 WHERE created_at < NOW(6) - INTERVAL ? SECOND LIMIT ?",
+                 WHERE created_at < NOW(6) - INTERVAL ? SECOND
+                   AND (claim IS NULL OR claimed_until < NOW(6))
+                 LIMIT ?",
             )
             .bind(seconds)
             .bind(limit)

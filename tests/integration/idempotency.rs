@@ -480,12 +480,13 @@ pub(crate) async fn reset_with_limit(
 /// `limit_per_user: 1`: the same user's 20 orders at once over three replicas (no
 /// keys: a bot) make one order, the others answer 409 `limit_reached`; other users
 /// buy as before; a reset (a new sale) counts afresh. Enforced by MySQL in the order's
-/// transaction: without the locking sum of the user's units after the product row's
+/// transaction: without the count of the user's units after the product row's
 /// `UPDATE` (and, under redis-atomic, without its limited SKUs recorded one by one)
 /// the bot gets up to 20. Under db-for-update each holder works 50 ms with the row
 /// locked, so the next replica's transaction waits for the row with a snapshot from
-/// before the holder's COMMIT: with a plain (snapshot) read of the user's units instead
-/// of a locking one, the bot gets several orders.
+/// before the holder's COMMIT: the count must be the counter row's latest value (the
+/// upsert reads it under its row lock), not a snapshot read. Without the count (the
+/// order's own units taken as the total) the bot gets several orders (verified).
 async fn one_per_customer(strategy: &str, extra: &[&str]) {
     let cluster = TestCluster::start(3, extra).await;
     cluster.set_strategy(strategy).await;

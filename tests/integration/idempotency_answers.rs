@@ -430,3 +430,97 @@ async fn limited_neighbours_never_deadlock_under_db_for_update() {
 async fn limited_neighbours_never_deadlock_under_redis_atomic() {
     limited_neighbours_never_deadlock("redis-atomic").await;
 }
+
+/// Two `Idempotency-Key` headers on one order are refused (400, naming the header)
+/// and nothing is ordered. Without the check, the first header was used silently.
+#[tokio::test]
+async fn two_idempotency_keys_are_refused() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let sku = "two-keys";
+    cluster.reset(sku, 5).await;
+    let response = cluster
+        .http
+        .post(cluster.url(0, "/api/orders"))
+        .header("Idempotency-Key", "k-a")
+        .header("Idempotency-Key", "k-b")
+        .json(&json!({ "sku": sku, "user_id": "u", "quantity": 1 }))
+        .send()
+        .await
+        .expect("order");
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    let body: Value = response.json().await.expect("JSON");
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("Idempotency-Key")),
+        "{body}"
+    );
+    assert_eq!(cluster.count_orders(sku).await, 0);
+}
+
+/// A reset deletes the SKU's orders and, with them, the keys answered with those
+/// orders: the same key afterwards is a new order of the new sale, whose id exists,
+/// never a replay naming a deleted order. Without deleting those keys, the key replays
+/// the deleted order (its id, which GET /api/orders/{id} answers 404; verified).
+#[tokio::test]
+async fn after_a_reset_a_key_never_names_a_deleted_order() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let sku = "reset-keys";
+    cluster.reset(sku, 5).await;
+    let base = cluster.replicas[0].base_url.clone();
+    let body = json!({ "sku": sku, "user_id": "u", "quantity": 1 });
+    let key = "reset-key";
+    let first = keyed_order(&cluster, &base, &body, key).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    cluster.reset(sku, 5).await;
+    let again = keyed_order(&cluster, &base, &body, key).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
+    let id = again.body["id"].as_u64().expect("id");
+    assert_ne!(Some(id), first.body["id"].as_u64(), "a new order");
+    let found = cluster
+        .http
+        .get(cluster.url(0, &format!("/api/orders/{id}")))
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(found.status(), StatusCode::OK);
+    assert_eq!(orders_with_key(&cluster, key).await, 1);
+}
+
+/// The purge of keys past 24 h leaves a claim whose holder is still within its hold
+/// (its order's transaction would roll back finding it gone) and deletes the others.
+/// Without the condition on the hold, the held claim is purged too.
+#[tokio::test]
+async fn the_purge_leaves_held_claims() {
+    let cluster = TestCluster::start(1, &[]).await;
+    let records = Records::connect(&cluster.database_url, 2, Duration::from_secs(10))
+        .await
+        .expect("records");
+    for (key, claim, until) in [
+        ("old-answered", None, None),
+        ("old-held", Some("1"), Some("NOW(6) + INTERVAL 1 MINUTE")),
+        ("old-dead", Some("2"), Some("NOW(6) - INTERVAL 1 MINUTE")),
+    ] {
+        let pool = cluster.mysql().await;
+        let until = until.unwrap_or("NULL");
+        let sql = format!(
+            "INSERT INTO idempotency_keys (idem_key, fingerprint, claim, claimed_until, created_at)
+             VALUES (?, REPEAT('0', 64), ?, {until}, NOW(6) - INTERVAL 25 HOUR)"
+        );
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(key)
+            .bind(claim)
+            .execute(&pool)
+            .await
+            .expect("claim");
+        pool.close().await;
+    }
+    assert_eq!(records.purge_keys(100).await.expect("purge"), 2);
+    let left = scalar(
+        &cluster,
+        "SELECT COUNT(*) FROM idempotency_keys WHERE idem_key = ?",
+        "old-held",
+    )
+    .await;
+    assert_eq!(left, 1, "the held claim was purged");
+}
