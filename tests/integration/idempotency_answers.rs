@@ -524,3 +524,96 @@ async fn the_purge_leaves_held_claims() {
     .await;
     assert_eq!(left, 1, "the held claim was purged");
 }
+
+/// redis-atomic's group commit settles the claims of a whole batch in its one
+/// transaction (one `UPDATE … CASE` naming each order's key and token): three keyed
+/// orders submitted together are recorded by one transaction and each key's stored
+/// answer is its own order. A batch in which one order's claim was taken over (its
+/// token replaced here) records nothing together: its orders go one by one, the one
+/// whose claim is lost is refused (`Duplicate`, its unit given back) and the other is
+/// recorded. Settling only the batch's first claim fails here (keys 1 and 2 store
+/// nothing), and so does not fencing by the token (key 3's order is recorded); both
+/// verified.
+#[tokio::test]
+async fn a_batch_settles_each_keys_claim_with_its_order() {
+    use crate::group_commit::{committer, epoch, submit_together, take};
+    use flashsale::store::Refusal;
+
+    let cluster = TestCluster::start(1, &[]).await;
+    cluster.set_strategy("redis-atomic").await;
+    let sku = "batched-keys";
+    cluster.reset(sku, 10).await;
+    let (committer, cache) = committer(&cluster).await;
+    let records = Records::connect(&cluster.database_url, 2, Duration::from_secs(10))
+        .await
+        .expect("records");
+    let epoch = epoch(&cluster).await;
+    let mut batches = Vec::new();
+    for (batch, users) in [("a", 0..3), ("b", 3..5)] {
+        let mut taken = Vec::new();
+        for i in users {
+            let user = format!("u{i}");
+            let mut order = take(&cache, sku, &user, epoch).await;
+            let key =
+                Idempotency::for_order(format!("batch-{i}").as_bytes(), &order.order).expect("key");
+            let token = ClaimToken::from_value(100 + i);
+            let claim = records
+                .try_claim(&key, Duration::from_secs(60), token)
+                .await
+                .expect("claim");
+            assert!(matches!(claim, Some(Claim::Mine(_))), "{claim:?}");
+            order.order.idempotency = Some(Idempotency {
+                claim: Some(token.value()),
+                ..key
+            });
+            taken.push(order);
+        }
+        batches.push((batch, taken));
+    }
+    // Batch b's first order lost its claim to a taker.
+    execute(
+        &cluster,
+        "UPDATE idempotency_keys SET claim = 999 WHERE idem_key = ?",
+        &["batch-3"],
+    )
+    .await;
+    let mut recorded = Vec::new();
+    for (batch, taken) in batches {
+        for pending in submit_together(&committer, taken) {
+            recorded.push((batch, pending.recorded().await));
+        }
+    }
+    let mut created_at = Vec::new();
+    for (i, (batch, outcome)) in recorded.iter().enumerate() {
+        let key = format!("batch-{i}");
+        if i == 3 {
+            assert!(
+                matches!(outcome, Ok(Err(Refusal::Duplicate))),
+                "{batch}/{key}: {outcome:?}"
+            );
+            continue;
+        }
+        let Ok(Ok(committed)) = outcome else {
+            panic!("{batch}/{key}: {outcome:?}")
+        };
+        let order = serde_json::to_value(&committed.order).expect("JSON");
+        assert_eq!(
+            stored_answer(&cluster, &key).await,
+            Some((201, order)),
+            "{batch}/{key}"
+        );
+        if *batch == "a" {
+            created_at.push(committed.order.created_at);
+        }
+    }
+    created_at.dedup();
+    assert_eq!(created_at.len(), 1, "batch a in one transaction");
+    assert_eq!(orders_with_key(&cluster, "batch-3").await, 0);
+    assert_eq!(cluster.count_orders(sku).await, 4);
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        (stats["stock_redis"].as_i64(), stats["stock_mysql"].as_i64()),
+        (Some(6), Some(6)),
+        "the refused order's unit given back: {stats}"
+    );
+}
