@@ -59,6 +59,10 @@ pub struct Idempotency {
     /// SHA-256 (hex) of the order's SKU, user and quantity: the same key with another
     /// request is refused.
     pub fingerprint: String,
+    /// The token of the key's claim this request holds, once it holds it
+    /// (`store::idempotency`): the order's transaction settles the claim, and commits
+    /// only while the claim is still this token's.
+    pub claim: Option<u64>,
 }
 
 impl Idempotency {
@@ -68,6 +72,7 @@ impl Idempotency {
             key: idempotency_key(raw)
                 .map_err(|rule| format!("the Idempotency-Key header {rule}"))?,
             fingerprint: fingerprint(order),
+            claim: None,
         })
     }
 }

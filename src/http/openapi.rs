@@ -143,7 +143,8 @@ const SHARED_RESPONSES: &[(&str, &str)] = &[
     (
         "Malformed",
         "`malformed_request`: the body is not a JSON object (bad syntax, empty, an \
-         array), or the query string cannot be read as this operation's",
+         array), the query string cannot be read as this operation's, or a header \
+         that may appear once (Idempotency-Key) appears twice",
     ),
     (
         "NotTaken",

@@ -17,7 +17,7 @@ use super::AppState;
 use super::error::{AppError, ErrorBody};
 use super::limits::InFlight;
 use crate::model::{Idempotency, NewOrder, Order, Sku, integer_in_range, parse_user_id};
-use crate::store::{Claim, Records};
+use crate::store::{Claim, ClaimToken, Records};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -121,6 +121,12 @@ pub async fn place_order(
         )
     })?;
     let mut order = body.validate(state.max_quantity)?;
+    // Two keys would name two requests, or none: refused rather than one picked.
+    if headers.get_all(IDEMPOTENCY_KEY).iter().nth(1).is_some() {
+        return Err(AppError::Malformed(
+            "send at most one Idempotency-Key header".into(),
+        ));
+    }
     if let Some(raw) = headers.get(IDEMPOTENCY_KEY) {
         let key = Idempotency::for_order(raw.as_bytes(), &order).map_err(AppError::Invalid)?;
         order.idempotency = Some(key);
@@ -150,8 +156,8 @@ pub async fn place_order(
                         .await
                         .map(Answer::Placed),
                     Some(key) => {
-                        let placing = run(strategy, flow, order, options);
-                        place_keyed(&records, &key, hold, placing).await
+                        let placing = |order| run(strategy, flow, order, options);
+                        place_keyed(&records, &key, hold, order, placing).await
                     }
                 }
             }
@@ -236,62 +242,172 @@ fn order_location(id: u64) -> String {
     format!("/api/orders/{id}")
 }
 
-/// An order with an idempotency key: claimed first, then placed (`placing`) only if
-/// this request holds the key, then the claim settled: the definitive answer stored
-/// (201, `sold_out`, `limit_reached`, `not_found`), a transient one given back.
+/// An order with an idempotency key: claimed first, then placed (`placing`, with the
+/// claim's token in the order) only if this request holds the key, then the claim
+/// settled. A 201's answer is stored by the order's own transaction, which commits
+/// only while this request still holds the claim (`store::idempotency`). A refusal a
+/// retry would get again (`sold_out`, `limit_reached`, `not_found`) is stored after
+/// checking MySQL (`definitive`); anything else gives the claim back, so a retry
+/// tries again.
 ///
 /// Every await here runs in the order's task, which outlives its shopper: a hang-up
-/// or timeout anywhere leaves the claim settled by the task. A crash leaves it held
-/// until `hold` has passed; the next request with the key then finds the order, if it
-/// committed, or runs it.
-async fn place_keyed(
+/// or timeout anywhere leaves the claim settled by the task, and an error or a panic
+/// gives it back (`HeldClaim`). A crash leaves it held until `hold` has passed; the
+/// next request with the key then finds the order, if it committed, or runs it.
+async fn place_keyed<F, Fut>(
     records: &Records,
     key: &Idempotency,
     hold: std::time::Duration,
-    placing: impl Future<Output = Result<Order, AppError>>,
-) -> Result<Answer, AppError> {
+    mut order: NewOrder,
+    placing: F,
+) -> Result<Answer, AppError>
+where
+    F: FnOnce(NewOrder) -> Fut,
+    Fut: Future<Output = Result<Order, AppError>>,
+{
     let token = match records.claim_key(key, hold).await? {
         Claim::Mine(token) => token,
+        claim => return answer_from(claim),
+    };
+    let held = HeldClaim {
+        records: records.clone(),
+        key: key.key.clone(),
+        token: Some(token),
+    };
+    order.idempotency = Some(Idempotency {
+        claim: Some(token.value()),
+        ..key.clone()
+    });
+    let sku = order.sku.clone();
+    let placed = placing(order).await;
+    let settled = settle(records, key, &sku, token, placed).await;
+    match settled {
+        // Settled (stored, or given back by `settle`): nothing left to give back.
+        Ok(_) => held.disarm(),
+        // A store error on the way: the guard gives the claim back.
+        Err(_) => drop(held),
+    }
+    settled
+}
+
+/// A claim answered by someone else, as this request's answer.
+fn answer_from(claim: Claim) -> Result<Answer, AppError> {
+    match claim {
         Claim::Answered { status, body } => {
             metrics::counter!("flashsale_idempotent_replays_total").increment(1);
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED);
-            return Ok(Answer::Replayed { status, body });
+            Ok(Answer::Replayed { status, body })
         }
-        Claim::InProgress => return Err(AppError::InProgress),
-        Claim::OtherRequest => return Err(AppError::KeyReused),
-    };
-    let answer = match placing.await {
-        Ok(order) => Ok(Answer::Placed(order)),
-        // MySQL holds an order with the key: a holder presumed dead committed after
-        // all, or the claim had been purged. That order is the answer.
-        Err(AppError::Order(OrderError::DuplicateKey)) => {
-            match records.order_by_key(&key.key).await? {
-                Some((order, fingerprint)) if fingerprint == key.fingerprint => {
-                    Ok(Answer::Placed(order))
-                }
-                Some(_) => Err(AppError::KeyReused),
-                // Deleted since (a reset of its SKU): nothing to answer with yet.
-                None => Err(AppError::InProgress),
-            }
-        }
-        Err(error) => Err(error),
-    };
-    let settled = match stored_answer(&answer) {
-        Some((status, body)) => records.answer_key(&key.key, token, status, &body).await,
-        None => records.release_key(&key.key, token).await,
-    };
-    if let Err(error) = settled {
-        // The claim stays until its deadline; the order row stays the truth.
-        tracing::warn!(%error, key = %key.key, "an idempotency key's claim could not be settled");
+        Claim::OtherRequest => Err(AppError::KeyReused),
+        Claim::InProgress | Claim::Mine(_) => Err(AppError::InProgress),
     }
-    answer
 }
 
-/// The answer to keep for a key: the order, or a refusal a retry would get again.
-fn stored_answer(answer: &Result<Answer, AppError>) -> Option<(u16, String)> {
-    match answer {
-        Ok(Answer::Placed(order)) => serde_json::to_string(order).ok().map(|body| (201, body)),
-        Err(error @ AppError::Order(order_error))
+/// Settles the claim `token` holds after its order was `placed`: the answer the
+/// request gets. An `Err` is a store error, with the claim not settled.
+async fn settle(
+    records: &Records,
+    key: &Idempotency,
+    sku: &Sku,
+    token: ClaimToken,
+    placed: Result<Order, AppError>,
+) -> Result<Answer, AppError> {
+    let refusal = match placed {
+        // Stored by the order's transaction.
+        Ok(order) => return Ok(Answer::Placed(order)),
+        Err(error) => error,
+    };
+    // The order row is the truth: a key with an order is answered with it, whatever
+    // this attempt ran into (a retry after an unknown COMMIT or after the purge may be
+    // refused before MySQL's unique key is reached). Read for refusals only: a
+    // transient answer is not stored, and the next attempt reads it anyway.
+    let definitive = stored_refusal(&refusal);
+    if (matches!(refusal, AppError::Order(OrderError::DuplicateKey)) || definitive.is_some())
+        && let Some((order, fingerprint)) = records.order_by_key(&key.key).await?
+    {
+        if fingerprint != key.fingerprint {
+            records.release_key(&key.key, token).await?;
+            return Err(AppError::KeyReused);
+        }
+        let body = serde_json::to_string(&order).map_err(|error| {
+            tracing::error!(%error, "an order could not be written as JSON");
+            AppError::Internal
+        })?;
+        records.answer_key(&key.key, token, 201, &body).await?;
+        return Ok(Answer::Placed(order));
+    }
+    if let AppError::Order(OrderError::DuplicateKey) = refusal {
+        // No order has the key: the claim was taken over from this request, which
+        // outlived its hold; the key is the new holder's.
+        return answer_from(records.key_now(key).await?);
+    }
+    let stored = match definitive {
+        Some((status, body)) if definitive_in_mysql(records, sku, &refusal).await? => {
+            records.answer_key(&key.key, token, status, &body).await?
+        }
+        _ => {
+            records.release_key(&key.key, token).await?;
+            return Err(refusal);
+        }
+    };
+    if stored {
+        Err(refusal)
+    } else {
+        // Taken over meanwhile: the key's answer is the new holder's.
+        answer_from(records.key_now(key).await?)
+    }
+}
+
+/// Whether MySQL agrees with a definitive refusal. `sold_out` may come from Redis
+/// alone: under redis-atomic, units taken by orders still in flight are missing from
+/// Redis, and a MySQL failure gives them back; stored, the refusal would be replayed
+/// for 24 hours while the units come back. MySQL's stock counts only orders committed
+/// (they never come back within the sale): below the quantity, sold out is the truth.
+async fn definitive_in_mysql(
+    records: &Records,
+    sku: &Sku,
+    refusal: &AppError,
+) -> Result<bool, AppError> {
+    let AppError::Order(OrderError::SoldOut { requested, .. }) = refusal else {
+        return Ok(true);
+    };
+    let stock = records.stock_and_version(sku).await?;
+    Ok(stock.is_none_or(|(stock, _)| stock < *requested))
+}
+
+/// Gives a claim back when dropped armed: a store error or a panic between the claim
+/// and its settlement must not leave the key in progress until its hold runs out.
+struct HeldClaim {
+    records: Records,
+    key: String,
+    token: Option<ClaimToken>,
+}
+
+impl HeldClaim {
+    fn disarm(mut self) {
+        self.token = None;
+    }
+}
+
+impl Drop for HeldClaim {
+    fn drop(&mut self) {
+        let Some(token) = self.token.take() else {
+            return;
+        };
+        let (records, key) = (self.records.clone(), std::mem::take(&mut self.key));
+        // Fenced by the token: a claim settled or taken over meanwhile is left alone.
+        tokio::spawn(async move {
+            if let Err(error) = records.release_key(&key, token).await {
+                tracing::warn!(%error, key, "an idempotency key's claim could not be given back");
+            }
+        });
+    }
+}
+
+/// The answer to keep for a key's refusal: one a retry would get again.
+fn stored_refusal(error: &AppError) -> Option<(u16, String)> {
+    match error {
+        AppError::Order(order_error)
             if matches!(
                 order_error.outcome(),
                 Outcome::SoldOut | Outcome::LimitReached | Outcome::NotFound

@@ -69,6 +69,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures::FutureExt;
 use tokio::sync::{mpsc, oneshot};
 
+use super::idempotency::settle_in_order;
 use super::order_commit::{Limits, decrement, sale_epoch};
 use super::records::{insert_orders, is_duplicate_key};
 use super::{Committed, Records, Refusal, StockCache, StockWrite, StoreError};
@@ -263,10 +264,11 @@ impl Recorder for MySqlRecorder {
         }
         let mut answers: Vec<Option<Recorded>> = batch.iter().map(|_| None).collect();
         let refused = match self.write(batch).await {
-            // An idempotency key already recorded (a retry whose claim had expired, or
-            // two keyed orders of one key queued together): nothing was written. Each
-            // order alone, where only the duplicate is refused and gives its units back.
-            Err(StoreError::Mysql(error)) if is_duplicate_key(&error) => {
+            // An idempotency key already recorded (a retry after the 24 h purge of its
+            // claim), or a key's claim taken over from a slow holder: nothing was
+            // written. Each order alone, where only that one is refused and gives its
+            // units back.
+            Ok(None) => {
                 let mut answers = Vec::with_capacity(batch.len());
                 for taken in batch {
                     answers.push(self.record_alone(taken).await);
@@ -282,11 +284,11 @@ impl Recorder for MySqlRecorder {
                 }
                 Vec::new()
             }
-            Ok(Written {
+            Ok(Some(Written {
                 tx,
                 landed,
                 refused,
-            }) => {
+            })) => {
                 self.commit(tx, batch, landed, &mut answers).await;
                 refused
             }
@@ -311,8 +313,10 @@ impl Recorder for MySqlRecorder {
 
 impl MySqlRecorder {
     /// BEGIN, one `UPDATE` per group, one `INSERT` of the orders of the groups it
-    /// matched. An error means nothing was written.
-    async fn write<'a>(&self, batch: &'a [TakenOrder]) -> Result<Written<'a>, StoreError> {
+    /// matched, one `UPDATE` of their idempotency keys' claims (if any). An error means
+    /// nothing was written; so does `None`: an order of the batch is refused by its
+    /// key (record them one by one).
+    async fn write<'a>(&self, batch: &'a [TakenOrder]) -> Result<Option<Written<'a>>, StoreError> {
         let mut tx = self.records.begin().await?;
         let sale_epoch = sale_epoch(&mut tx).await?;
         let mut versions = Vec::new();
@@ -342,17 +346,24 @@ impl MySqlRecorder {
         }
         versions.sort_unstable();
         let orders: Vec<&NewOrder> = versions.iter().map(|&(m, _)| &batch[m].order).collect();
-        let recorded = insert_orders(&mut tx, &orders, self.strategy, &self.replica).await?;
+        let recorded = match insert_orders(&mut tx, &orders, self.strategy, &self.replica).await {
+            Err(StoreError::Mysql(error)) if is_duplicate_key(&error) => return Ok(None),
+            recorded => recorded?,
+        };
+        let keys: Vec<_> = orders.iter().map(|o| o.idempotency.as_ref()).collect();
+        if !settle_in_order(&mut tx, &recorded.iter().collect::<Vec<_>>(), &keys).await? {
+            return Ok(None);
+        }
         let landed = versions
             .into_iter()
             .zip(recorded)
             .map(|((position, version), order)| (position, Committed { order, version }))
             .collect();
-        Ok(Written {
+        Ok(Some(Written {
             tx,
             landed,
             refused,
-        })
+        }))
     }
 
     /// Commits what was written and answers its orders.

@@ -39,6 +39,7 @@ use sqlx::mysql::{MySqlDatabaseError, MySqlQueryResult};
 use sqlx::{MySql, Transaction};
 
 use super::StoreError;
+use super::idempotency::settle_in_order;
 use super::records::{Records, insert_order};
 use crate::model::{NewOrder, Order, Sku};
 use crate::mysql_pool::on_live_connection;
@@ -96,7 +97,8 @@ pub enum Refusal {
     },
     /// The user would pass the SKU's limit per user with this order.
     LimitReached,
-    /// An order with the same idempotency key is recorded already.
+    /// An order with the same idempotency key is recorded already, or the key's
+    /// claim is no longer this order's (`idempotency::settle_in_order`).
     Duplicate,
 }
 
@@ -338,18 +340,27 @@ async fn write_order(
         return Ok(Err(diagnose(tx, order, write, epoch, strategy).await?));
     }
     let version = i64::try_from(updated.last_insert_id()).unwrap_or(i64::MAX);
+    // The order row before the limit: an order with the key recorded already is the
+    // answer (`Duplicate`), not `limit_reached` (the user's units count that order).
+    // Refused: the caller rolls back, the update with it.
+    let recorded = match insert_order(tx, order, strategy, replica).await? {
+        Ok(recorded) => recorded,
+        Err(refusal) => return Ok(Err(refusal)),
+    };
     if let Some(limit) = limit_per_user
-        && bought(tx, order).await?.saturating_add(order.quantity) > limit
+        && bought(tx, order).await? > limit
     {
         return Ok(Err(Refusal::LimitReached));
     }
-    // Refused (a duplicate key): the caller rolls back, the update with it.
-    Ok(insert_order(tx, order, strategy, replica)
-        .await?
-        .map(|recorded| Committed {
-            order: recorded,
-            version,
-        }))
+    // The key's answer is this order, written with it; a claim taken over meanwhile
+    // (this holder outlived its hold) refuses the order: the key is the new holder's.
+    if !settle_in_order(tx, &[&recorded], &[order.idempotency.as_ref()]).await? {
+        return Ok(Err(Refusal::Duplicate));
+    }
+    Ok(Ok(Committed {
+        order: recorded,
+        version,
+    }))
 }
 
 /// `StockWrite::Decrement`'s statement: the stock falls by `quantity` only while the
@@ -416,20 +427,30 @@ async fn sale_epoch_and_limit(
     }))
 }
 
-/// The units `order`'s user bought of its SKU in this sale (the SKU's orders, which a
-/// reset deletes). A locking read: the caller holds the product row's lock, which
-/// every order of the SKU takes before inserting, and this reads the orders committed
-/// while it waited for the row, where its snapshot may be older.
+/// The units `order`'s user bought of its SKU in this sale, this order included: its
+/// units added to the user's row of `units_per_user` (created at the first order), in
+/// the caller's transaction. One statement, which locks that one row by its primary
+/// key until the COMMIT: it serialises only this user's orders of this SKU (the
+/// caller holds the product row anyway), and takes no gap lock on `orders`, so orders
+/// of other SKUs never wait for it (migration 0011 says why that matters).
+///
+/// The total comes back through `LAST_INSERT_ID(expr)` when the row existed (two rows
+/// affected: MySQL's count for an upsert that updated); a new row holds the order's
+/// quantity.
 async fn bought(tx: &mut Transaction<'static, MySql>, order: &NewOrder) -> Result<i64, StoreError> {
-    let units: i64 = sqlx::query_scalar(
-        "SELECT CAST(COALESCE(SUM(quantity), 0) AS SIGNED) FROM orders
-         WHERE sku = ? AND user_id = ? LOCK IN SHARE MODE",
+    let added = sqlx::query(
+        "INSERT INTO units_per_user (sku, user_id, units) VALUES (?, ?, ?)
+         ON DUPLICATE KEY UPDATE units = LAST_INSERT_ID(units + VALUES(units))",
     )
     .bind(order.sku.as_str())
     .bind(&order.user_id)
-    .fetch_one(&mut **tx)
+    .bind(order.quantity)
+    .execute(&mut **tx)
     .await?;
-    Ok(units)
+    Ok(match added.rows_affected() {
+        1 => order.quantity,
+        _ => i64::try_from(added.last_insert_id()).unwrap_or(i64::MAX),
+    })
 }
 
 /// Whether the orders a decrement is for have their limit per user checked.

@@ -424,7 +424,22 @@ impl Records {
                 .bind(limit_per_user)
                 .execute(&mut *tx)
                 .await?;
+                // The keys answered with the SKU's orders go with them: a replay must
+                // not name an order that no longer exists. Such a key buys again in
+                // the new sale; refusals stored for keys stay (24 h, like every key).
+                sqlx::query(
+                    "DELETE k FROM idempotency_keys k
+                     JOIN orders o ON o.idempotency_key = k.idem_key WHERE o.sku = ?",
+                )
+                .bind(sku.as_str())
+                .execute(&mut *tx)
+                .await?;
                 sqlx::query("DELETE FROM orders WHERE sku = ?")
+                    .bind(sku.as_str())
+                    .execute(&mut *tx)
+                    .await?;
+                // The limit per user counts each sale afresh.
+                sqlx::query("DELETE FROM units_per_user WHERE sku = ?")
                     .bind(sku.as_str())
                     .execute(&mut *tx)
                     .await?;

@@ -120,6 +120,18 @@ return 0
     )
 });
 
+/// Deletes a pending mark if it is still the given one (a compare-and-delete).
+static CLEAR_MARK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+",
+    )
+});
+
 /// What a lock holder's read found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReadToSell {
@@ -287,6 +299,19 @@ impl StockCache {
             .invoke_async(&mut conn)
             .await?;
         Ok(written == 1)
+    }
+
+    /// Clears a lock holder's own pending mark (`mark`) without writing the stock: its
+    /// MySQL transaction rolled back, so the stock it marked is still MySQL's. Another
+    /// holder's mark is left alone.
+    pub async fn clear_mark(&self, sku: &Sku, mark: &str) -> Result<(), StoreError> {
+        let mut conn = self.pool.get().await?;
+        let _: i64 = CLEAR_MARK
+            .key(self.pending_key(sku))
+            .arg(mark)
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(())
     }
 
     /// The redis-atomic check-and-decrement, as one Lua script, for an order of sale

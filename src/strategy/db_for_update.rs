@@ -52,10 +52,9 @@ impl Strategy for DbForUpdateStrategy {
                            slow holder blocks every buyer of the SKU and ties up a database \
                            connection each; waits past innodb_lock_wait_timeout (error 1205) \
                            answer 503. Row-lock waits cannot form a cycle: an order locks one \
-                           product row, and admin changes lock the epoch row first. With a \
-                           per-user limit, the order's locking read of the user's orders also \
-                           takes InnoDB gap locks, so two orders of neighbouring SKUs can \
-                           deadlock; InnoDB rolls one back and it answers 503 (retry).",
+                           product row, and admin changes lock the epoch row first; a per-user \
+                           limit adds the user's counter row, locked by its primary key (no gap \
+                           lock), so it cannot form one either.",
         }
     }
 

@@ -328,7 +328,18 @@ impl SaleFlow {
                 self.repair_cache(order, stock, version, mark, epoch).await;
                 Err(OrderError::StaleRead)
             }
-            Ok(Err(refusal)) => Err(self.refused(order, refusal).await),
+            Ok(Err(refusal)) => {
+                // Rolled back: the stock this holder marked pending is still MySQL's
+                // (a refusal the lock does not prevent: the limit per user, a key
+                // recorded already). Left, the mark would make the next holder rebuild
+                // the stock from MySQL for nothing.
+                if !mark.is_empty()
+                    && let Err(error) = self.store.cache.clear_mark(&order.sku, mark).await
+                {
+                    tracing::warn!(%error, sku = %order.sku, "a pending mark could not be cleared");
+                }
+                Err(self.refused(order, refusal).await)
+            }
             Err(error) => Err(self.commit_failed(order, error).await),
         }
     }

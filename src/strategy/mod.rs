@@ -135,8 +135,9 @@ pub enum OrderError {
     /// The user would pass the sale's limit per user; nothing was written.
     #[error("the limit per user is reached")]
     LimitReached,
-    /// MySQL holds an order with the order's idempotency key already; nothing was
-    /// written (the HTTP layer answers with that order).
+    /// MySQL holds an order with the order's idempotency key already, or the key's
+    /// claim was taken over from this order (it outlived its hold); nothing was
+    /// written (the HTTP layer answers with what the key has).
     #[error("an order with this idempotency key is recorded already")]
     DuplicateKey,
     /// The strategy could not get exclusive access in time (lock wait, or optimistic

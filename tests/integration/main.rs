@@ -22,6 +22,7 @@ mod guarantees_sale_changes;
 mod guarantees_support;
 mod hangups;
 mod idempotency;
+mod idempotency_answers;
 mod killed_after_commit;
 mod limits;
 mod lock_cancellation;
