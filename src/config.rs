@@ -84,6 +84,20 @@ pub struct ServeConfig {
     )]
     pub redis_url: String,
 
+    /// Find the Redis through Redis Sentinel instead of `--redis-url`: the Sentinels'
+    /// `host:port` (comma-separated). Connections go to the primary they name, and to
+    /// the new one after a failover. Empty (the default): the one Redis at the URL.
+    #[arg(long, env = "FLASHSALE_REDIS_SENTINEL", value_delimiter = ',')]
+    pub redis_sentinel: Vec<String>,
+
+    /// The name the Sentinels monitor the primary under (`sentinel monitor NAME ...`).
+    #[arg(
+        long,
+        env = "FLASHSALE_REDIS_SENTINEL_MASTER",
+        default_value = "flashsale"
+    )]
+    pub redis_sentinel_master: String,
+
     /// MySQL/MariaDB, the system of record.
     #[arg(
         long,

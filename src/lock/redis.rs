@@ -133,7 +133,7 @@ impl RedisLock {
     /// The pub/sub connection comes from `client` (a subscribed connection serves
     /// nothing else); everything else goes through `pool`.
     pub fn new(
-        client: redis::Client,
+        client: impl Into<crate::redis_pool::Source>,
         pool: Pool,
         namespace: &str,
         owner: &str,
@@ -144,7 +144,7 @@ impl RedisLock {
             namespace: namespace.to_owned(),
             owner: owner.to_owned(),
             lease,
-            subscriptions: Subscriptions::new(client),
+            subscriptions: Subscriptions::new(client.into()),
             fence_floor: None,
             tasks: Tasks::default(),
             refused: AtomicU64::new(0),

@@ -272,7 +272,7 @@ impl From<LockError> for OrderError {
 /// What one replica's strategies are built from: its own clients and pools (never
 /// opened per request) and the lock settings.
 pub struct Backends {
-    pub redis_client: deadpool_redis::redis::Client,
+    pub redis_client: crate::redis_pool::Source,
     pub redis_pool: crate::redis_pool::Pool,
     pub mysql: sqlx::MySqlPool,
     pub namespace: String,
