@@ -189,6 +189,10 @@ fn backends(
             .collect::<anyhow::Result<_>>()?,
         etcd: config.etcd.clone(),
         optimistic_attempts: config.optimistic_attempts,
+        redis_lock_wait: (
+            config.redis_lock_wait_replicas,
+            std::time::Duration::from_millis(config.redis_lock_wait_timeout_ms),
+        ),
     })
 }
 

@@ -13,6 +13,9 @@
 //!    happens next is the failover's doing, not an expired lease.
 //! 3. Once the SKU's lock key exists on the primary and the paused holder holds it:
 //!    `SENTINEL FAILOVER <master>`. Sentinel sends `REPLICAOF NO ONE` to the replica.
+//!    A lock that waits for its replicas (`WAIT`) cannot be held while the replica is
+//!    cut: after `within_ms` the replica resumes (catching up), and the failover comes
+//!    when a holder holds then; the promoted replica has that lock.
 //! 4. As soon as the replica answers `ROLE` as a primary: `CLIENT UNPAUSE` on it. The
 //!    promoted primary has no lock key: the next order takes the lock.
 //! 5. `REPLICAOF <new primary>` and `CLIENT KILL TYPE normal` on the old primary, which
@@ -285,6 +288,12 @@ pub async fn fail_over(
         failover_at_ms: Some(failover_at_ms),
         promoted_at_ms: Some(promoted_at_ms),
     })
+}
+
+/// The replica to promote applies replication again (it catches up at once); the
+/// others stay unelectable.
+pub async fn resume(plan: &Plan) -> Result<(), FailoverError> {
+    retried(&plan.promoted, redis::cmd("CLIENT").arg("UNPAUSE")).await
 }
 
 /// Undoes the cut: the promoted replica takes writes again, the others are electable.

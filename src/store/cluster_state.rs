@@ -263,8 +263,10 @@ impl ClusterState {
 
     /// The failover fault's second half: once the pause armed after the cut is claimed
     /// and `sku`'s redis-lock key exists on the primary (a holder holds it, stalled),
-    /// fail over; without one within `within`, restore replication and withdraw the
-    /// pause. The outcome is kept (on the new primary) for the timeline.
+    /// fail over. Replication stays cut for at most `within` (a lock with `WAIT` is not
+    /// held meanwhile), then resumes while the fault waits as long again for a holder;
+    /// without one, the pause is withdrawn. The outcome is kept (on the new primary)
+    /// for the timeline.
     pub async fn fail_over_when_held(
         &self,
         sentinel: &crate::redis_pool::SentinelSource,
@@ -273,7 +275,9 @@ impl ClusterState {
         within: std::time::Duration,
     ) -> anyhow::Result<crate::redis_failover::Outcome> {
         let lock_key = format!("{}:lock:{}", self.namespace, sku.as_str());
-        let deadline = tokio::time::Instant::now() + within;
+        let cut_until = tokio::time::Instant::now() + within;
+        let deadline = cut_until + within;
+        let mut resumed = false;
         loop {
             let held = async {
                 let claimed = self.cached_settings().await?.pause.is_none();
@@ -283,6 +287,10 @@ impl ClusterState {
             };
             if matches!(held.await, Ok(true)) {
                 break;
+            }
+            if !resumed && tokio::time::Instant::now() >= cut_until {
+                crate::redis_failover::resume(&plan).await?;
+                resumed = true;
             }
             if tokio::time::Instant::now() >= deadline {
                 crate::redis_failover::restore(&plan).await?;

@@ -286,6 +286,9 @@ pub struct Backends {
     /// etcd endpoints, comma-separated.
     pub etcd: String,
     pub optimistic_attempts: u32,
+    /// redis-lock's `WAIT`: replicas that must acknowledge the lock's `SET` (0: none),
+    /// and for how long.
+    pub redis_lock_wait: (u32, Duration),
 }
 
 /// Where a Redis-backed fencing counter that Redis lost restarts: above the largest
@@ -309,7 +312,8 @@ pub fn registry(backends: &Backends) -> Registry {
                     owner,
                     backends.lease,
                 )
-                .with_fence_floor(fence_floor(backends, "redis-lock")),
+                .with_fence_floor(fence_floor(backends, "redis-lock"))
+                .with_wait_replicas(backends.redis_lock_wait.0, backends.redis_lock_wait.1),
             ),
         )),
         Arc::new(LockStrategy::new(

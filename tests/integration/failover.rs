@@ -203,32 +203,37 @@ struct Run {
 /// The holder (replica 0) takes the lock and stalls; the fault fails the Redis over;
 /// then the rival (replica 1) orders the same unit, sent again while it answers 503
 /// (its connections to the old primary are being replaced).
-async fn failover_run(cluster: &TestCluster, ha: &RedisHa, sku: &str) -> Run {
+async fn failover_run(cluster: &TestCluster, ha: &RedisHa, fault: Value) -> Run {
+    let sku = fault["sku"].as_str().unwrap_or_default().to_owned();
+    let sku = sku.as_str();
     let armed = cluster
         .http
         .post(cluster.url(0, "/api/admin/faults"))
-        .json(&json!({ "failover_redis": { "sku": sku }, "pause_holder_ms": 4000 }))
+        .json(&json!({ "failover_redis": fault, "pause_holder_ms": 4000 }))
         .send()
         .await
         .expect("arm the failover");
     assert_eq!(armed.status(), StatusCode::OK, "the failover fault was armed");
 
     let record_key = format!("{}:fault:failover", cluster.namespace);
-    let replica = ha.replicas[0];
+    // The fault's record, on the new primary once there is one.
+    let record = || async {
+        let primary = ha.primary_now().await.filter(|port| *port != ha.primary)?;
+        RedisHa::get(primary, &record_key).await
+    };
     let run = async {
         let (holder, (rival, record, rival_at)) = tokio::join!(
             cluster.order(0, sku, "holder", 1),
             async {
                 // The fault fails over once the holder holds and stalls; its record
                 // lands on the new primary.
-                let recorded = eventually(Duration::from_secs(30), || async {
-                    RedisHa::get(replica, &record_key).await.is_some()
+                let recorded = eventually(Duration::from_secs(40), || async {
+                    record().await.is_some()
                 })
                 .await;
                 assert!(recorded, "the failover never happened");
-                let record: Value =
-                    serde_json::from_str(&RedisHa::get(replica, &record_key).await.unwrap_or_default())
-                        .expect("the fault's record");
+                let record: Value = serde_json::from_str(&record().await.unwrap_or_default())
+                    .expect("the fault's record");
                 let deadline = Instant::now() + Duration::from_secs(20);
                 let rival = loop {
                     let status = cluster.order(1, sku, "rival", 1).await.status();
@@ -268,7 +273,7 @@ async fn failover_loses_the_lock_and_oversells_without_fencing() {
     let ha = RedisHa::start(1).await;
     let sku = "failover-unfenced";
     let cluster = sale_on(&ha, false, &[], sku).await;
-    let run = failover_run(&cluster, &ha, sku).await;
+    let run = failover_run(&cluster, &ha, json!({ "sku": sku })).await;
     assert_eq!(ha.primary_now().await, Some(ha.replicas[0]), "Sentinel promoted the replica");
     assert_eq!(run.record["outcome"]["lock_lost"], true, "{}", run.record);
     assert_eq!((run.holder, run.rival), (StatusCode::CREATED, StatusCode::CREATED));
@@ -289,9 +294,45 @@ async fn failover_with_fencing_refuses_the_stale_write() {
     let ha = RedisHa::start(1).await;
     let sku = "failover-fenced";
     let cluster = sale_on(&ha, true, &[], sku).await;
-    let run = failover_run(&cluster, &ha, sku).await;
+    let run = failover_run(&cluster, &ha, json!({ "sku": sku })).await;
     assert_eq!(run.record["outcome"]["lock_lost"], true, "{}", run.record);
     assert_eq!(run.rival, StatusCode::CREATED, "the rival sells the unit");
     assert_ne!(run.holder, StatusCode::CREATED, "the stale holder's write was refused");
     assert_eq!(cluster.count_orders(sku).await, 1, "one unit, one order in MySQL");
+}
+
+/// With `WAIT 1` the lock counts as held only once the replica has it: while the
+/// replica is cut the holder's acquisitions are refused (and released), the cut ends
+/// after a second, the holder then holds a lock the replica acknowledged, and the
+/// failover promotes a primary that has it. The rival waits for the holder's release
+/// and finds the unit sold: one order. Without the `WAIT` (redis-lock ignoring
+/// `--redis-lock-wait-replicas`) the holder holds during the cut, the lock is lost and
+/// the unit sold twice: this fails on `lock_lost` and the count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failover_with_wait_keeps_the_lock() {
+    let ha = RedisHa::start(1).await;
+    let sku = "failover-wait";
+    let cluster = sale_on(&ha, false, &["--redis-lock-wait-replicas", "1"], sku).await;
+    let run = failover_run(&cluster, &ha, json!({ "sku": sku, "within_ms": 1000 })).await;
+    assert_eq!(run.record["outcome"]["lock_lost"], false, "{}", run.record);
+    assert_eq!(run.holder, StatusCode::CREATED);
+    assert_eq!(run.rival, StatusCode::CONFLICT, "the rival waited and found it sold");
+    assert_eq!(cluster.count_orders(sku).await, 1, "one unit, one order in MySQL");
+}
+
+/// Redisson issue 5256: two replicas, `WAIT 1`. The one that acknowledges stays a
+/// replica (the fault makes it unelectable), the one that was cut is elected: the lock
+/// is lost although `WAIT` was satisfied, and without fencing the unit is sold twice.
+/// WAIT counts acknowledgements, not which replica will be promoted; only fencing (or
+/// a lock over independent nodes) closes this. Without the cut (the fault's
+/// `CLIENT PAUSE` removed) the elected replica has the lock and this fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failover_to_the_replica_that_did_not_acknowledge_loses_the_lock_despite_wait() {
+    let ha = RedisHa::start(2).await;
+    let sku = "failover-5256";
+    let cluster = sale_on(&ha, false, &["--redis-lock-wait-replicas", "1"], sku).await;
+    let run = failover_run(&cluster, &ha, json!({ "sku": sku })).await;
+    assert_eq!(run.record["outcome"]["lock_lost"], true, "{}", run.record);
+    assert_eq!((run.holder, run.rival), (StatusCode::CREATED, StatusCode::CREATED));
+    assert_eq!(cluster.count_orders(sku).await, 2, "one unit, two orders in MySQL");
 }
