@@ -102,7 +102,9 @@ async fn query<T: redis::FromRedisValue>(
 }
 
 /// A connection to the first Sentinel that answers.
-async fn sentinel(source: &SentinelSource) -> Result<(String, MultiplexedConnection), FailoverError> {
+async fn sentinel(
+    source: &SentinelSource,
+) -> Result<(String, MultiplexedConnection), FailoverError> {
     let mut last = String::from("no Sentinel configured");
     for node in &source.nodes {
         match connect(node).await {
@@ -151,7 +153,10 @@ pub async fn primary(source: &SentinelSource) -> Result<String, FailoverError> {
 /// The primary and the replica to promote (the first healthy one Sentinel lists).
 pub async fn plan(source: &SentinelSource) -> Result<Plan, FailoverError> {
     let primary = primary(source).await?;
-    let mut replicas = replicas(source).await?.into_iter().map(|(address, _)| address);
+    let mut replicas = replicas(source)
+        .await?
+        .into_iter()
+        .map(|(address, _)| address);
     let promoted = replicas.next().ok_or_else(|| {
         FailoverError::Sentinel(format!(
             "no healthy replica of {} to fail over to",
@@ -178,14 +183,21 @@ fn now_ms() -> f64 {
 
 /// Step 1 (and the preparation for several replicas): the promoted replica stops
 /// applying replication for at most `window`. Returns once that holds.
-pub async fn cut(source: &SentinelSource, plan: &Plan, window: Duration) -> Result<(), FailoverError> {
+pub async fn cut(
+    source: &SentinelSource,
+    plan: &Plan,
+    window: Duration,
+) -> Result<(), FailoverError> {
     if !plan.others.is_empty() {
         for other in &plan.others {
             let mut connection = connect(other).await?;
             let () = query(
                 other,
                 &mut connection,
-                redis::cmd("CONFIG").arg("SET").arg("replica-priority").arg(0),
+                redis::cmd("CONFIG")
+                    .arg("SET")
+                    .arg("replica-priority")
+                    .arg(0),
             )
             .await?;
         }
@@ -213,7 +225,10 @@ pub async fn cut(source: &SentinelSource, plan: &Plan, window: Duration) -> Resu
     let () = query(
         &plan.promoted,
         &mut connection,
-        redis::cmd("CLIENT").arg("PAUSE").arg(window_ms).arg("WRITE"),
+        redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(window_ms)
+            .arg("WRITE"),
     )
     .await?;
     Ok(())

@@ -332,7 +332,9 @@ async fn arm_failover(
 ) -> Result<crate::redis_failover::Plan, AppError> {
     let sku = Sku::parse(&body.sku).map_err(AppError::Invalid)?;
     let within = match &body.within_ms {
-        Some(ms) => integer_in_range("within_ms", ms, 100, MAX_PAUSE_MS).map_err(AppError::Invalid)?,
+        Some(ms) => {
+            integer_in_range("within_ms", ms, 100, MAX_PAUSE_MS).map_err(AppError::Invalid)?
+        }
         None => FAILOVER_WITHIN_MS,
     };
     let within = std::time::Duration::from_millis(u64::try_from(within).unwrap_or(0));
@@ -352,7 +354,9 @@ async fn arm_failover(
     let unavailable = |error: crate::redis_failover::FailoverError| {
         AppError::Unavailable(format!("cannot fail the Redis over: {error}"))
     };
-    let plan = crate::redis_failover::plan(sentinel).await.map_err(unavailable)?;
+    let plan = crate::redis_failover::plan(sentinel)
+        .await
+        .map_err(unavailable)?;
     // The replica's pause ends by itself after this, should this replica die meanwhile.
     let window = within + std::time::Duration::from_secs(20);
     crate::redis_failover::cut(sentinel, &plan, window)

@@ -144,9 +144,7 @@ impl RedisHa {
             .iter()
             .filter(|replica| {
                 replica.get("flags").is_some_and(|f| f == "slave")
-                    && replica
-                        .get("master-link-status")
-                        .is_some_and(|s| s == "ok")
+                    && replica.get("master-link-status").is_some_and(|s| s == "ok")
             })
             .count()
     }
@@ -213,7 +211,11 @@ async fn failover_run(cluster: &TestCluster, ha: &RedisHa, fault: Value) -> Run 
         .send()
         .await
         .expect("arm the failover");
-    assert_eq!(armed.status(), StatusCode::OK, "the failover fault was armed");
+    assert_eq!(
+        armed.status(),
+        StatusCode::OK,
+        "the failover fault was armed"
+    );
 
     let record_key = format!("{}:fault:failover", cluster.namespace);
     // The fault's record, on the new primary once there is one.
@@ -222,9 +224,8 @@ async fn failover_run(cluster: &TestCluster, ha: &RedisHa, fault: Value) -> Run 
         RedisHa::get(primary, &record_key).await
     };
     let run = async {
-        let (holder, (rival, record, rival_at)) = tokio::join!(
-            cluster.order(0, sku, "holder", 1),
-            async {
+        let (holder, (rival, record, rival_at)) =
+            tokio::join!(cluster.order(0, sku, "holder", 1), async {
                 // The fault fails over once the holder holds and stalls; its record
                 // lands on the new primary.
                 let recorded = eventually(Duration::from_secs(40), || async {
@@ -243,12 +244,14 @@ async fn failover_run(cluster: &TestCluster, ha: &RedisHa, fault: Value) -> Run 
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 };
                 (rival, record, now_ms())
-            }
-        );
+            });
         (holder.status(), rival, record, rival_at)
     };
-    let (holder, rival, record, rival_at) = within(Duration::from_secs(60), "the failover run", run).await;
-    let promoted_at = record["outcome"]["promoted_at_ms"].as_f64().unwrap_or(f64::NAN);
+    let (holder, rival, record, rival_at) =
+        within(Duration::from_secs(60), "the failover run", run).await;
+    let promoted_at = record["outcome"]["promoted_at_ms"]
+        .as_f64()
+        .unwrap_or(f64::NAN);
     Run {
         holder,
         rival,
@@ -274,10 +277,21 @@ async fn failover_loses_the_lock_and_oversells_without_fencing() {
     let sku = "failover-unfenced";
     let cluster = sale_on(&ha, false, &[], sku).await;
     let run = failover_run(&cluster, &ha, json!({ "sku": sku })).await;
-    assert_eq!(ha.primary_now().await, Some(ha.replicas[0]), "Sentinel promoted the replica");
+    assert_eq!(
+        ha.primary_now().await,
+        Some(ha.replicas[0]),
+        "Sentinel promoted the replica"
+    );
     assert_eq!(run.record["outcome"]["lock_lost"], true, "{}", run.record);
-    assert_eq!((run.holder, run.rival), (StatusCode::CREATED, StatusCode::CREATED));
-    assert_eq!(cluster.count_orders(sku).await, 2, "one unit, two orders in MySQL");
+    assert_eq!(
+        (run.holder, run.rival),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert_eq!(
+        cluster.count_orders(sku).await,
+        2,
+        "one unit, two orders in MySQL"
+    );
     eprintln!(
         "orders flowed again {:.0} ms after the promotion",
         run.rival_after_promotion_ms
@@ -297,8 +311,16 @@ async fn failover_with_fencing_refuses_the_stale_write() {
     let run = failover_run(&cluster, &ha, json!({ "sku": sku })).await;
     assert_eq!(run.record["outcome"]["lock_lost"], true, "{}", run.record);
     assert_eq!(run.rival, StatusCode::CREATED, "the rival sells the unit");
-    assert_ne!(run.holder, StatusCode::CREATED, "the stale holder's write was refused");
-    assert_eq!(cluster.count_orders(sku).await, 1, "one unit, one order in MySQL");
+    assert_ne!(
+        run.holder,
+        StatusCode::CREATED,
+        "the stale holder's write was refused"
+    );
+    assert_eq!(
+        cluster.count_orders(sku).await,
+        1,
+        "one unit, one order in MySQL"
+    );
 }
 
 /// With `WAIT 1` the lock counts as held only once the replica has it: while the
@@ -316,8 +338,16 @@ async fn failover_with_wait_keeps_the_lock() {
     let run = failover_run(&cluster, &ha, json!({ "sku": sku, "within_ms": 1000 })).await;
     assert_eq!(run.record["outcome"]["lock_lost"], false, "{}", run.record);
     assert_eq!(run.holder, StatusCode::CREATED);
-    assert_eq!(run.rival, StatusCode::CONFLICT, "the rival waited and found it sold");
-    assert_eq!(cluster.count_orders(sku).await, 1, "one unit, one order in MySQL");
+    assert_eq!(
+        run.rival,
+        StatusCode::CONFLICT,
+        "the rival waited and found it sold"
+    );
+    assert_eq!(
+        cluster.count_orders(sku).await,
+        1,
+        "one unit, one order in MySQL"
+    );
 }
 
 /// Redisson issue 5256: two replicas, `WAIT 1`. The one that acknowledges stays a
@@ -333,6 +363,13 @@ async fn failover_to_the_replica_that_did_not_acknowledge_loses_the_lock_despite
     let cluster = sale_on(&ha, false, &["--redis-lock-wait-replicas", "1"], sku).await;
     let run = failover_run(&cluster, &ha, json!({ "sku": sku })).await;
     assert_eq!(run.record["outcome"]["lock_lost"], true, "{}", run.record);
-    assert_eq!((run.holder, run.rival), (StatusCode::CREATED, StatusCode::CREATED));
-    assert_eq!(cluster.count_orders(sku).await, 2, "one unit, two orders in MySQL");
+    assert_eq!(
+        (run.holder, run.rival),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert_eq!(
+        cluster.count_orders(sku).await,
+        2,
+        "one unit, two orders in MySQL"
+    );
 }
