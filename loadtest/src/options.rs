@@ -90,7 +90,9 @@ pub struct Options {
     pub no_history: bool,
 
     /// Inject a fault into each run: `pause-holder` makes one lock holder per run stall
-    /// past its lease after its last check (Kleppmann's scenario).
+    /// past its lease after its last check (Kleppmann's scenario); `failover` (redis-lock
+    /// runs only, the service's Redis behind Sentinel) fails the Redis over while a
+    /// holder of the first SKU holds a lock the replica never received.
     #[arg(long, value_enum)]
     pub fault: Option<Fault>,
 
@@ -172,6 +174,7 @@ fn parse_rate(raw: &str) -> Result<f64, String> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Fault {
     PauseHolder,
+    Failover,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
