@@ -5,19 +5,23 @@
 //! primary usually reaches the replica within a millisecond. The fault makes it certain
 //! rather than likely, with commands a reader can type into `redis-cli`:
 //!
-//! 1. `CLIENT PAUSE <ms> WRITE` on the replica to be promoted: it stops applying the
-//!    primary's replication stream (its reads still answer, so Sentinel still sees it
-//!    healthy). Writes to the primary from now on do not reach it.
+//! 1. `ACL SETUSER default -psync -sync` on the primary, then `CLIENT KILL TYPE
+//!    master` on the replica to be promoted: its replication link drops and cannot
+//!    resume (its `PSYNC` is refused), while Sentinel still sees it healthy. Writes to
+//!    the primary from now on do not reach it. (`CLIENT PAUSE WRITE` on the replica
+//!    also stops replication, but it holds Sentinel's periodic `PUBLISH` too, and the
+//!    promotion queued behind it on the same connection never came under load.)
 //! 2. The next lock holder is paused (the paused-holder fault, armed after the cut so
 //!    that the promoted replica never learns of it) for less than the lease: whatever
 //!    happens next is the failover's doing, not an expired lease.
 //! 3. Once the SKU's lock key exists on the primary and the paused holder holds it:
 //!    `SENTINEL FAILOVER <master>`. Sentinel sends `REPLICAOF NO ONE` to the replica.
 //!    A lock that waits for its replicas (`WAIT`) cannot be held while the replica is
-//!    cut: after `within_ms` the replica resumes (catching up), and the failover comes
-//!    when a holder holds then; the promoted replica has that lock.
-//! 4. As soon as the replica answers `ROLE` as a primary: `CLIENT UNPAUSE` on it. The
-//!    promoted primary has no lock key: the next order takes the lock.
+//!    cut: after `within_ms` the ACL is restored, the replica resumes (a partial resync
+//!    from the backlog), and the failover comes when a holder holds then; the promoted
+//!    replica has that lock.
+//! 4. As soon as the replica answers `ROLE` as a primary, the old primary's ACL is
+//!    restored. The promoted primary has no lock key: the next order takes the lock.
 //! 5. `REPLICAOF <new primary>` and `CLIENT KILL TYPE normal` on the old primary, which
 //!    Sentinel would do itself some seconds later: its clients reconnect through
 //!    Sentinel, and its copy of the lock is replaced by the new primary's data.
@@ -181,12 +185,12 @@ fn now_ms() -> f64 {
         .map_or(0.0, |since| since.as_secs_f64() * 1000.0)
 }
 
-/// Step 1 (and the preparation for several replicas): the promoted replica stops
-/// applying replication for at most `window`. Returns once that holds.
+/// Step 1 (and the preparation for several replicas): the replica to promote stops
+/// receiving the primary's writes. Returns once that holds. The cut lasts until
+/// `resume` or `restore` (the fault's task always calls one).
 pub async fn cut(
     source: &SentinelSource,
     plan: &Plan,
-    window: Duration,
 ) -> Result<(), FailoverError> {
     if !plan.others.is_empty() {
         for other in &plan.others {
@@ -220,17 +224,24 @@ pub async fn cut(
             sleep(Duration::from_millis(200)).await;
         }
     }
-    let mut connection = connect(&plan.promoted).await?;
-    let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
-    let () = query(
-        &plan.promoted,
-        &mut connection,
-        redis::cmd("CLIENT")
-            .arg("PAUSE")
-            .arg(window_ms)
-            .arg("WRITE"),
+    retried(
+        &plan.primary,
+        redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg("default")
+            .arg("-psync")
+            .arg("-sync"),
     )
     .await?;
+    let dropped = retried(
+        &plan.promoted,
+        redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("master"),
+    )
+    .await;
+    if let Err(error) = dropped {
+        let _ = restore(plan).await;
+        return Err(error);
+    }
     Ok(())
 }
 
@@ -271,7 +282,7 @@ pub async fn fail_over(
         sleep(POLL).await;
     }
     let promoted_at_ms = now_ms();
-    // Looked at before the unpause, while nobody can have written there yet.
+    // Looked at at once, before Sentinel names the new primary to anyone.
     let lock_kept = once::<bool>(&plan.promoted, redis::cmd("EXISTS").arg(lock_key)).await;
     let lock_kept = match lock_kept {
         Ok(kept) => kept,
@@ -305,17 +316,25 @@ pub async fn fail_over(
     })
 }
 
-/// The replica to promote applies replication again (it catches up at once); the
-/// others stay unelectable.
+/// The primary accepts its replicas' resync again: the cut replica reconnects within
+/// a second and catches up from the backlog. The others stay unelectable.
 pub async fn resume(plan: &Plan) -> Result<(), FailoverError> {
-    retried(&plan.promoted, redis::cmd("CLIENT").arg("UNPAUSE")).await
+    retried(
+        &plan.primary,
+        redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg("default")
+            .arg("+psync")
+            .arg("+sync"),
+    )
+    .await
 }
 
-/// Undoes the cut: the promoted replica takes writes again, the others are electable.
-/// Each step is tried a few times on fresh connections (a reconfigured node closes its
-/// clients), and all are tried even when one fails.
+/// Undoes the cut: the old primary's ACL as it was, the others electable. Each step is
+/// tried a few times on fresh connections (a reconfigured node closes its clients),
+/// and all are tried even when one fails.
 pub async fn restore(plan: &Plan) -> Result<(), FailoverError> {
-    let mut result = retried(&plan.promoted, redis::cmd("CLIENT").arg("UNPAUSE")).await;
+    let mut result = resume(plan).await;
     for other in &plan.others {
         let priority = redis::cmd("CONFIG")
             .arg("SET")

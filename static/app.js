@@ -265,7 +265,7 @@ function setUpControls() {
     try {
       const armed = await api("POST", "/api/admin/faults", { failover_redis: { sku } });
       const plan = armed.failover_redis;
-      say(`${plan.promoted} stopped applying ${plan.primary}'s writes (CLIENT PAUSE WRITE). ` +
+      say(`${plan.promoted} no longer receives ${plan.primary}'s writes (ACL SETUSER default -psync, CLIENT KILL TYPE master). ` +
         `The next holder of ${sku}'s redis-lock pauses ${span(armed.pause_holder_ms)} (less than its lease); ` +
         "meanwhile Sentinel promotes the replica, which never got the lock. Now let 1 shopper buy, " +
         "and a second one a second later.");

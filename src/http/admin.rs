@@ -357,9 +357,7 @@ async fn arm_failover(
     let plan = crate::redis_failover::plan(sentinel)
         .await
         .map_err(unavailable)?;
-    // The replica's pause ends by itself after this, should this replica die meanwhile.
-    let window = within + std::time::Duration::from_secs(20);
-    crate::redis_failover::cut(sentinel, &plan, window)
+    crate::redis_failover::cut(sentinel, &plan)
         .await
         .map_err(unavailable)?;
     // Armed after the cut: the promoted replica never hears of it, so the next holder

@@ -37,7 +37,7 @@ pub fn explanation() -> Explanation {
                        SKU's newest (so the newest holder wins). A Redis failover loses a \
                        lock not yet replicated (asynchronous replication): the promoted replica \
                        never had it, and another replica takes it while the first holds \
-                       (the dashboard's failover fault: CLIENT PAUSE WRITE on the replica, \
+                       (the dashboard's failover fault: the replica's link cut, then \
                        SENTINEL FAILOVER). WAIT keeps the lock through the failover of a \
                        replica that acknowledged it, not through the election of one that did \
                        not (Redisson issue 5256); fencing refuses the stale write either way.",

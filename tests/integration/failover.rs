@@ -2,8 +2,8 @@
 //! a primary, one or two replicas and a Sentinel on free ports, so failing it over
 //! disturbs no other test (the stack's Redis is everyone's); the set dies with the test.
 //!
-//! The fault (`POST /api/admin/faults {"failover_redis": {"sku"}}`) stops the replica
-//! from applying writes, pauses the next holder for less than its lease, and fails the
+//! The fault (`POST /api/admin/faults {"failover_redis": {"sku"}}`) cuts the replica's
+//! replication link, pauses the next holder for less than its lease, and fails the
 //! primary over through Sentinel while that holder holds the lock: the promoted
 //! primary never had the lock, and the other service replica takes it.
 
@@ -355,7 +355,7 @@ async fn failover_with_wait_keeps_the_lock() {
 /// is lost although `WAIT` was satisfied, and without fencing the unit is sold twice.
 /// WAIT counts acknowledgements, not which replica will be promoted; only fencing (or
 /// a lock over independent nodes) closes this. Without the cut (the fault's
-/// `CLIENT PAUSE` removed) the elected replica has the lock and this fails.
+/// `CLIENT KILL TYPE master` removed) the elected replica has the lock and this fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn failover_to_the_replica_that_did_not_acknowledge_loses_the_lock_despite_wait() {
     let ha = RedisHa::start(2).await;
