@@ -8,6 +8,7 @@
 #   scripts/stack.sh env      the FLASHSALE_* variables pointing at this stack
 #   scripts/stack.sh restart redis|mariadb|zookeeper|etcd
 #                             kill -9 one service and start it again (fault injection)
+#   scripts/stack.sh failover Sentinel fails the Redis pair over (fault injection)
 #
 # Ports are not the defaults so a system Redis/MySQL does not clash. Data, logs and
 # pidfiles live under .stack/ (git-ignored). `up` is idempotent, and restarts a
@@ -382,6 +383,23 @@ cmd_restart() {
   esac
 }
 
+# Sentinel fails the Redis pair over (6390 <-> 6393) and this waits until the new
+# primary is named and the old one follows it: a failover mid-sale, for the fault
+# explorer (`loadtest explore --disruptive --failover-redis-cmd 'scripts/stack.sh
+# failover'`). Writes not yet replicated are lost, as in a real one.
+cmd_failover() {
+  local before i log="$STACK/sentinel-$SENTINEL_PORT/sentinel.log"
+  wait_for "the Redis pair" "$log" pair_healthy
+  before=$(sentinel_primary_port)
+  sentinel_cli sentinel failover "$SENTINEL_MASTER" >/dev/null
+  for i in $(seq 1 240); do
+    [ "$(sentinel_primary_port)" != "$before" ] && break
+    sleep 0.25
+  done
+  [ "$(sentinel_primary_port)" != "$before" ] || die "Sentinel did not fail over"
+  log "Redis failed over: $before -> $(sentinel_primary_port)"
+}
+
 status_line() {
   local name=$1 pidfile=$2; shift 2
   if pidfile_alive "$pidfile" && "$@" >/dev/null 2>&1; then
@@ -424,5 +442,6 @@ case "${1:-}" in
   status) cmd_status ;;
   env) cmd_env ;;
   restart) cmd_restart "${2:-}" ;;
-  *) echo "usage: $0 up|down|status|env|restart SERVICE" >&2; exit 2 ;;
+  failover) cmd_failover ;;
+  *) echo "usage: $0 up|down|status|env|restart SERVICE|failover" >&2; exit 2 ;;
 esac

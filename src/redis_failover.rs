@@ -188,10 +188,7 @@ fn now_ms() -> f64 {
 /// Step 1 (and the preparation for several replicas): the replica to promote stops
 /// receiving the primary's writes. Returns once that holds. The cut lasts until
 /// `resume` or `restore` (the fault's task always calls one).
-pub async fn cut(
-    source: &SentinelSource,
-    plan: &Plan,
-) -> Result<(), FailoverError> {
+pub async fn cut(source: &SentinelSource, plan: &Plan) -> Result<(), FailoverError> {
     if !plan.others.is_empty() {
         for other in &plan.others {
             let mut connection = connect(other).await?;
