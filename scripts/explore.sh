@@ -8,6 +8,7 @@
 # 200 rounds by default, the seed from the clock (printed). Backend restarts only with
 # --disruptive and commands you give, e.g.
 #   scripts/explore.sh --disruptive --restart-redis-cmd 'scripts/stack.sh restart redis'
+#   scripts/explore.sh --disruptive --failover-redis-cmd 'scripts/stack.sh failover'
 # (they take Redis away from everything using this stack). The summary goes to
 # target/flashsale/explore.json; the exit status is non-zero on any violation.
 set -euo pipefail

@@ -2,11 +2,13 @@
 # The local backing services for flashsale, as plain processes on loopback.
 #
 #   scripts/stack.sh up       install what is missing, start everything, wait until ready
+#                             (Redis 6390 with its replica 6393 and Sentinel 26390)
 #   scripts/stack.sh down     stop what `up` started (by the PIDs it recorded)
 #   scripts/stack.sh status   one line per service
 #   scripts/stack.sh env      the FLASHSALE_* variables pointing at this stack
 #   scripts/stack.sh restart redis|mariadb|zookeeper|etcd
 #                             kill -9 one service and start it again (fault injection)
+#   scripts/stack.sh failover Sentinel fails the Redis pair over (fault injection)
 #
 # Ports are not the defaults so a system Redis/MySQL does not clash. Data, logs and
 # pidfiles live under .stack/ (git-ignored). `up` is idempotent, and restarts a
@@ -16,6 +18,13 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 STACK="$ROOT/.stack"
 REDIS_PORTS=(6390 6391 6392) # 6390 holds the stock; all three are RedLock's nodes
+# 6390 is also the primary of a high-availability pair: 6393 replicates it and one
+# Sentinel watches both, so that a failover (the dashboard's failover fault) can lose a
+# lock the replica never received. One Sentinel with quorum 1 is enough for a lab: it
+# only fails over when asked (down-after is a minute, far above any stall here).
+REDIS_REPLICA_PORT=6393
+SENTINEL_PORT=26390
+SENTINEL_MASTER=flashsale
 MARIADB_PORT=3390
 ZK_PORT=2190
 ETCD_PORT=2390
@@ -110,16 +119,82 @@ install_missing() {
 
 redis_ready() { [ "$(redis-cli -h 127.0.0.1 -p "$1" ping 2>/dev/null)" = PONG ]; }
 
+# redis_up PORT [EXTRA ARGS...]
 redis_up() {
-  local port=$1 dir="$STACK/redis-$1"
+  local port=$1 dir="$STACK/redis-$1"; shift
   mkdir -p "$dir"
   local args=(--port "$port" --bind 127.0.0.1 --save '' --appendonly no
-    --daemonize yes --dir "$dir" --pidfile "$dir/redis.pid" --logfile "$dir/redis.log")
+    --daemonize yes --dir "$dir" --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" "$@")
   already_up "redis:$port" "$dir" "$dir/redis.pid" "${args[*]}" redis_ready "$port" && return 0
   ensure_port_free redis "$port"
   redis-server "${args[@]}"
   started "$dir" "${args[*]}"
   wait_for "redis:$port" "$dir/redis.log" redis_ready "$port"
+}
+
+# The pair's nodes send a resync at once rather than after 5 s (diskless replication
+# waits for more replicas by default): after a failover the old primary follows the
+# new one within a moment.
+HA_ARGS=(--repl-diskless-sync-delay 0)
+
+sentinel_cli() { redis-cli -h 127.0.0.1 -p "$SENTINEL_PORT" "$@"; }
+
+# The primary's port as Sentinel names it.
+sentinel_primary_port() {
+  sentinel_cli sentinel get-master-addr-by-name "$SENTINEL_MASTER" 2>/dev/null | tail -n 1
+}
+
+# Sentinel answers and knows the primary.
+sentinel_answers() { [ -n "$(sentinel_primary_port)" ]; }
+
+# The pair is healthy: Sentinel sees the replica's link to the primary up. For some
+# seconds after a failover it is not (the old primary is reconfigured, then resyncs).
+pair_healthy() {
+  sentinel_answers && sentinel_cli sentinel replicas "$SENTINEL_MASTER" 2>/dev/null | grep -qx ok
+}
+
+# Sentinel is `redis-server --sentinel` (the redis-server package; Debian's
+# redis-sentinel package is the same binary with a system service we do not want).
+# It rewrites its configuration file with what it learns, so the settings compared
+# by already_up are the configuration we wrote, not the file.
+sentinel_up() {
+  local dir="$STACK/sentinel-$SENTINEL_PORT"
+  mkdir -p "$dir"
+  local config
+  config=$(cat <<CFG
+port $SENTINEL_PORT
+bind 127.0.0.1
+daemonize yes
+dir $dir
+pidfile $dir/sentinel.pid
+logfile $dir/sentinel.log
+sentinel monitor $SENTINEL_MASTER 127.0.0.1 ${REDIS_PORTS[0]} 1
+sentinel down-after-milliseconds $SENTINEL_MASTER 60000
+sentinel failover-timeout $SENTINEL_MASTER 10000
+CFG
+)
+  already_up "sentinel:$SENTINEL_PORT" "$dir" "$dir/sentinel.pid" "$config" sentinel_answers && return 0
+  ensure_port_free sentinel "$SENTINEL_PORT"
+  printf '%s\n' "$config" >"$dir/sentinel.conf"
+  redis-server "$dir/sentinel.conf" --sentinel
+  started "$dir" "$config"
+  wait_for "sentinel:$SENTINEL_PORT" "$dir/sentinel.log" sentinel_answers
+}
+
+# After a failover fault 6393 is the primary; whatever reads FLASHSALE_REDIS_URL
+# (6390) expects the primary there: fail back through Sentinel.
+redis_failback() {
+  local i log="$STACK/sentinel-$SENTINEL_PORT/sentinel.log"
+  wait_for "the Redis pair" "$log" pair_healthy
+  [ "$(sentinel_primary_port)" = "${REDIS_PORTS[0]}" ] && return 0
+  log "Sentinel names $(sentinel_primary_port) the primary; failing back to ${REDIS_PORTS[0]}"
+  sentinel_cli sentinel failover "$SENTINEL_MASTER" >/dev/null
+  for i in $(seq 1 240); do
+    [ "$(sentinel_primary_port)" = "${REDIS_PORTS[0]}" ] && break
+    sleep 0.25
+  done
+  [ "$(sentinel_primary_port)" = "${REDIS_PORTS[0]}" ] || die "Sentinel did not fail back to ${REDIS_PORTS[0]}"
+  wait_for "the Redis pair" "$log" pair_healthy
 }
 
 # --- MariaDB -----------------------------------------------------------------
@@ -259,7 +334,11 @@ stop_pidfile() {
 cmd_up() {
   install_missing
   mkdir -p "$STACK"
-  for port in "${REDIS_PORTS[@]}"; do redis_up "$port"; done
+  redis_up "${REDIS_PORTS[0]}" "${HA_ARGS[@]}"
+  for port in "${REDIS_PORTS[@]:1}"; do redis_up "$port"; done
+  redis_up "$REDIS_REPLICA_PORT" "${HA_ARGS[@]}" --replicaof 127.0.0.1 "${REDIS_PORTS[0]}"
+  sentinel_up
+  redis_failback
   mariadb_up
   zookeeper_up
   etcd_up
@@ -267,6 +346,8 @@ cmd_up() {
 }
 
 cmd_down() {
+  stop_pidfile "sentinel:$SENTINEL_PORT" "$STACK/sentinel-$SENTINEL_PORT/sentinel.pid"
+  stop_pidfile "redis:$REDIS_REPLICA_PORT" "$STACK/redis-$REDIS_REPLICA_PORT/redis.pid"
   for port in "${REDIS_PORTS[@]}"; do stop_pidfile "redis:$port" "$STACK/redis-$port/redis.pid"; done
   stop_pidfile mariadb "$STACK/mariadb/mariadb.pid"
   stop_pidfile zookeeper "$STACK/zookeeper/zookeeper.pid"
@@ -295,11 +376,28 @@ cmd_restart() {
     for i in $(seq 1 100); do port_busy "$port" || break; sleep 0.1; done
   fi
   case "$1" in
-    redis) redis_up "${REDIS_PORTS[0]}" ;;
+    redis) redis_up "${REDIS_PORTS[0]}" "${HA_ARGS[@]}" ;;
     mariadb) mariadb_up ;;
     zookeeper) zookeeper_up ;;
     etcd) etcd_up ;;
   esac
+}
+
+# Sentinel fails the Redis pair over (6390 <-> 6393) and this waits until the new
+# primary is named and the old one follows it: a failover mid-sale, for the fault
+# explorer (`loadtest explore --disruptive --failover-redis-cmd 'scripts/stack.sh
+# failover'`). Writes not yet replicated are lost, as in a real one.
+cmd_failover() {
+  local before i log="$STACK/sentinel-$SENTINEL_PORT/sentinel.log"
+  wait_for "the Redis pair" "$log" pair_healthy
+  before=$(sentinel_primary_port)
+  sentinel_cli sentinel failover "$SENTINEL_MASTER" >/dev/null
+  for i in $(seq 1 240); do
+    [ "$(sentinel_primary_port)" != "$before" ] && break
+    sleep 0.25
+  done
+  [ "$(sentinel_primary_port)" != "$before" ] || die "Sentinel did not fail over"
+  log "Redis failed over: $before -> $(sentinel_primary_port)"
 }
 
 status_line() {
@@ -316,6 +414,10 @@ cmd_status() {
   for port in "${REDIS_PORTS[@]}"; do
     status_line "redis:$port" "$STACK/redis-$port/redis.pid" redis_ready "$port" || rc=1
   done
+  status_line "redis:$REDIS_REPLICA_PORT" "$STACK/redis-$REDIS_REPLICA_PORT/redis.pid" \
+    redis_ready "$REDIS_REPLICA_PORT" || rc=1
+  status_line "sentinel:$SENTINEL_PORT" "$STACK/sentinel-$SENTINEL_PORT/sentinel.pid" \
+    pair_healthy || rc=1
   status_line "mariadb:$MARIADB_PORT" "$STACK/mariadb/mariadb.pid" mariadb_ready || rc=1
   status_line "zookeeper:$ZK_PORT" "$STACK/zookeeper/zookeeper.pid" zk_ready || rc=1
   status_line "etcd:$ETCD_PORT" "$STACK/etcd/etcd.pid" etcd_ready || rc=1
@@ -325,6 +427,8 @@ cmd_status() {
 cmd_env() {
   cat <<ENV
 export FLASHSALE_REDIS_URL=redis://127.0.0.1:${REDIS_PORTS[0]}
+export FLASHSALE_REDIS_SENTINEL=127.0.0.1:$SENTINEL_PORT
+export FLASHSALE_REDIS_SENTINEL_MASTER=$SENTINEL_MASTER
 export FLASHSALE_REDLOCK_URLS=redis://127.0.0.1:${REDIS_PORTS[0]},redis://127.0.0.1:${REDIS_PORTS[1]},redis://127.0.0.1:${REDIS_PORTS[2]}
 export FLASHSALE_DATABASE_URL=mysql://$DB_USER:$DB_PASSWORD@127.0.0.1:$MARIADB_PORT/$DB_NAME
 export FLASHSALE_ZOOKEEPER=127.0.0.1:$ZK_PORT
@@ -338,5 +442,6 @@ case "${1:-}" in
   status) cmd_status ;;
   env) cmd_env ;;
   restart) cmd_restart "${2:-}" ;;
-  *) echo "usage: $0 up|down|status|env|restart SERVICE" >&2; exit 2 ;;
+  failover) cmd_failover ;;
+  *) echo "usage: $0 up|down|status|env|restart SERVICE|failover" >&2; exit 2 ;;
 esac

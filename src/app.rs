@@ -46,7 +46,13 @@ impl Server {
             .clone()
             .unwrap_or_else(|| format!("replica-{}", address.port()));
 
-        let redis = redis_pool::pool(&config.redis_url, config.redis_pool)
+        let redis_source = redis_pool::Source::from_config(
+            &config.redis_url,
+            &config.redis_sentinel,
+            &config.redis_sentinel_master,
+        )
+        .context("parsing the Redis URL or the Sentinels' addresses")?;
+        let redis = redis_pool::pool_of(redis_source, config.redis_pool)
             .context("creating the Redis pool")?;
         let records = Records::connect(
             &config.database_url,
@@ -168,8 +174,7 @@ fn backends(
     records: &Records,
 ) -> anyhow::Result<Backends> {
     Ok(Backends {
-        redis_client: deadpool_redis::redis::Client::open(config.redis_url.as_str())
-            .context("parsing the Redis URL")?,
+        redis_client: redis.manager().source().clone(),
         redis_pool: redis.clone(),
         mysql: records.pool().clone(),
         namespace: config.namespace.clone(),
@@ -184,6 +189,10 @@ fn backends(
             .collect::<anyhow::Result<_>>()?,
         etcd: config.etcd.clone(),
         optimistic_attempts: config.optimistic_attempts,
+        redis_lock_wait: (
+            config.redis_lock_wait_replicas,
+            std::time::Duration::from_millis(config.redis_lock_wait_timeout_ms),
+        ),
     })
 }
 

@@ -97,6 +97,20 @@ pub struct ServeConfig {
     )]
     pub redis_url: String,
 
+    /// Find the Redis through Redis Sentinel instead of `--redis-url`: the Sentinels'
+    /// `host:port` (comma-separated). Connections go to the primary they name, and to
+    /// the new one after a failover. Empty (the default): the one Redis at the URL.
+    #[arg(long, env = "FLASHSALE_REDIS_SENTINEL", value_delimiter = ',')]
+    pub redis_sentinel: Vec<String>,
+
+    /// The name the Sentinels monitor the primary under (`sentinel monitor NAME ...`).
+    #[arg(
+        long,
+        env = "FLASHSALE_REDIS_SENTINEL_MASTER",
+        default_value = "flashsale"
+    )]
+    pub redis_sentinel_master: String,
+
     /// MySQL/MariaDB, the system of record.
     #[arg(
         long,
@@ -145,6 +159,18 @@ pub struct ServeConfig {
     #[arg(long, env = "FLASHSALE_LOCK_LEASE_MS", default_value_t = 10000,
           value_parser = clap::value_parser!(u64).range(crate::lock::LEASE_MS_BOUNDS))]
     pub lock_lease_ms: u64,
+
+    /// redis-lock: replicas that must acknowledge the lock's `SET` (`WAIT N timeout`)
+    /// before it counts as held; fewer, and the lock is released and tried again. 0
+    /// (the default): no `WAIT`, and a failover can lose a lock the replica never got.
+    #[arg(long, env = "FLASHSALE_REDIS_LOCK_WAIT_REPLICAS", default_value_t = 0,
+          value_parser = clap::value_parser!(u32).range(0..=16))]
+    pub redis_lock_wait_replicas: u32,
+
+    /// How long redis-lock's `WAIT` waits for the acknowledgements, in milliseconds.
+    #[arg(long, env = "FLASHSALE_REDIS_LOCK_WAIT_TIMEOUT_MS", default_value_t = 100,
+          value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    pub redis_lock_wait_timeout_ms: u64,
 
     /// Attempts of the optimistic strategy before it answers 503. With the backoff
     /// capped at 100 ms, 50 retry for about as long as a lock strategy waits (5 s): on

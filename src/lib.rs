@@ -24,6 +24,7 @@ pub mod lock;
 pub mod logging;
 pub mod model;
 pub mod mysql_pool;
+pub mod redis_failover;
 pub mod redis_pool;
 pub mod replica;
 pub mod replica_kill;

@@ -11,12 +11,22 @@
 //! and one whose caller gave up waiting for an answer (Redlock's 50 ms per node) is
 //! pinged before its next use: a node that went silent never answers with an error.
 //! Nothing in this code uses `WATCH`, so there is nothing to `UNWATCH`.
+//!
+//! The Redis is either one server at a URL or the primary that Redis Sentinel names
+//! ([`Source`]). Behind Sentinel, each new connection asks Sentinel for the primary,
+//! and a connection is replaced after a failover: Sentinel closes the clients of the
+//! nodes it reconfigures (`CLIENT KILL TYPE normal`), and a demoted primary's
+//! `READONLY` answer marks the connection broken too.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
 use deadpool_redis::redis::aio::{ConnectionLike, MultiplexedConnection};
-use deadpool_redis::redis::{self, Client, Cmd, Pipeline, RedisError, RedisFuture, Value};
+use deadpool_redis::redis::sentinel::{SentinelClient, SentinelServerType};
+use deadpool_redis::redis::{
+    self, Client, Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, ServerErrorKind, Value,
+};
 
 /// A connection idle for longer is pinged before it is handed out.
 const PING_IF_IDLE_FOR: Duration = Duration::from_secs(2);
@@ -29,11 +39,103 @@ pub type Pool = managed::Pool<Manager, Connection>;
 /// The error `Pool::get` returns (the same type as deadpool-redis's).
 pub type PoolError = managed::PoolError<RedisError>;
 
+/// Where a replica's Redis is: one server, or whichever primary Sentinel names now.
+#[derive(Clone)]
+pub enum Source {
+    Direct(Client),
+    Sentinel(Arc<SentinelSource>),
+}
+
+/// The Sentinels watching a primary, and the name they know it by.
+pub struct SentinelSource {
+    /// `host:port` of each Sentinel.
+    pub nodes: Vec<String>,
+    /// The name under which the Sentinels monitor the primary (`sentinel monitor NAME`).
+    pub master: String,
+    /// Asks the Sentinels in turn; `&mut` for its connection cache, hence the lock.
+    client: tokio::sync::Mutex<SentinelClient>,
+}
+
+impl From<Client> for Source {
+    fn from(client: Client) -> Source {
+        Source::Direct(client)
+    }
+}
+
+impl Source {
+    /// One Redis server at `url`.
+    pub fn direct(url: &str) -> anyhow::Result<Source> {
+        Ok(Source::Direct(Client::open(url)?))
+    }
+
+    /// The primary that the Sentinels at `nodes` (`host:port`) monitor as `master`.
+    pub fn sentinel(nodes: &[String], master: &str) -> anyhow::Result<Source> {
+        let urls: Vec<String> = nodes.iter().map(|node| format!("redis://{node}")).collect();
+        let client =
+            SentinelClient::build(urls, master.to_owned(), None, SentinelServerType::Master)?;
+        Ok(Source::Sentinel(Arc::new(SentinelSource {
+            nodes: nodes.to_vec(),
+            master: master.to_owned(),
+            client: tokio::sync::Mutex::new(client),
+        })))
+    }
+
+    /// `--redis-sentinel` when given, otherwise the URL.
+    pub fn from_config(url: &str, sentinels: &[String], master: &str) -> anyhow::Result<Source> {
+        // `--redis-sentinel=` (empty) asks for the URL even where the environment
+        // names Sentinels.
+        let sentinels: Vec<String> = sentinels
+            .iter()
+            .filter(|node| !node.trim().is_empty())
+            .cloned()
+            .collect();
+        if sentinels.is_empty() {
+            Source::direct(url)
+        } else {
+            Source::sentinel(&sentinels, master)
+        }
+    }
+
+    /// A client of the primary now. Behind Sentinel, this asks a Sentinel (which
+    /// checks that the node it names answers `ROLE` as a primary), bounded by `BOUND`.
+    pub async fn client(&self) -> Result<Client, RedisError> {
+        match self {
+            Source::Direct(client) => Ok(client.clone()),
+            Source::Sentinel(sentinel) => {
+                // Boxed: the Sentinel client's future is deep enough to overflow the
+                // compiler's layout queries of every future that awaits a connection.
+                let ask: std::pin::Pin<Box<dyn Future<Output = _> + Send + '_>> =
+                    Box::pin(async { sentinel.client.lock().await.async_get_client().await });
+                match tokio::time::timeout(BOUND, ask).await {
+                    Ok(answer) => answer,
+                    Err(_) => Err(RedisError::from((
+                        ErrorKind::Io,
+                        "no answer from Sentinel",
+                        format!("within {BOUND:?}"),
+                    ))),
+                }
+            }
+        }
+    }
+
+    /// The Sentinels, when the Redis is found through them.
+    pub fn sentinel_source(&self) -> Option<&SentinelSource> {
+        match self {
+            Source::Direct(_) => None,
+            Source::Sentinel(sentinel) => Some(sentinel),
+        }
+    }
+}
+
 /// A pool of at most `size` connections to the Redis at `url`. Connections are opened
 /// on first use, so a replica starts (and answers 503) while Redis is down.
 pub fn pool(url: &str, size: usize) -> anyhow::Result<Pool> {
-    let client = Client::open(url)?;
-    Ok(managed::Pool::builder(Manager { client })
+    pool_of(Source::direct(url)?, size)
+}
+
+/// The same for any [`Source`].
+pub fn pool_of(source: Source, size: usize) -> anyhow::Result<Pool> {
+    Ok(managed::Pool::builder(Manager { source })
         .max_size(size)
         .wait_timeout(Some(BOUND))
         .create_timeout(Some(BOUND))
@@ -43,14 +145,14 @@ pub fn pool(url: &str, size: usize) -> anyhow::Result<Pool> {
 }
 
 pub struct Manager {
-    client: Client,
+    source: Source,
 }
 
 impl Manager {
-    /// The client the pool's connections come from (for a pub/sub connection of the
-    /// same server, which a pool cannot lend).
-    pub fn client(&self) -> &Client {
-        &self.client
+    /// Where the pool's connections come from (for a pub/sub connection of the same
+    /// server, which a pool cannot lend).
+    pub fn source(&self) -> &Source {
+        &self.source
     }
 }
 
@@ -70,11 +172,19 @@ impl Tracked {
             && (error.is_io_error()
                 || error.is_connection_dropped()
                 || error.is_connection_refusal()
-                || error.is_timeout())
+                || error.is_timeout()
+                || demoted(error))
         {
             self.broken = true;
         }
     }
+}
+
+/// The answer of a primary that a failover turned into a replica: the connection
+/// points at the wrong node now. Inside a script the error comes wrapped, hence the text.
+fn demoted(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
+        || error.to_string().contains("READONLY")
 }
 
 impl managed::Manager for Manager {
@@ -83,7 +193,12 @@ impl managed::Manager for Manager {
 
     async fn create(&self) -> Result<Tracked, RedisError> {
         Ok(Tracked {
-            connection: self.client.get_multiplexed_async_connection().await?,
+            connection: self
+                .source
+                .client()
+                .await?
+                .get_multiplexed_async_connection()
+                .await?,
             broken: false,
             unanswered: false,
         })

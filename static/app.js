@@ -260,6 +260,20 @@ function setUpControls() {
     }
   });
 
+  document.getElementById("failover-redis").addEventListener("click", async () => {
+    const sku = document.getElementById("buy-sku").value.trim();
+    try {
+      const armed = await api("POST", "/api/admin/faults", { failover_redis: { sku } });
+      const plan = armed.failover_redis;
+      say(`${plan.promoted} no longer receives ${plan.primary}'s writes (ACL SETUSER default -psync, CLIENT KILL TYPE master). ` +
+        `The next holder of ${sku}'s redis-lock pauses ${span(armed.pause_holder_ms)} (less than its lease); ` +
+        "meanwhile Sentinel promotes the replica, which never got the lock. Now let 1 shopper buy, " +
+        "and a second one a second later.");
+    } catch (error) {
+      say(`Could not arm the failover: ${error.message}`, true);
+    }
+  });
+
   document.getElementById("kill-holder").addEventListener("click", async () => {
     const sku = document.getElementById("buy-sku").value.trim();
     try {
@@ -408,13 +422,13 @@ const RACE_SECTIONS = 60;
 async function refreshRace(sku) {
   try {
     const timeline = await api("GET", `/api/timeline?sku=${encodeURIComponent(sku)}`);
-    renderRace(timeline.sku, timeline.sections.slice(-RACE_SECTIONS));
+    renderRace(timeline.sku, timeline.sections.slice(-RACE_SECTIONS), timeline.failover);
   } catch (error) {
     document.getElementById("race-legend").textContent = `No timeline: ${error.message}`;
   }
 }
 
-function renderRace(sku, sections) {
+function renderRace(sku, sections, failover) {
   document.getElementById("race-sku").textContent = `(${sku}, last ${sections.length} orders)`;
   const chart = document.getElementById("race-chart");
   if (!sections.length) {
@@ -454,6 +468,10 @@ function renderRace(sku, sections) {
   const attempt = sections.map((s) => isAttempt(s.strategy));
   const stale = sections.map((a, i) => !attempt[i] && a.strategy !== "none" && a.outcome === "created" &&
     sections.some((b) => b !== a && b.outcome === "created" && b.start_ms > a.start_ms && b.start_ms < a.end_ms));
+  // A stale holder whose section spans the Redis failover lost its lock to it: the
+  // promoted replica never had the lock (the failover fault), not a lease run out.
+  const promotedAt = failover && failover.promoted_at_ms;
+  const lostToFailover = sections.map((a, i) => stale[i] && promotedAt > a.start_ms && promotedAt < a.end_ms);
   const ns = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(ns, "svg");
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
@@ -480,10 +498,16 @@ function renderRace(sku, sections) {
     });
     const title = document.createElementNS(ns, "title");
     title.textContent = `${s.replica} ${s.strategy}: ${s.outcome}, ${(s.end_ms - s.start_ms).toFixed(1)} ms` +
+      (lostToFailover[i] ? ", lock lost to the Redis failover" : "") +
       (s.fence === null ? "" : `, token ${s.fence}`) + (s.order_id === null ? "" : `, order ${s.order_id}`) +
       (s.handed_over ? ", lock handed over by the replica's previous holder" : "");
     bar.appendChild(title);
   });
+  if (promotedAt >= t0 && promotedAt <= t1) {
+    add("line", { x1: x(promotedAt), x2: x(promotedAt), y1: 0, y2: height - 18, class: "failover-mark" });
+    add("text", { x: x(promotedAt) + 3, y: height - 20, class: "failover-mark" },
+      failover.lock_lost ? "Redis failover: lock lost" : "Redis failover: lock kept");
+  }
   add("text", { x: label, y: height - 6 }, `${span.toFixed(0)} ms from the first section shown to the last`);
   chart.replaceChildren(svg);
   const overlaps = overlapping.filter(Boolean).length;
@@ -494,7 +518,10 @@ function renderRace(sku, sections) {
     `${overlaps} of ${sections.length} sections overlap another · green: sold · grey: sold out · red: refused (lock lost or fenced)` +
     (attempts ? ` · dashed: ${attempts} attempt(s) without a lock (optimistic, redis-atomic), which may overlap` : "") +
     (handed ? ` · pale: ${handed} section(s) whose lock was handed over within the replica (cohort), not acquired` : "") +
-    (staleSales ? ` · striped: ${staleSales} stale holder(s) sold after their lock had gone` : "");
+    (staleSales ? ` · striped: ${staleSales} stale holder(s) sold after their lock had gone` : "") +
+    (lostToFailover.some(Boolean)
+      ? ` · ${lostToFailover.filter(Boolean).length} of them lost the lock to the Redis failover (the promoted replica never had it)`
+      : "");
 }
 
 // The SKUs most recently active first; a long tail of old SKUs is summarised.

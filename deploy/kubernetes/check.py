@@ -126,7 +126,7 @@ for name, docs in (("overlays/lab", lab + loadtest), ("overlays/managed", manage
 compose_replica = next(s for s in compose.values() if (s.get("command") or [])[:2] == ["flashsale", "serve"])
 compose_env = {k: str(v) for k, v in (compose_replica.get("environment") or {}).items()}
 BACKENDS = {"FLASHSALE_REDIS_URL", "FLASHSALE_REDLOCK_URLS", "FLASHSALE_DATABASE_URL",
-            "FLASHSALE_ZOOKEEPER", "FLASHSALE_ETCD"}
+            "FLASHSALE_ZOOKEEPER", "FLASHSALE_ETCD", "FLASHSALE_REDIS_SENTINEL"}
 PER_REPLICA = {"FLASHSALE_REPLICA_ID", "FLASHSALE_ADVERTISE", "FLASHSALE_ADMIN_TOKEN"}
 KUBERNETES_ONLY = {"FLASHSALE_REPORT_DIR": "the root filesystem is read-only", "POD_NAME": "", "POD_IP": ""}
 

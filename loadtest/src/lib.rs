@@ -148,7 +148,13 @@ pub(crate) fn load_config(
         max_seconds: options.max_seconds,
         grace_ms: options.grace_ms,
         strategies: strategies.to_vec(),
-        fault: options.fault.map(|_| "pause-holder".to_owned()),
+        fault: options.fault.map(|fault| {
+            match fault {
+                Fault::PauseHolder => "pause-holder",
+                Fault::Failover => "failover",
+            }
+            .to_owned()
+        }),
         fencing: switches.fencing,
         cohort: switches.cohort,
         repeat: options.repeat,
@@ -171,7 +177,11 @@ async fn run_strategy(
     }
     let pause = match options.fault {
         Some(Fault::PauseHolder) => Some(service.arm_pause().await?),
-        None => None,
+        // The failover loses a redis-lock; the other strategies run without a fault.
+        Some(Fault::Failover) if strategy == "redis-lock" => {
+            Some(service.arm_failover(&skus[0]).await?)
+        }
+        Some(Fault::Failover) | None => None,
     };
     let sale = Sale::new(CrowdPlan {
         targets: options.targets.clone(),

@@ -100,7 +100,9 @@ pub struct Options {
     pub min_orders_per_s: Option<crate::slo::Objective>,
 
     /// Inject a fault into each run: `pause-holder` makes one lock holder per run stall
-    /// past its lease after its last check (Kleppmann's scenario).
+    /// past its lease after its last check (Kleppmann's scenario); `failover` (redis-lock
+    /// runs only, the service's Redis behind Sentinel) fails the Redis over while a
+    /// holder of the first SKU holds a lock the replica never received.
     #[arg(long, value_enum)]
     pub fault: Option<Fault>,
 
@@ -182,6 +184,7 @@ fn parse_rate(raw: &str) -> Result<f64, String> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Fault {
     PauseHolder,
+    Failover,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

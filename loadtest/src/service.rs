@@ -188,6 +188,26 @@ impl Service {
         Ok(armed.pause_holder_ms)
     }
 
+    /// Arms the failover fault for `sku`'s next redis-lock holder (who also pauses,
+    /// for less than its lease); the pause's length, as `arm_pause`'s.
+    pub async fn arm_failover(&self, sku: &str) -> anyhow::Result<u64> {
+        #[derive(Deserialize)]
+        struct Armed {
+            pause_holder_ms: u64,
+        }
+        let armed: Armed = self
+            .http
+            .post(self.admin_url("/api/admin/faults"))
+            .json(&json!({ "failover_redis": { "sku": sku } }))
+            .send()
+            .await?
+            .error_for_status()
+            .context("arming the failover fault (is the service's Redis behind Sentinel?)")?
+            .json()
+            .await?;
+        Ok(armed.pause_holder_ms)
+    }
+
     pub async fn disarm_pause(&self) -> anyhow::Result<()> {
         self.http
             .delete(self.admin_url("/api/admin/faults"))

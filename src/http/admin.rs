@@ -241,13 +241,35 @@ pub struct FaultBody {
     /// Where in the critical section it stalls; after its last lock check by default.
     #[serde(default)]
     at: Option<PausePoint>,
+    /// The lock's Redis fails over, through Sentinel, while the next holder of this
+    /// SKU's redis-lock holds it, before the lock reached the replica
+    /// (`crate::redis_failover`). The holder is paused as well (by default half a
+    /// lease: the lease does not run out, the failover alone loses the lock).
+    #[serde(default)]
+    failover_redis: Option<FailoverRedisBody>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FailoverRedisBody {
+    #[schema(value_type = Sku)]
+    sku: String,
+    /// How long to wait for a holder before giving up (restoring replication).
+    #[schema(value_type = Option<i64>, minimum = 100, maximum = 120_000)]
+    within_ms: Option<serde_json::Number>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct FaultArmed {
     pause_holder_ms: u64,
     at: PausePoint,
+    /// The primary, and the replica that stops receiving writes and will be promoted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failover_redis: Option<crate::redis_failover::Plan>,
 }
+
+/// How long the failover fault waits for a holder by default.
+const FAILOVER_WITHIN_MS: i64 = 30_000;
 
 /// Arms the paused-holder fault for the next lock holder in the cluster.
 #[utoipa::path(post, path = "/api/admin/faults", tag = "admin",
@@ -260,15 +282,29 @@ pub async fn arm_fault(
     State(state): State<AppState>,
     ApiJson(body): ApiJson<FaultBody>,
 ) -> Result<ApiJson<FaultArmed>, AppError> {
-    let ms =
-        match &body.pause_holder_ms {
-            Some(ms) => integer_in_range("pause_holder_ms", ms, 1, MAX_PAUSE_MS)
-                .map_err(AppError::Invalid)?,
-            None => i64::try_from(state.flow.lock_lease.as_millis() * 3 / 2 + 500)
-                .unwrap_or(MAX_PAUSE_MS),
-        };
+    let lease = state.flow.lock_lease.as_millis();
+    // Failing over, the holder stalls for less than its lease: the lease never runs out.
+    let default_ms = if body.failover_redis.is_some() {
+        lease / 2
+    } else {
+        lease * 3 / 2 + 500
+    };
+    let ms = match &body.pause_holder_ms {
+        Some(ms) => {
+            integer_in_range("pause_holder_ms", ms, 1, MAX_PAUSE_MS).map_err(AppError::Invalid)?
+        }
+        None => i64::try_from(default_ms).unwrap_or(MAX_PAUSE_MS),
+    };
     let ms = u64::try_from(ms).unwrap_or(0);
     let at = body.at.unwrap_or_default();
+    if let Some(failover) = body.failover_redis {
+        let plan = arm_failover(&state, failover, PauseFault { ms, at }).await?;
+        return Ok(ApiJson(FaultArmed {
+            pause_holder_ms: ms,
+            at,
+            failover_redis: Some(plan),
+        }));
+    }
     state
         .flow
         .store
@@ -283,7 +319,70 @@ pub async fn arm_fault(
     Ok(ApiJson(FaultArmed {
         pause_holder_ms: ms,
         at,
+        failover_redis: None,
     }))
+}
+
+/// Cuts replication to the replica to promote, arms `pause` for the next holder, and
+/// leaves a task that fails over once that holder holds the SKU's redis-lock.
+async fn arm_failover(
+    state: &AppState,
+    body: FailoverRedisBody,
+    pause: PauseFault,
+) -> Result<crate::redis_failover::Plan, AppError> {
+    let sku = Sku::parse(&body.sku).map_err(AppError::Invalid)?;
+    let within = match &body.within_ms {
+        Some(ms) => {
+            integer_in_range("within_ms", ms, 100, MAX_PAUSE_MS).map_err(AppError::Invalid)?
+        }
+        None => FAILOVER_WITHIN_MS,
+    };
+    let within = std::time::Duration::from_millis(u64::try_from(within).unwrap_or(0));
+    let cluster = state.store.cluster.clone();
+    let Some(sentinel) = cluster.redis_source().sentinel_source() else {
+        return Err(AppError::Conflict(
+            "this replica's Redis is not behind Sentinel (start it with --redis-sentinel)".into(),
+        ));
+    };
+    let (_, strategy) = state.settings_and_strategy().await?;
+    if strategy.name() != "redis-lock" {
+        return Err(AppError::Conflict(format!(
+            "the failover fault loses a redis-lock; the active strategy is {}",
+            strategy.name()
+        )));
+    }
+    let unavailable = |error: crate::redis_failover::FailoverError| {
+        AppError::Unavailable(format!("cannot fail the Redis over: {error}"))
+    };
+    let plan = crate::redis_failover::plan(sentinel)
+        .await
+        .map_err(unavailable)?;
+    crate::redis_failover::cut(sentinel, &plan)
+        .await
+        .map_err(unavailable)?;
+    // Armed after the cut: the promoted replica never hears of it, so the next holder
+    // there does not stall as well.
+    if let Err(error) = cluster.arm_pause(pause).await {
+        let _ = crate::redis_failover::restore(&plan).await;
+        return Err(error.into());
+    }
+    tracing::warn!(%sku, primary = %plan.primary, promoted = %plan.promoted,
+        "fault armed: the Redis fails over while the next holder holds the lock");
+    let source = cluster.redis_source().clone();
+    let task_plan = plan.clone();
+    tokio::spawn(async move {
+        let Some(sentinel) = source.sentinel_source() else {
+            return;
+        };
+        match cluster
+            .fail_over_when_held(sentinel, task_plan, &sku, within)
+            .await
+        {
+            Ok(outcome) => tracing::warn!(?outcome, %sku, "fault: the Redis failed over"),
+            Err(error) => tracing::error!(%error, %sku, "fault: the failover failed"),
+        }
+    });
+    Ok(plan)
 }
 
 #[derive(Debug, Deserialize, ToSchema)]

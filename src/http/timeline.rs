@@ -22,6 +22,13 @@ pub struct TimelineBody {
     pub sku: Sku,
     /// Oldest first; the latest 1000 of the SKU, cleared by a reset.
     pub sections: Vec<Section>,
+    /// The last failover fault of this SKU's lock's Redis, if one happened since the
+    /// fault's record was kept: when Sentinel was asked and when the replica answered
+    /// as the primary (Unix ms), and whether the promoted primary lacked the lock. The
+    /// dashboard labels holders overlapping across it as a lock lost to failover.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub failover: Option<serde_json::Value>,
 }
 
 #[utoipa::path(get, path = "/api/timeline", tag = "orders",
@@ -41,5 +48,20 @@ pub async fn timeline(
         return Err(AppError::NotFound(format!("unknown SKU '{sku}'")));
     }
     let sections = store.timeline.sections(&sku).await?;
-    Ok(ApiJson(TimelineBody { sku, sections }))
+    // A record that cannot be read or parsed only loses the label, not the timeline.
+    let failover = store
+        .cluster
+        .last_failover()
+        .await
+        .ok()
+        .flatten()
+        .and_then(|record| serde_json::from_str::<serde_json::Value>(&record).ok())
+        .filter(|record| record["sku"] == sku.as_str())
+        .map(|record| record["outcome"].clone())
+        .filter(|outcome| outcome["failed_over"] == true);
+    Ok(ApiJson(TimelineBody {
+        sku,
+        sections,
+        failover,
+    }))
 }

@@ -191,9 +191,14 @@ impl<L: DistributedLock> Cohort<L> {
 
     /// Announces releases on the Redis behind `client` and `pool` (channels under
     /// `namespace`), and wakes this replica's first waiter on the others' (step 5).
-    pub fn with_notices(mut self, client: redis::Client, pool: Pool, namespace: &str) -> Self {
+    pub fn with_notices(
+        mut self,
+        client: impl Into<crate::redis_pool::Source>,
+        pool: Pool,
+        namespace: &str,
+    ) -> Self {
         self.notices = Some(Arc::new(Notices {
-            subscriptions: Subscriptions::new(client),
+            subscriptions: Subscriptions::new(client.into()),
             pool,
             prefix: format!("{namespace}:cohort-released:"),
         }));

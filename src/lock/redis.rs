@@ -24,6 +24,15 @@
 //! restart) restarts above the floor a [`FenceFloor`] reports (the fence MySQL
 //! checks), not at 1. Watchdog and release-on-drop are the shared `lease::LeaseGuard`.
 //! Redlock reuses this module's fencing script and renewal.
+//!
+//! **WAIT** (off by default, [`RedisLock::with_wait_replicas`]): replication is
+//! asynchronous, so a lock set on a primary that fails over before copying it is gone
+//! on the promoted replica, and another holder takes it (the failover fault,
+//! `crate::redis_failover`). With `WAIT n timeout` after the `SET`, as Redisson's lock
+//! does since RedLock's deprecation, an acquisition counts only once `n` replicas
+//! acknowledged it; fewer within the timeout, and the key is deleted and the attempt
+//! counts as refused. It closes the failover of an acknowledging replica, not the
+//! election of one that did not acknowledge (Redisson issue 5256): only fencing does.
 
 mod pending_set;
 pub(crate) mod subscriptions;
@@ -120,6 +129,8 @@ pub struct RedisLock {
     tasks: Tasks,
     /// Tries that found the lock held, since the start.
     refused: AtomicU64,
+    /// `WAIT` after the `SET`: replicas that must acknowledge it, and for how long.
+    wait_replicas: Option<(u32, Duration)>,
 }
 
 /// What one `SET NX` attempt found.
@@ -133,7 +144,7 @@ impl RedisLock {
     /// The pub/sub connection comes from `client` (a subscribed connection serves
     /// nothing else); everything else goes through `pool`.
     pub fn new(
-        client: redis::Client,
+        client: impl Into<crate::redis_pool::Source>,
         pool: Pool,
         namespace: &str,
         owner: &str,
@@ -144,11 +155,19 @@ impl RedisLock {
             namespace: namespace.to_owned(),
             owner: owner.to_owned(),
             lease,
-            subscriptions: Subscriptions::new(client),
+            subscriptions: Subscriptions::new(client.into()),
             fence_floor: None,
             tasks: Tasks::default(),
             refused: AtomicU64::new(0),
+            wait_replicas: None,
         }
+    }
+
+    /// Holds count only once `replicas` replicas acknowledged the `SET` within
+    /// `timeout` (`WAIT replicas timeout`); 0 replicas: no `WAIT` (the default).
+    pub fn with_wait_replicas(mut self, replicas: u32, timeout: Duration) -> RedisLock {
+        self.wait_replicas = (replicas > 0).then_some((replicas, timeout));
+        self
     }
 
     /// Where a lost fencing counter restarts: above `floor`'s answer for the lock name.
@@ -260,6 +279,25 @@ impl RedisLock {
                 seeded
             }
         };
+        if let Some((replicas, wait)) = self.wait_replicas {
+            // Covers every write sent before it on this connection, our SET included.
+            let acknowledged: i64 = redis::cmd("WAIT")
+                .arg(replicas)
+                .arg(millis(wait))
+                .query_async(pending.conn()?)
+                .await
+                .map_err(redis_error)?;
+            if acknowledged < i64::from(replicas) {
+                release_with(pending.conn()?, &target.key, &target.channel, token).await?;
+                pending.disarm();
+                self.refused.fetch_add(1, Ordering::SeqCst);
+                tracing::warn!(key = %target.key, acknowledged, replicas,
+                    "lock not acknowledged by enough replicas; released, trying again");
+                return Ok(Attempt::Held(
+                    i64::try_from(NO_TTL_RETRY.as_millis()).unwrap_or(50),
+                ));
+            }
+        }
         pending.disarm();
         let hold = RedisHold {
             target,

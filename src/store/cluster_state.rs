@@ -252,6 +252,88 @@ impl ClusterState {
         Ok(())
     }
 
+    /// Where this replica's Redis is (one server, or behind Sentinel).
+    pub fn redis_source(&self) -> &crate::redis_pool::Source {
+        self.pool.manager().source()
+    }
+
+    fn failover_key(&self) -> String {
+        format!("{}:fault:failover", self.namespace)
+    }
+
+    /// The failover fault's second half: once the pause armed after the cut is claimed
+    /// and `sku`'s redis-lock key exists on the primary (a holder holds it, stalled),
+    /// fail over. Replication stays cut for at most `within` (a lock with `WAIT` is not
+    /// held meanwhile), then resumes while the fault waits as long again for a holder;
+    /// without one, the pause is withdrawn. The outcome is kept (on the new primary)
+    /// for the timeline.
+    pub async fn fail_over_when_held(
+        &self,
+        sentinel: &crate::redis_pool::SentinelSource,
+        plan: crate::redis_failover::Plan,
+        sku: &crate::model::Sku,
+        within: std::time::Duration,
+    ) -> anyhow::Result<crate::redis_failover::Outcome> {
+        let lock_key = format!("{}:lock:{}", self.namespace, sku.as_str());
+        let cut_until = tokio::time::Instant::now() + within;
+        let deadline = cut_until + within;
+        let mut resumed = false;
+        loop {
+            let held = async {
+                let claimed = self.cached_settings().await?.pause.is_none();
+                let mut conn = self.pool.get().await?;
+                let exists: bool = conn.exists(&lock_key).await?;
+                Ok::<_, StoreError>(claimed && exists)
+            };
+            if matches!(held.await, Ok(true)) {
+                break;
+            }
+            if !resumed && tokio::time::Instant::now() >= cut_until {
+                crate::redis_failover::resume(&plan).await?;
+                resumed = true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                crate::redis_failover::restore(&plan).await?;
+                self.disarm_pause().await?;
+                return Ok(crate::redis_failover::Outcome {
+                    plan,
+                    failed_over: false,
+                    lock_lost: false,
+                    failover_at_ms: None,
+                    promoted_at_ms: None,
+                });
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let outcome = crate::redis_failover::fail_over(sentinel, plan, &lock_key).await?;
+        let record = serde_json::json!({ "sku": sku.as_str(), "outcome": &outcome }).to_string();
+        // Until Sentinel has seen the promotion (its next INFO of the replica, within a
+        // second or so) it names no usable primary, and the pool's connections may
+        // still be the old primary's (refused or closed): try for a while.
+        let mut last = None;
+        for _ in 0..100 {
+            let written = async {
+                let mut conn = self.pool.get().await?;
+                let () = conn.set(self.failover_key(), &record).await?;
+                Ok::<_, StoreError>(())
+            };
+            match written.await {
+                Ok(()) => return Ok(outcome),
+                Err(error) => last = Some(error),
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        Err(anyhow::anyhow!(
+            "failed over, but the outcome was not recorded: {last:?}"
+        ))
+    }
+
+    /// The last failover fault's record, `{"sku", "outcome"}` (JSON), if any.
+    pub async fn last_failover(&self) -> Result<Option<String>, StoreError> {
+        let mut conn = self.pool.get().await?;
+        Ok(conn.get(self.failover_key()).await?)
+    }
+
     /// Withdraws an armed pause nobody claimed.
     pub async fn disarm_pause(&self) -> Result<(), StoreError> {
         let mut conn = self.pool.get().await?;

@@ -27,6 +27,7 @@ const COMMANDS: &[(&str, &[&str])] = &[
     ("ZRANGE", &[]),
     ("HSET", &[]),
     ("PUBLISH", &[]),
+    ("WAIT", &[]),
     ("SUBSCRIBE", &[".subscribe("]),
     ("MGET", &[".mget("]),
     ("SELECT", &[]),

@@ -273,7 +273,7 @@ impl From<LockError> for OrderError {
 /// What one replica's strategies are built from: its own clients and pools (never
 /// opened per request) and the lock settings.
 pub struct Backends {
-    pub redis_client: deadpool_redis::redis::Client,
+    pub redis_client: crate::redis_pool::Source,
     pub redis_pool: crate::redis_pool::Pool,
     pub mysql: sqlx::MySqlPool,
     pub namespace: String,
@@ -287,6 +287,9 @@ pub struct Backends {
     /// etcd endpoints, comma-separated.
     pub etcd: String,
     pub optimistic_attempts: u32,
+    /// redis-lock's `WAIT`: replicas that must acknowledge the lock's `SET` (0: none),
+    /// and for how long.
+    pub redis_lock_wait: (u32, Duration),
 }
 
 /// Where a Redis-backed fencing counter that Redis lost restarts: above the largest
@@ -310,7 +313,8 @@ pub fn registry(backends: &Backends) -> Registry {
                     owner,
                     backends.lease,
                 )
-                .with_fence_floor(fence_floor(backends, "redis-lock")),
+                .with_fence_floor(fence_floor(backends, "redis-lock"))
+                .with_wait_replicas(backends.redis_lock_wait.0, backends.redis_lock_wait.1),
             ),
         )),
         Arc::new(LockStrategy::new(

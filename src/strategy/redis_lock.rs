@@ -24,6 +24,9 @@ pub fn explanation() -> Explanation {
             "release (Lua): if GET key == token then DEL key; PUBLISH <ns>:lock-channel:<sku> <token>",
             "waiters: SUBSCRIBE <ns>:lock-channel:<sku> (one pub/sub connection per replica), then \
              try again; on a message or once the PTTL ran out, try again",
+            "with --redis-lock-wait-replicas N (off by default): WAIT N <timeout> after the SET; \
+             fewer acknowledgements, and the key is released (compare-and-DEL) and the try counts \
+             as refused",
         ],
         failure_mode: "A holder that stalls longer than the lease (GC or VM pause, a stopped \
                        watchdog) loses the lock while still believing it holds it; another \
@@ -31,7 +34,12 @@ pub fn explanation() -> Explanation {
                        window. With fencing on, the token is registered in MySQL before the \
                        stock is read, and the write lands only while the stock read is still \
                        MySQL's (which alone refuses the double sale) and the token is still the \
-                       SKU's newest (so the newest holder wins). A Redis failover can also \
-                       lose a lock that was not yet replicated.",
+                       SKU's newest (so the newest holder wins). A Redis failover loses a \
+                       lock not yet replicated (asynchronous replication): the promoted replica \
+                       never had it, and another replica takes it while the first holds \
+                       (the dashboard's failover fault: the replica's link cut, then \
+                       SENTINEL FAILOVER). WAIT keeps the lock through the failover of a \
+                       replica that acknowledged it, not through the election of one that did \
+                       not (Redisson issue 5256); fencing refuses the stale write either way.",
     }
 }

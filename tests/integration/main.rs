@@ -8,6 +8,7 @@ mod cluster;
 mod cohort;
 mod cohort_switch;
 mod dashboard;
+mod failover;
 mod faults;
 mod fence_reset;
 mod fenced_reads;

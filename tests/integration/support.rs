@@ -225,6 +225,12 @@ impl TestCluster {
                 "--redis-pool",
                 "16",
             ];
+            // The stack's Sentinel (FLASHSALE_REDIS_SENTINEL) is for the demo: tests
+            // talk to the Redis at the URL unless they bring a Sentinel of their own
+            // (failover.rs), so that no test depends on another's failover.
+            if !extra.contains(&"--redis-sentinel") {
+                args.push("--redis-sentinel=");
+            }
             if !extra.contains(&"--db-pool") {
                 args.extend_from_slice(&["--db-pool", "8"]);
             }
@@ -434,6 +440,7 @@ impl TestCluster {
             ])
             .args(["--replica-id", "replica-doomed"])
             .args(extra)
+            .env_remove("FLASHSALE_REDIS_SENTINEL")
             .env("RUST_LOG", "warn")
             .kill_on_drop(true)
             .spawn()

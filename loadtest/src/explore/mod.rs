@@ -100,6 +100,12 @@ pub struct ExploreOptions {
     #[arg(long, requires = "disruptive")]
     pub etcd_session_loss_cmd: Option<String>,
 
+    /// Command that fails the replicas' Redis over to its replica through Sentinel,
+    /// e.g. `scripts/stack.sh failover` (the replicas must find Redis through
+    /// Sentinel, as `stack.sh env` sets).
+    #[arg(long, requires = "disruptive")]
+    pub failover_redis_cmd: Option<String>,
+
     /// Also read the figures from this MySQL database with plain SQL (the replicas'
     /// FLASHSALE_DATABASE_URL), not only from the service's /api/stats.
     #[arg(long)]
@@ -405,6 +411,7 @@ fn disruptive_commands(options: &ExploreOptions) -> BTreeMap<Disruption, String>
             &options.zookeeper_session_loss_cmd,
         ),
         (Disruption::EtcdSessionLoss, &options.etcd_session_loss_cmd),
+        (Disruption::FailoverRedis, &options.failover_redis_cmd),
     ]
     .into_iter()
     .filter_map(|(what, command)| command.clone().map(|c| (what, c)))
@@ -456,6 +463,7 @@ fn replay_command(options: &ExploreOptions, seed: u64, round: u64) -> String {
                 &options.zookeeper_session_loss_cmd,
             ),
             ("--etcd-session-loss-cmd", &options.etcd_session_loss_cmd),
+            ("--failover-redis-cmd", &options.failover_redis_cmd),
         ] {
             if let Some(value) = value {
                 command += &format!(" {flag} '{value}'");

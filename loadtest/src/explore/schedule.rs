@@ -51,6 +51,9 @@ pub enum Disruption {
     RestartMysql,
     ZookeeperSessionLoss,
     EtcdSessionLoss,
+    /// Redis fails over to its replica through Sentinel mid-sale: writes not yet
+    /// replicated (a lock, a cache write) are gone on the new primary.
+    FailoverRedis,
 }
 
 /// One round: the sale, its crowd and its faults.
@@ -139,13 +142,17 @@ impl Disruption {
             Disruption::RestartMysql => "restart_mysql",
             Disruption::ZookeeperSessionLoss => "zookeeper_session_loss",
             Disruption::EtcdSessionLoss => "etcd_session_loss",
+            Disruption::FailoverRedis => "failover_redis",
         }
     }
 
     /// Whether the cache (or the answer to a COMMIT) may be lost, so that an admin
     /// must reconcile before the records can agree.
     pub fn loses_cache(self) -> bool {
-        matches!(self, Disruption::RestartRedis | Disruption::RestartMysql)
+        matches!(
+            self,
+            Disruption::RestartRedis | Disruption::RestartMysql | Disruption::FailoverRedis
+        )
     }
 }
 

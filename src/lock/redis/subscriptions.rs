@@ -15,12 +15,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use deadpool_redis::redis::{self, aio::PubSubSink};
+use deadpool_redis::redis::aio::PubSubSink;
 use futures::StreamExt;
 use tokio::sync::watch;
 use tokio::time::{Instant, timeout, timeout_at};
 
 use crate::lock::task::{AbortOnDrop, Tasks};
+use crate::redis_pool::Source;
 
 /// Bound on connecting and on one (un)subscription.
 const BOUND: Duration = Duration::from_secs(2);
@@ -35,7 +36,7 @@ pub struct Subscriptions {
 
 impl Subscriptions {
     /// Connects through `client` (a subscribed connection serves nothing else).
-    pub fn new(client: redis::Client) -> Subscriptions {
+    pub fn new(client: Source) -> Subscriptions {
         let releases = Arc::new(Releases::default());
         Subscriptions {
             _listener: AbortOnDrop::spawn(listen(client, releases.clone())),
@@ -221,9 +222,12 @@ impl Drop for Subscription {
 
 /// Keeps the replica's pub/sub connection: wakes the waiters of each release message's
 /// channel, and reconnects after Redis went away.
-async fn listen(client: redis::Client, releases: Arc<Releases>) {
+async fn listen(client: Source, releases: Arc<Releases>) {
     loop {
-        match timeout(BOUND, client.get_async_pubsub()).await {
+        // Behind Sentinel, the primary of now: after a failover Sentinel closes this
+        // connection and the next one goes to the new primary.
+        let connect = async { client.client().await?.get_async_pubsub().await };
+        match timeout(BOUND, connect).await {
             Ok(Ok(pubsub)) => {
                 let (sink, mut messages) = pubsub.split();
                 if releases.connected(sink).await {

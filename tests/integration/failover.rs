@@ -1,0 +1,375 @@
+//! The failover that loses a Redis lock (issue 40). Each test runs its own Redis set,
+//! a primary, one or two replicas and a Sentinel on free ports, so failing it over
+//! disturbs no other test (the stack's Redis is everyone's); the set dies with the test.
+//!
+//! The fault (`POST /api/admin/faults {"failover_redis": {"sku"}}`) cuts the replica's
+//! replication link, pauses the next holder for less than its lease, and fails the
+//! primary over through Sentinel while that holder holds the lock: the promoted
+//! primary never had the lock, and the other service replica takes it.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use deadpool_redis::redis::{self, AsyncCommands};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use tokio::process::{Child, Command};
+
+use crate::lock_primitives::within;
+use crate::support::{TestCluster, eventually, free_port};
+
+const MASTER: &str = "flashsale";
+
+/// A primary, its replicas and one Sentinel, each a child process of the test.
+pub struct RedisHa {
+    pub primary: u16,
+    pub replicas: Vec<u16>,
+    pub sentinel: u16,
+    dir: PathBuf,
+    children: Vec<Child>,
+}
+
+impl RedisHa {
+    pub async fn start(replicas: usize) -> RedisHa {
+        let primary = free_port();
+        let dir = std::env::temp_dir().join(format!("flashsale-ha-{primary}"));
+        std::fs::create_dir_all(&dir).expect("data dir");
+        let mut ha = RedisHa {
+            primary,
+            replicas: Vec::new(),
+            sentinel: free_port(),
+            dir,
+            children: Vec::new(),
+        };
+        ha.node(primary, None);
+        for _ in 0..replicas {
+            let port = free_port();
+            ha.node(port, Some(primary));
+            ha.replicas.push(port);
+        }
+        let config = ha.dir.join("sentinel.conf");
+        // down-after 60 s: Sentinel fails over only when asked (SENTINEL FAILOVER), not
+        // because a loaded machine was slow to answer a PING.
+        std::fs::write(
+            &config,
+            format!(
+                "port {}\nbind 127.0.0.1\ndir {}\nsentinel monitor {MASTER} 127.0.0.1 {primary} 1\n\
+                 sentinel down-after-milliseconds {MASTER} 60000\n\
+                 sentinel failover-timeout {MASTER} 10000\n",
+                ha.sentinel,
+                ha.dir.display()
+            ),
+        )
+        .expect("sentinel config");
+        let child = Command::new("redis-server")
+            .arg(&config)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start redis-server --sentinel");
+        ha.children.push(child);
+        // Ready when Sentinel lists every replica as healthy and each one's link is up.
+        let ready = eventually(Duration::from_secs(20), || async {
+            ha.healthy_replicas().await == ha.replicas.len()
+        })
+        .await;
+        assert!(ready, "the Redis set did not come up");
+        ha
+    }
+
+    fn node(&mut self, port: u16, primary: Option<u16>) {
+        let mut command = Command::new("redis-server");
+        command
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .args(["--repl-diskless-sync-delay", "0"])
+            .arg("--dir")
+            .arg(&self.dir);
+        if let Some(primary) = primary {
+            command.args(["--replicaof", "127.0.0.1", &primary.to_string()]);
+        }
+        let child = command
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start redis-server");
+        self.children.push(child);
+    }
+
+    pub fn sentinel_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.sentinel)
+    }
+
+    pub fn url(port: u16) -> String {
+        format!("redis://127.0.0.1:{port}")
+    }
+
+    async fn connection(port: u16) -> Option<redis::aio::MultiplexedConnection> {
+        let client = redis::Client::open(RedisHa::url(port)).ok()?;
+        tokio::time::timeout(
+            Duration::from_secs(2),
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        .ok()?
+        .ok()
+    }
+
+    /// The primary Sentinel names now.
+    pub async fn primary_now(&self) -> Option<u16> {
+        let mut sentinel = RedisHa::connection(self.sentinel).await?;
+        let (_, port): (String, u16) = redis::cmd("SENTINEL")
+            .arg("GET-MASTER-ADDR-BY-NAME")
+            .arg(MASTER)
+            .query_async(&mut sentinel)
+            .await
+            .ok()?;
+        Some(port)
+    }
+
+    /// Replicas Sentinel lists as healthy whose link to the primary is up.
+    async fn healthy_replicas(&self) -> usize {
+        let Some(mut sentinel) = RedisHa::connection(self.sentinel).await else {
+            return 0;
+        };
+        let listed: Vec<std::collections::HashMap<String, String>> = redis::cmd("SENTINEL")
+            .arg("REPLICAS")
+            .arg(MASTER)
+            .query_async(&mut sentinel)
+            .await
+            .unwrap_or_default();
+        listed
+            .iter()
+            .filter(|replica| {
+                replica.get("flags").is_some_and(|f| f == "slave")
+                    && replica.get("master-link-status").is_some_and(|s| s == "ok")
+            })
+            .count()
+    }
+
+    /// A key's value on one node.
+    pub async fn get(port: u16, key: &str) -> Option<String> {
+        let mut connection = RedisHa::connection(port).await?;
+        connection.get(key).await.ok()?
+    }
+}
+
+impl Drop for RedisHa {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            let _ = child.start_kill();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Replicas of the service on `ha`, redis-lock, fencing as asked, one unit of `sku`.
+async fn sale_on(ha: &RedisHa, fencing: bool, extra: &[&str], sku: &str) -> TestCluster {
+    let url = RedisHa::url(ha.primary);
+    let sentinel = ha.sentinel_addr();
+    let mut args = vec![
+        "--redis-url",
+        &url,
+        "--redlock-urls",
+        &url,
+        "--redis-sentinel",
+        &sentinel,
+        "--redis-sentinel-master",
+        MASTER,
+        "--lock-wait-ms",
+        "20000",
+    ];
+    args.extend_from_slice(extra);
+    let cluster = TestCluster::start(2, &args).await;
+    cluster.set_strategy("redis-lock").await;
+    cluster.set_fencing(fencing).await;
+    cluster.reset(sku, 1).await;
+    cluster
+}
+
+/// What one failover run gave: both orders' statuses, the fault's record, and how
+/// long after the promotion the second order was sold.
+struct Run {
+    holder: StatusCode,
+    rival: StatusCode,
+    record: Value,
+    rival_after_promotion_ms: f64,
+}
+
+/// The holder (replica 0) takes the lock and stalls; the fault fails the Redis over;
+/// then the rival (replica 1) orders the same unit, sent again while it answers 503
+/// (its connections to the old primary are being replaced).
+async fn failover_run(cluster: &TestCluster, ha: &RedisHa, fault: Value) -> Run {
+    let sku = fault["sku"].as_str().unwrap_or_default().to_owned();
+    let sku = sku.as_str();
+    let armed = cluster
+        .http
+        .post(cluster.url(0, "/api/admin/faults"))
+        .json(&json!({ "failover_redis": fault, "pause_holder_ms": 4000 }))
+        .send()
+        .await
+        .expect("arm the failover");
+    assert_eq!(
+        armed.status(),
+        StatusCode::OK,
+        "the failover fault was armed"
+    );
+
+    let record_key = format!("{}:fault:failover", cluster.namespace);
+    // The fault's record, on the new primary once there is one.
+    let record = || async {
+        let primary = ha.primary_now().await.filter(|port| *port != ha.primary)?;
+        RedisHa::get(primary, &record_key).await
+    };
+    let run = async {
+        let (holder, (rival, record, rival_at)) =
+            tokio::join!(cluster.order(0, sku, "holder", 1), async {
+                // The fault fails over once the holder holds and stalls; its record
+                // lands on the new primary.
+                let recorded = eventually(Duration::from_secs(40), || async {
+                    record().await.is_some()
+                })
+                .await;
+                assert!(recorded, "the failover never happened");
+                let record: Value = serde_json::from_str(&record().await.unwrap_or_default())
+                    .expect("the fault's record");
+                let deadline = Instant::now() + Duration::from_secs(20);
+                let rival = loop {
+                    let status = cluster.order(1, sku, "rival", 1).await.status();
+                    if status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() >= deadline {
+                        break status;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                };
+                (rival, record, now_ms())
+            });
+        (holder.status(), rival, record, rival_at)
+    };
+    let (holder, rival, record, rival_at) =
+        within(Duration::from_secs(60), "the failover run", run).await;
+    let promoted_at = record["outcome"]["promoted_at_ms"]
+        .as_f64()
+        .unwrap_or(f64::NAN);
+    Run {
+        holder,
+        rival,
+        record,
+        rival_after_promotion_ms: rival_at - promoted_at,
+    }
+}
+
+fn now_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |since| since.as_secs_f64() * 1000.0)
+}
+
+/// Without fencing the unit is sold twice: the holder's lock existed only on the old
+/// primary, the promoted one let the rival in while the holder (stalled for 4 s, less
+/// than its 10 s lease: no lease ran out) still held. Counted in MySQL. Without the
+/// failover (the fault's `SENTINEL FAILOVER` removed) the rival waits for the holder's
+/// release, finds the unit sold and the test fails on the second order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failover_loses_the_lock_and_oversells_without_fencing() {
+    let ha = RedisHa::start(1).await;
+    let sku = "failover-unfenced";
+    let cluster = sale_on(&ha, false, &[], sku).await;
+    let run = failover_run(&cluster, &ha, json!({ "sku": sku })).await;
+    assert_eq!(
+        ha.primary_now().await,
+        Some(ha.replicas[0]),
+        "Sentinel promoted the replica"
+    );
+    assert_eq!(run.record["outcome"]["lock_lost"], true, "{}", run.record);
+    assert_eq!(
+        (run.holder, run.rival),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert_eq!(
+        cluster.count_orders(sku).await,
+        2,
+        "one unit, two orders in MySQL"
+    );
+    eprintln!(
+        "orders flowed again {:.0} ms after the promotion",
+        run.rival_after_promotion_ms
+    );
+}
+
+/// With fencing the stale holder's write is refused: the rival's token (taken on the
+/// promoted primary) moved the SKU's fence in MySQL and sold the unit, so the holder's
+/// commit, checked against the fence and the stock it read, lands nowhere. With the
+/// fence check removed from the commit the holder's order is created too and this
+/// fails on the count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failover_with_fencing_refuses_the_stale_write() {
+    let ha = RedisHa::start(1).await;
+    let sku = "failover-fenced";
+    let cluster = sale_on(&ha, true, &[], sku).await;
+    let run = failover_run(&cluster, &ha, json!({ "sku": sku })).await;
+    assert_eq!(run.record["outcome"]["lock_lost"], true, "{}", run.record);
+    assert_eq!(run.rival, StatusCode::CREATED, "the rival sells the unit");
+    assert_ne!(
+        run.holder,
+        StatusCode::CREATED,
+        "the stale holder's write was refused"
+    );
+    assert_eq!(
+        cluster.count_orders(sku).await,
+        1,
+        "one unit, one order in MySQL"
+    );
+}
+
+/// With `WAIT 1` the lock counts as held only once the replica has it: while the
+/// replica is cut the holder's acquisitions are refused (and released), the cut ends
+/// after a second, the holder then holds a lock the replica acknowledged, and the
+/// failover promotes a primary that has it. The rival waits for the holder's release
+/// and finds the unit sold: one order. Without the `WAIT` (redis-lock ignoring
+/// `--redis-lock-wait-replicas`) the holder holds during the cut, the lock is lost and
+/// the unit sold twice: this fails on `lock_lost` and the count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failover_with_wait_keeps_the_lock() {
+    let ha = RedisHa::start(1).await;
+    let sku = "failover-wait";
+    let cluster = sale_on(&ha, false, &["--redis-lock-wait-replicas", "1"], sku).await;
+    let run = failover_run(&cluster, &ha, json!({ "sku": sku, "within_ms": 1000 })).await;
+    assert_eq!(run.record["outcome"]["lock_lost"], false, "{}", run.record);
+    assert_eq!(run.holder, StatusCode::CREATED);
+    assert_eq!(
+        run.rival,
+        StatusCode::CONFLICT,
+        "the rival waited and found it sold"
+    );
+    assert_eq!(
+        cluster.count_orders(sku).await,
+        1,
+        "one unit, one order in MySQL"
+    );
+}
+
+/// Redisson issue 5256: two replicas, `WAIT 1`. The one that acknowledges stays a
+/// replica (the fault makes it unelectable), the one that was cut is elected: the lock
+/// is lost although `WAIT` was satisfied, and without fencing the unit is sold twice.
+/// WAIT counts acknowledgements, not which replica will be promoted; only fencing (or
+/// a lock over independent nodes) closes this. Without the cut (the fault's
+/// `CLIENT KILL TYPE master` removed) the elected replica has the lock and this fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failover_to_the_replica_that_did_not_acknowledge_loses_the_lock_despite_wait() {
+    let ha = RedisHa::start(2).await;
+    let sku = "failover-5256";
+    let cluster = sale_on(&ha, false, &["--redis-lock-wait-replicas", "1"], sku).await;
+    let run = failover_run(&cluster, &ha, json!({ "sku": sku })).await;
+    assert_eq!(run.record["outcome"]["lock_lost"], true, "{}", run.record);
+    assert_eq!(
+        (run.holder, run.rival),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert_eq!(
+        cluster.count_orders(sku).await,
+        2,
+        "one unit, two orders in MySQL"
+    );
+}
