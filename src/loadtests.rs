@@ -42,6 +42,15 @@ pub struct LoadTestRequest {
     #[serde(default)]
     #[schema(pattern = "^pause-holder$")]
     pub fault: Option<String>,
+    /// The share of shoppers who send every order twice at once
+    /// (`--double-click-share`).
+    #[serde(default)]
+    #[schema(minimum = 0, maximum = 1, default = 0)]
+    pub double_click_share: f64,
+    /// Send no `Idempotency-Key` with the orders (`--no-idempotency-key`): the
+    /// lesson's "before", where a double click buys twice.
+    #[serde(default)]
+    pub no_idempotency_key: bool,
 }
 
 fn one() -> u64 {
@@ -72,6 +81,9 @@ impl LoadTestRequest {
             .is_some_and(|fault| fault != "pause-holder")
         {
             return Err("fault must be \"pause-holder\" or absent".into());
+        }
+        if !(0.0..=1.0).contains(&self.double_click_share) {
+            return Err("double_click_share must be from 0 to 1".into());
         }
         Ok(())
     }
@@ -194,6 +206,15 @@ impl LoadTests {
         if let Some(fault) = &request.fault {
             command.args(["--fault", fault]);
         }
+        if request.double_click_share > 0.0 {
+            command.args([
+                "--double-click-share",
+                &request.double_click_share.to_string(),
+            ]);
+        }
+        if request.no_idempotency_key {
+            command.arg("--no-idempotency-key");
+        }
         if let Some(token) = &self.admin_token {
             command.env("FLASHSALE_ADMIN_TOKEN", token.reveal());
         }
@@ -293,6 +314,8 @@ mod tests {
             stock,
             skus: 1,
             fault: None,
+            double_click_share: 0.0,
+            no_idempotency_key: false,
         }
     }
 
@@ -310,5 +333,10 @@ mod tests {
         assert!(faulty.validate(&known).is_ok());
         faulty.fault = Some("rm -rf".into());
         assert!(faulty.validate(&known).is_err());
+        let mut clicking = request(60, 200, &[]);
+        clicking.double_click_share = 0.2;
+        assert!(clicking.validate(&known).is_ok());
+        clicking.double_click_share = 1.5;
+        assert!(clicking.validate(&known).is_err());
     }
 }

@@ -208,8 +208,11 @@ function setUpControls() {
     }
     // The server plays the crowd: a browser could send only five orders at once.
     try {
-      const done = await api("POST", "/api/admin/crowd", { sku, shoppers });
-      say(`${shoppers} shopper(s) on ${sku}, at once over ${done.replicas.length} replica(s): ` +
+      const double_click = document.getElementById("buy-double-click").checked;
+      const idempotency_key = document.getElementById("buy-key").checked;
+      const done = await api("POST", "/api/admin/crowd", { sku, shoppers, double_click, idempotency_key });
+      const how = [double_click ? "double-clicking" : "", idempotency_key ? "with keys" : ""].filter(Boolean).join(", ");
+      say(`${shoppers} shopper(s) on ${sku}${how ? ` (${how})` : ""}, at once over ${done.replicas.length} replica(s): ` +
         Object.entries(done.outcomes).map(([code, n]) => `${n} ${code}`).join(", "));
     } catch (error) {
       say(`The crowd could not buy: ${error.message}`, true);
@@ -295,6 +298,8 @@ function setUpControls() {
       skus: Number(document.getElementById("lt-skus").value),
       strategies: strategies.length === state.strategies.length ? [] : strategies,
       fault: document.getElementById("lt-fault").checked ? "pause-holder" : null,
+      double_click_share: Number(document.getElementById("lt-double-click").value) || 0,
+      no_idempotency_key: document.getElementById("lt-no-key").checked,
     };
     try {
       const started = await api("POST", "/api/loadtests", body);
@@ -350,6 +355,16 @@ function isAttempt(name) {
   return name === "optimistic" || family === "lock-free";
 }
 
+// A run's duplicates from the records (`docs/report.md`); reports older than the count
+// have none to say.
+function duplicatesSaid(d) {
+  if (!d) return "duplicates not counted";
+  const parts = [d.repeat_orders > 0 ? `${d.repeat_orders} duplicate(s)` : "0 duplicates"];
+  if (d.orders_sharing_key > 0) parts.push(`${d.orders_sharing_key} sharing a key`);
+  if (d.units_over_limit > 0) parts.push(`${d.units_over_limit} over the limit`);
+  return parts.join(", ");
+}
+
 function renderLearnCards() {
   const card = (s) => {
     const run = state.latestRun.get(s.name);
@@ -357,7 +372,7 @@ function renderLearnCards() {
       ? el("p", { class: "muted" },
           `Latest run here: ${fmt(run.orders_per_s)} orders/s, p99 ${fmt(run.latency_ms.p99)} ms, `,
           run.oversold > 0 ? el("strong", { class: "bad" }, `${run.oversold} oversold`) : "0 oversold",
-          `, ${run.busy} busy.`)
+          ", ", duplicatesSaid(run.duplicates), `, ${run.busy} busy.`)
       : el("p", { class: "muted" }, "No load-test run here yet.");
     return el("article", { class: "card", dataset: { strategy: s.name, family: s.family } },
       el("h4", {}, `${s.title} `, el("code", {}, s.name)),
@@ -533,6 +548,16 @@ function renderSkus(allSkus) {
     const verdict = s.oversold > 0
       ? el("p", { class: "verdict bad oversold" }, `⚠ OVERSOLD by ${s.oversold}: ${s.orders} orders for ${s.initial_stock} units`)
       : el("p", { class: "verdict ok oversold" }, "✓ Not oversold");
+    const d = s.duplicates || {};
+    const repeats = d.repeat_orders || 0;
+    const broken = (d.orders_sharing_key || 0) + (d.units_over_limit || 0);
+    // Counted by the service from MySQL's orders; the crowd's shoppers each mean one order.
+    const duplicates = repeats + broken > 0
+      ? el("p", { class: "verdict bad duplicates" },
+          `⚠ ${repeats} repeat order(s): a user's orders beyond their first` +
+          (d.orders_sharing_key ? `; ${d.orders_sharing_key} sharing a key` : "") +
+          (d.units_over_limit ? `; ${d.units_over_limit} unit(s) over the limit` : ""))
+      : el("p", { class: "verdict ok duplicates" }, "✓ No duplicate orders");
     const consistency = s.consistent
       ? el("p", { class: "verdict ok" }, "✓ Redis, MySQL and orders agree")
       : el("p", { class: "verdict bad" }, "✗ Inconsistent: Redis, MySQL and orders disagree");
@@ -543,7 +568,7 @@ function renderSkus(allSkus) {
         el("dt", {}, "stock in Redis"), el("dd", { class: "stock-redis" }, s.stock_redis ?? "missing"),
         el("dt", {}, "stock in MySQL"), el("dd", { class: "stock-mysql" }, s.stock_mysql),
         el("dt", {}, "orders"), el("dd", { class: "orders" }, s.orders)),
-      verdict, consistency);
+      verdict, duplicates, consistency);
   });
   if (allSkus.length > skus.length) {
     cards.push(el("p", { class: "muted" }, `${allSkus.length - skus.length} older SKU(s) not shown.`));

@@ -19,6 +19,13 @@ function runSettings(report) {
   parts.push(`fencing ${config.fencing ? "on" : "off"}`);
   if (typeof config.cohort === "boolean") parts.push(`cohort ${config.cohort ? "on" : "off"}`);
   parts.push(config.fault ? `fault: ${config.fault}` : "no fault");
+  // The service reads a report made before the keys as one that sent none, which it did.
+  if (config.idempotency_keys !== undefined) {
+    parts.push(config.idempotency_keys ? "keys" : "no keys");
+    if (config.double_click_share) parts.push(`${Math.round(config.double_click_share * 100)} % double-click`);
+    if (config.retry_share) parts.push(`${Math.round(config.retry_share * 100)} % retry`);
+    if (config.limit_per_user) parts.push(`limit ${config.limit_per_user}/user`);
+  }
   return parts.join(" · ");
 }
 
@@ -53,6 +60,7 @@ function byStrategy(report) {
     p50: spread(all.map((r) => r.latency_ms.p50)),
     p99: spread(all.map((r) => r.latency_ms.p99)),
     oversold: Math.max(...all.map((r) => r.oversold)),
+    duplicates: Math.max(...all.map((r) => (r.duplicates ? r.duplicates.repeat_orders : 0))),
   }));
 }
 
@@ -86,7 +94,7 @@ function renderComparison(report) {
   const settings = document.getElementById("comparison-settings");
   if (!report) {
     settings.textContent = "No load test yet.";
-    for (const id of ["compare-orders", "compare-latency", "compare-oversold"]) document.getElementById(id).replaceChildren();
+    for (const id of ["compare-orders", "compare-latency", "compare-oversold", "compare-duplicates"]) document.getElementById(id).replaceChildren();
     return;
   }
   settings.textContent = `Run ${runName(report)}, ${new Date(report.generated_at).toLocaleString()}: ` +
@@ -101,6 +109,13 @@ function renderComparison(report) {
   drawBars("compare-oversold", strategies, [{
     pick: (s) => s.oversold,
     format: (s) => (s.oversold > 0 ? `${s.oversold} OVERSOLD` : "0 ✓"),
+    tone: (n) => (n > 0 ? "bad" : "ok"),
+  }]);
+  // Counted from the records: a user's orders beyond their first, each user being one
+  // intent of the crowd. Without keys they are the lesson; with keys, a bug.
+  drawBars("compare-duplicates", strategies, [{
+    pick: (s) => s.duplicates,
+    format: (s) => (s.duplicates > 0 ? `${s.duplicates} DUPLICATE` : "0 ✓"),
     tone: (n) => (n > 0 ? "bad" : "ok"),
   }]);
 }
@@ -159,10 +174,12 @@ function renderHistoryTable(reports) {
       el("td", {}, repeated && run.repeat ? `${run.strategy} (${run.repeat} of ${report.config.repeat})` : run.strategy),
       el("td", {}, run.orders),
       el("td", { class: run.oversold > 0 ? "bad" : "" }, run.oversold > 0 ? `${run.oversold} OVERSOLD` : "0"),
+      el("td", { class: run.duplicates && run.duplicates.repeat_orders > 0 ? "bad" : "" },
+        run.duplicates ? duplicatesSaid(run.duplicates) : "–"),
       el("td", {}, fmt(run.orders_per_s)), el("td", {}, fmt(run.latency_ms.p50)),
       el("td", {}, fmt(run.latency_ms.p99)), el("td", {}, run.busy),
       el("td", {}, run.consistent ? "yes" : "NO")));
   });
   document.querySelector("#history-table tbody").replaceChildren(
-    ...(rows.length ? rows : [el("tr", {}, el("td", { colspan: "10" }, "No load test yet."))]));
+    ...(rows.length ? rows : [el("tr", {}, el("td", { colspan: "11" }, "No load test yet."))]));
 }

@@ -11,6 +11,14 @@
 //! answer is classified (order, sold out, busy, error). Once every SKU has answered
 //! "sold out", the crowd keeps buying for the grace period, then stops; `max_seconds`
 //! after the doors opened bounds it in any case.
+//!
+//! Each order a shopper means to place (an intent) is sent under its own user name,
+//! `shopper-S-N` (`arrival-N` in the open model), and, unless `--no-idempotency-key`,
+//! its own `Idempotency-Key`. Some shoppers are impatient (`--retry-share`: they send
+//! the same order again, same key, after a 503, a dropped connection or their own
+//! timeout) or double-click (`--double-click-share`: the same order twice at once).
+//! Since every user means one order, any user with two orders in the records is a
+//! duplicate: the report counts them from MySQL, not from the answers.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,7 +26,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use goose::config::GooseConfiguration;
-use goose::goose::{GooseUser, Scenario, Transaction, TransactionResult};
+use goose::goose::{
+    GooseMethod, GooseRequest, GooseUser, Scenario, Transaction, TransactionResult,
+};
 use goose::prelude::{GooseAttack, GooseDefault, GooseDefaultType};
 use gumdrop::Options as _;
 use serde::Deserialize;
@@ -41,6 +51,53 @@ pub struct CrowdPlan {
     /// Which share of a crowd split over processes this is (`--part`); the whole crowd
     /// otherwise.
     pub share: Share,
+    /// How the shoppers behave around one order.
+    pub habits: Habits,
+}
+
+/// How the shoppers behave around one order (`docs/loadtest.md`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Habits {
+    /// Send an `Idempotency-Key` with each intent (`--no-idempotency-key`: none).
+    pub keys: bool,
+    /// The share of shoppers who send the same order again when no answer came.
+    pub retry_share: f64,
+    /// The share of shoppers who send each order twice at once.
+    pub double_click_share: f64,
+    /// How many times a retrying shopper sends an order again, at most.
+    pub retries: u32,
+    /// How long a retrying shopper waits for an answer before sending again.
+    pub patience: Duration,
+}
+
+impl Habits {
+    /// Shoppers who send one order once, with a key: the load test's default.
+    pub const PLAIN: Habits = Habits {
+        keys: true,
+        retry_share: 0.0,
+        double_click_share: 0.0,
+        retries: 3,
+        patience: Duration::from_secs(2),
+    };
+
+    /// Whether shopper (or arrival) `n` retries, and whether they double-click. Each
+    /// trait is drawn from its own hash of `n`, so the two shares are independent
+    /// and every process of a split crowd draws the same shoppers.
+    pub fn of(&self, n: u64) -> (bool, bool) {
+        (
+            unit_fraction(n, 0x7265_7472_7921) < self.retry_share,
+            unit_fraction(n, 0x636c_6963_6b21) < self.double_click_share,
+        )
+    }
+}
+
+/// A fraction in [0, 1) drawn from `n` and `salt` (splitmix64's finaliser).
+fn unit_fraction(n: u64, salt: u64) -> f64 {
+    let mut z = n.wrapping_add(salt).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// One process's share of the crowd: shoppers `first_user..` of the whole crowd (their
@@ -93,6 +150,9 @@ pub struct Sale {
     /// keeps whole milliseconds). Once sold out, answers are cheap refusals that would
     /// only dilute the figures.
     selling_times: Mutex<Times>,
+    /// Begins every idempotency key of this crowd: keys are kept by the service for
+    /// 24 h across sales, so a counter alone would replay the last run's orders.
+    key_prefix: String,
 }
 
 #[derive(Deserialize)]
@@ -107,6 +167,72 @@ enum Answer {
     Error,
 }
 
+/// What one request got back: a status and error code, or nothing (the connection
+/// dropped, or the shopper's own timeout fired).
+#[derive(Debug, Clone, PartialEq)]
+struct Reply {
+    status: Option<u16>,
+    code: Option<String>,
+}
+
+impl Reply {
+    async fn of(response: Result<reqwest::Response, reqwest::Error>) -> Reply {
+        match response {
+            Ok(response) => {
+                let status = Some(response.status().as_u16());
+                let code = response.json::<ErrorBody>().await.map(|b| b.error).ok();
+                Reply { status, code }
+            }
+            Err(_) => Reply {
+                status: None,
+                code: None,
+            },
+        }
+    }
+
+    fn answer(&self) -> Answer {
+        match self.status {
+            Some(status) => classify(status, self.code.as_deref()),
+            None => Answer::Error,
+        }
+    }
+
+    /// No answer to the order yet: a retrying shopper sends it again. A 503 (the
+    /// service gave up, or is unavailable), no answer at all, or the first of the
+    /// same key's orders still running (409 `in_progress`).
+    fn unanswered(&self) -> bool {
+        matches!(
+            (self.status, self.code.as_deref()),
+            (None, _) | (Some(503), _) | (Some(409), Some("in_progress"))
+        )
+    }
+}
+
+/// One order a shopper means to place: its SKU, body and key.
+struct Intent {
+    sku: usize,
+    body: serde_json::Value,
+    key: Option<String>,
+}
+
+impl Intent {
+    /// The order's request, from a builder of `POST /api/orders`.
+    fn request(
+        &self,
+        builder: reqwest::RequestBuilder,
+        patience: Option<Duration>,
+    ) -> reqwest::RequestBuilder {
+        let mut builder = builder.json(&self.body);
+        if let Some(key) = &self.key {
+            builder = builder.header("Idempotency-Key", key);
+        }
+        match patience {
+            Some(patience) => builder.timeout(patience),
+            None => builder,
+        }
+    }
+}
+
 impl Sale {
     pub fn new(plan: CrowdPlan) -> Arc<Sale> {
         let sold_out = plan.skus.iter().map(|_| None).collect();
@@ -118,6 +244,7 @@ impl Sale {
             next_request: AtomicU64::new(0),
             sold_out_at: Mutex::new(sold_out),
             selling_times: Mutex::new(new_times()),
+            key_prefix: format!("lt-{:016x}", rand::random::<u64>()),
         })
     }
 
@@ -175,16 +302,24 @@ impl Sale {
             .clone()
     }
 
-    /// The next order's SKU (round robin) and body.
-    fn next_order(&self, shopper: &str) -> (usize, serde_json::Value) {
+    /// The next intent: its SKU (round robin), its user (`who` and the intent's
+    /// number, one user per intent) and its key (the same number after this crowd's
+    /// random prefix).
+    fn next_intent(&self, who: &str) -> Intent {
         let n = self.next_request.fetch_add(1, Ordering::Relaxed);
         let sku = usize::try_from(n).unwrap_or(0) % self.plan.skus.len();
+        let user = format!("{who}-{n}");
         let body = json!({
             "sku": self.plan.skus[sku],
-            "user_id": shopper,
+            "user_id": user,
             "quantity": 1,
         });
-        (sku, body)
+        let key = self
+            .plan
+            .habits
+            .keys
+            .then(|| format!("{}-{user}", self.key_prefix));
+        Intent { sku, body, key }
     }
 
     /// Times the requests sent while stock remained. Once sold out, answers are cheap
@@ -199,28 +334,60 @@ impl Sale {
         }
     }
 
-    /// One purchase by a Goose `user`: POST an order, classify the answer.
+    /// One purchase by a Goose `user`: POST an order (twice at once for a
+    /// double-clicker, again while unanswered for a retrier), classify the answers.
     async fn buy(&self, user: &mut GooseUser) -> TransactionResult {
         tokio::time::sleep_until(self.doors_open).await;
         let shopper = self.plan.share.first_user + user.weighted_users_index as u64;
-        let (sku, body) = self.next_order(&format!("shopper-{shopper}"));
+        let intent = self.next_intent(&format!("shopper-{shopper}"));
+        let (retrier, double_clicker) = self.plan.habits.of(shopper);
+        let patience = retrier.then_some(self.plan.habits.patience);
         let selling = self.sell_out_time().is_none();
         let sent = Instant::now();
-        let mut goose = user.post_json("/api/orders", &body).await?;
-        self.record_time(sent, selling);
-        let answer = match goose.response {
-            Ok(response) => {
-                let status = response.status().as_u16();
-                let code = response.json::<ErrorBody>().await.map(|b| b.error).ok();
-                classify(status, code.as_deref())
+        let mut attempts = 0;
+        loop {
+            // The second click goes around Goose (which sends one request of a user at
+            // a time), on the same client and connection pool.
+            let second = if double_clicker {
+                let builder = user.get_request_builder(&GooseMethod::Post, "/api/orders")?;
+                Some(intent.request(builder, patience).send())
+            } else {
+                None
+            };
+            let builder = user.get_request_builder(&GooseMethod::Post, "/api/orders")?;
+            let request = GooseRequest::builder()
+                .method(GooseMethod::Post)
+                .path("/api/orders")
+                .set_request_builder(intent.request(builder, patience))
+                .build();
+            let (mut goose, second) = match second {
+                Some(second) => {
+                    let (first, second) = tokio::join!(user.request(request), second);
+                    (first?, Some(Reply::of(second).await))
+                }
+                None => (user.request(request).await?, None),
+            };
+            let first = Reply::of(goose.response).await;
+            if matches!(first.answer(), Answer::SoldOut) {
+                // An expected answer in a flash sale, not a failed request.
+                user.set_success(&mut goose.request)?;
             }
-            Err(_) => Answer::Error,
-        };
-        if matches!(answer, Answer::SoldOut) {
-            // An expected answer in a flash sale, not a failed request.
-            user.set_success(&mut goose.request)?;
+            let replies: Vec<Reply> = [Some(first), second].into_iter().flatten().collect();
+            for reply in &replies {
+                self.record(intent.sku, &reply.answer());
+            }
+            attempts += 1;
+            if !retrier
+                || attempts > self.plan.habits.retries
+                || !replies.iter().all(Reply::unanswered)
+                || self.finished()
+            {
+                break;
+            }
+            // A short pause, longer each time, before sending the same order again.
+            tokio::time::sleep(Duration::from_millis(50 * u64::from(attempts))).await;
         }
-        self.record(sku, &answer);
+        self.record_time(sent, selling);
         if self.finished() {
             goose::trigger_killswitch("every SKU sold out and the grace period is over");
         }
@@ -228,36 +395,50 @@ impl Sale {
     }
 
     /// One order of the open model, due at `due`: timed from then, not from when it
-    /// could be sent.
+    /// could be sent. Arrival `n` double-clicks or retries as shopper `n` would.
     async fn arrive_once(&self, client: &reqwest::Client, target: &str, due: Instant, n: u64) {
-        let (sku, body) = self.next_order(&format!("arrival-{n}"));
+        let intent = self.next_intent(&format!("arrival-{n}"));
+        let (retrier, double_clicker) = self.plan.habits.of(n);
+        let patience = retrier.then_some(self.plan.habits.patience);
         let selling = self.sell_out_time().is_none();
-        let sent = client
-            .post(format!("{target}/api/orders"))
-            .json(&body)
-            .send()
-            .await;
-        let answer = match sent {
-            Ok(response) => {
-                let status = response.status().as_u16();
-                let code = response.json::<ErrorBody>().await.map(|b| b.error).ok();
-                classify(status, code.as_deref())
+        let url = format!("{target}/api/orders");
+        let mut attempts = 0;
+        loop {
+            let send = || intent.request(client.post(&url), patience).send();
+            let replies = if double_clicker {
+                let (a, b) = tokio::join!(send(), send());
+                vec![Reply::of(a).await, Reply::of(b).await]
+            } else {
+                vec![Reply::of(send().await).await]
+            };
+            for reply in &replies {
+                self.record(intent.sku, &reply.answer());
             }
-            Err(_) => Answer::Error,
-        };
+            attempts += 1;
+            if !retrier
+                || attempts > self.plan.habits.retries
+                || !replies.iter().all(Reply::unanswered)
+                || self.finished()
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50 * u64::from(attempts))).await;
+        }
         self.record_time(due, selling);
-        self.record(sku, &answer);
     }
 }
 
-/// Busy is the strategy refusing under contention, as designed (a lock not free in
-/// time, optimistic retries run out): the shopper may try again. Anything else that is
-/// not an order or a sold-out is an error.
+/// Busy is the service refusing as designed: a strategy under contention (a lock not
+/// free in time, optimistic retries run out), the same key's first order still
+/// running (`in_progress`), or the sale's limit per user reached: the shopper may try
+/// again or take it as an answer. Anything else that is not an order or a sold-out is
+/// an error.
 fn classify(status: u16, code: Option<&str>) -> Answer {
     match (status, code) {
         (201, _) => Answer::Order,
         (409, Some("sold_out")) => Answer::SoldOut,
         (503, Some("lock_timeout" | "too_many_conflicts")) => Answer::Busy,
+        (409, Some("in_progress" | "limit_reached")) => Answer::Busy,
         _ => Answer::Error,
     }
 }
@@ -381,5 +562,38 @@ mod tests {
         ));
         assert!(matches!(classify(409, Some("lock_lost")), Answer::Error));
         assert!(matches!(classify(500, None), Answer::Error));
+        assert!(matches!(classify(409, Some("in_progress")), Answer::Busy));
+        assert!(matches!(classify(409, Some("limit_reached")), Answer::Busy));
+    }
+
+    #[test]
+    fn only_a_missing_answer_is_sent_again() {
+        let reply = |status: Option<u16>, code: Option<&str>| Reply {
+            status,
+            code: code.map(str::to_owned),
+        };
+        assert!(reply(None, None).unanswered());
+        assert!(reply(Some(503), Some("timeout")).unanswered());
+        assert!(reply(Some(409), Some("in_progress")).unanswered());
+        assert!(!reply(Some(201), None).unanswered());
+        assert!(!reply(Some(409), Some("sold_out")).unanswered());
+        assert!(!reply(Some(422), Some("idempotency_key_reused")).unanswered());
+    }
+
+    #[test]
+    fn a_share_of_shoppers_has_each_habit_independently() {
+        let habits = Habits {
+            retry_share: 0.2,
+            double_click_share: 0.5,
+            ..Habits::PLAIN
+        };
+        let drawn: Vec<(bool, bool)> = (0..10_000).map(|n| habits.of(n)).collect();
+        let retriers = drawn.iter().filter(|d| d.0).count();
+        let clickers = drawn.iter().filter(|d| d.1).count();
+        let both = drawn.iter().filter(|d| d.0 && d.1).count();
+        assert!((1800..2200).contains(&retriers), "{retriers}");
+        assert!((4700..5300).contains(&clickers), "{clickers}");
+        assert!((800..1200).contains(&both), "independent: {both}");
+        assert_eq!(Habits::PLAIN.of(7), (false, false));
     }
 }

@@ -102,8 +102,12 @@ pub async fn run(
                 .await
                 .with_context(|| format!("running {strategy}"))?;
             eprintln!(
-                "[{n}/{total}] {strategy}: {} orders for {} units, {} oversold, {:.1} s",
-                run.orders, run.initial_stock, run.oversold, run.duration_s
+                "[{n}/{total}] {strategy}: {} orders for {} units, {} oversold, {} duplicate(s), {:.1} s",
+                run.orders,
+                run.initial_stock,
+                run.oversold,
+                run.duplicates.repeat_orders,
+                run.duration_s
             );
             runs.push(run);
         }
@@ -160,6 +164,10 @@ pub(crate) fn load_config(
         repeat: options.repeat,
         rate: options.rate,
         parts: options.part.map_or(1, |part| part.of),
+        idempotency_keys: !options.no_idempotency_key,
+        retry_share: options.retry_share,
+        double_click_share: options.double_click_share,
+        limit_per_user: options.limit_per_user,
         provenance: Some(switches.provenance),
     }
 }
@@ -173,7 +181,9 @@ async fn run_strategy(
 ) -> anyhow::Result<RunResult> {
     service.switch_strategy(strategy).await?;
     for sku in skus {
-        service.reset(sku, options.stock_of(strategy)).await?;
+        service
+            .reset(sku, options.stock_of(strategy), options.limit_per_user)
+            .await?;
     }
     let pause = match options.fault {
         Some(Fault::PauseHolder) => Some(service.arm_pause().await?),
@@ -198,6 +208,7 @@ async fn run_strategy(
         },
         goose_options: options.goose_options.clone(),
         share: Share::WHOLE,
+        habits: options.habits(),
     });
     std::fs::create_dir_all(&options.out)?;
     let html = options.out.join(format!("goose-{strategy}.html"));

@@ -248,6 +248,10 @@ mod tests {
             repeat: 1,
             rate: None,
             parts: 2,
+            idempotency_keys: true,
+            retry_share: 0.0,
+            double_click_share: 0.0,
+            limit_per_user: None,
             provenance: None,
         }
     }
@@ -287,6 +291,7 @@ mod tests {
                     stock_redis: Some(0),
                     stock_mysql: 0,
                     consistent: true,
+                    duplicates: Default::default(),
                 }),
             }],
         }

@@ -150,9 +150,50 @@ pub struct Options {
     /// (from 0) opens at this moment + i × (max-seconds + 6 s). Clocks must agree.
     #[arg(long, env = "FLASHSALE_DOORS_OPEN", value_parser = crate::split::parse_doors_open)]
     pub doors_open: Option<DateTime<Utc>>,
+
+    /// Send no `Idempotency-Key` with the orders: the lesson's "before", where a
+    /// double click or a retry buys twice.
+    #[arg(long)]
+    pub no_idempotency_key: bool,
+
+    /// This share of shoppers (0 to 1), when an order gets no answer (a 503, a dropped
+    /// connection, 409 in_progress, or their own --patience-ms), send the same order
+    /// again with the same key, up to --retries times.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_share)]
+    pub retry_share: f64,
+
+    /// This share of shoppers (0 to 1) send every order twice at once, same key.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_share)]
+    pub double_click_share: f64,
+
+    /// How many times a retrying shopper sends an unanswered order again.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub retries: u32,
+
+    /// How long a retrying shopper waits for an answer before sending again (the other
+    /// shoppers wait up to 15 s).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    pub patience_ms: u64,
+
+    /// Each sale's limit per user (`limit_per_user` of the reset); none without it.
+    /// Every intent has a user of its own, so with a limit a duplicate is refused
+    /// (409 limit_reached) even without keys.
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
+    pub limit_per_user: Option<i64>,
 }
 
 impl Options {
+    /// How the shoppers behave around one order.
+    pub fn habits(&self) -> crate::crowd::Habits {
+        crate::crowd::Habits {
+            keys: !self.no_idempotency_key,
+            retry_share: self.retry_share,
+            double_click_share: self.double_click_share,
+            retries: self.retries,
+            patience: std::time::Duration::from_millis(self.patience_ms),
+        }
+    }
+
     /// The initial stock of each SKU in `strategy`'s runs.
     pub fn stock_of(&self, strategy: &str) -> i64 {
         self.stock_for
@@ -171,6 +212,13 @@ fn parse_stock_for(raw: &str) -> Result<(String, i64), String> {
             Ok((strategy.trim().to_owned(), units))
         }
         _ => Err(wrong()),
+    }
+}
+
+fn parse_share(raw: &str) -> Result<f64, String> {
+    match raw.parse::<f64>() {
+        Ok(share) if (0.0..=1.0).contains(&share) => Ok(share),
+        _ => Err("a share between 0 and 1".into()),
     }
 }
 

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use flashsale_wire::report::{Latency, LoadReport, RunResult};
-use flashsale_wire::stats::SkuStats;
+use flashsale_wire::stats::{Duplicates, SkuStats};
 use hdrhistogram::Histogram;
 
 use crate::crowd::Outcomes;
@@ -50,6 +50,8 @@ pub struct ServiceFigures {
     pub stock_redis: Option<i64>,
     pub stock_mysql: i64,
     pub consistent: bool,
+    #[serde(default)]
+    pub duplicates: Duplicates,
 }
 
 impl ServiceFigures {
@@ -61,6 +63,7 @@ impl ServiceFigures {
             stock_redis: skus.iter().map(|s| s.stock_redis).sum(),
             stock_mysql: skus.iter().map(|s| s.stock_mysql).sum(),
             consistent: skus.iter().all(|s| s.consistent),
+            duplicates: Duplicates::sum(skus.iter().map(|s| s.duplicates)),
         }
     }
 }
@@ -103,13 +106,15 @@ pub fn run_result(
         stock_redis: service.stock_redis,
         stock_mysql: service.stock_mysql,
         consistent: service.consistent,
+        duplicates: service.duplicates,
     }
 }
 
-const HEADER: [&str; 13] = [
+const HEADER: [&str; 14] = [
     "strategy",
     "orders",
     "oversold",
+    "duplicates",
     "req/s",
     "orders/s",
     "p50 ms",
@@ -122,7 +127,7 @@ const HEADER: [&str; 13] = [
     "consistent",
 ];
 
-fn row(run: &RunResult) -> [String; 13] {
+fn row(run: &RunResult) -> [String; 14] {
     let redis = run.stock_redis.map_or("-".to_owned(), |s| s.to_string());
     [
         run.strategy.clone(),
@@ -132,6 +137,7 @@ fn row(run: &RunResult) -> [String; 13] {
         } else {
             "0".into()
         },
+        duplicates_said(&run.duplicates),
         format!("{:.0}", run.rps),
         format!("{:.0}", run.orders_per_s),
         format!("{:.2}", run.latency_ms.p50),
@@ -166,6 +172,7 @@ fn table(report: &LoadReport) -> (Vec<String>, Vec<Vec<String>>) {
         "p50 ms",
         "p99 ms",
         "oversold (worst)",
+        "duplicates (worst)",
         "busy",
         "errors",
         "consistent",
@@ -194,6 +201,7 @@ fn table(report: &LoadReport) -> (Vec<String>, Vec<Vec<String>>) {
                 } else {
                     "0".into()
                 },
+                duplicates_said(&worst_duplicates(&runs)),
                 runs.iter().map(|r| r.busy).sum::<u64>().to_string(),
                 runs.iter().map(|r| r.errors).sum::<u64>().to_string(),
                 if runs.iter().all(|r| r.consistent) {
@@ -205,6 +213,33 @@ fn table(report: &LoadReport) -> (Vec<String>, Vec<Vec<String>>) {
         })
         .collect();
     (header, rows)
+}
+
+/// The duplicates of a run as a cell: the repeat orders (one user per intent, so
+/// each is a duplicate), then any order sharing a key or unit over the limit, which
+/// the records' own guarantees should make impossible.
+fn duplicates_said(d: &Duplicates) -> String {
+    let mut said = if d.repeat_orders > 0 {
+        format!("{} DUPLICATE", d.repeat_orders)
+    } else {
+        "0".into()
+    };
+    if d.orders_sharing_key > 0 {
+        let _ = write!(said, ", {} SHARING A KEY", d.orders_sharing_key);
+    }
+    if d.units_over_limit > 0 {
+        let _ = write!(said, ", {} OVER THE LIMIT", d.units_over_limit);
+    }
+    said
+}
+
+/// Each count's worst over a strategy's repeated runs.
+fn worst_duplicates(runs: &[&RunResult]) -> Duplicates {
+    runs.iter().fold(Duplicates::default(), |a, r| Duplicates {
+        orders_sharing_key: a.orders_sharing_key.max(r.duplicates.orders_sharing_key),
+        repeat_orders: a.repeat_orders.max(r.duplicates.repeat_orders),
+        units_over_limit: a.units_over_limit.max(r.duplicates.units_over_limit),
+    })
 }
 
 /// "median (min–max)" of the values, with `digits` decimals.
@@ -283,6 +318,20 @@ pub fn markdown(report: &LoadReport) -> String {
         "off"
     };
     let _ = writeln!(md, "Fencing tokens: {fencing}.\n");
+    let _ = writeln!(
+        md,
+        "Shoppers: {}; {:.0} % send an unanswered order again, {:.0} % double-click{}.\n",
+        if c.idempotency_keys {
+            "one Idempotency-Key per order they mean to place"
+        } else {
+            "no Idempotency-Key (the \"before\")"
+        },
+        c.retry_share * 100.0,
+        c.double_click_share * 100.0,
+        c.limit_per_user.map_or(String::new(), |l| format!(
+            "; each sale allows {l} unit(s) per user"
+        )),
+    );
     if let Some(cohort) = c.cohort {
         let cohort = if cohort {
             "on (a replica's requests for a SKU queue locally and the holder hands the \
@@ -324,7 +373,10 @@ pub fn markdown(report: &LoadReport) -> String {
         md,
         "\nOrders, oversold and stock come from the service's records (MySQL orders, Redis and \
          MySQL stock) after each run; requests, latency and busy/errors from the crowd. \
-         Oversold = orders − initial stock. Consistent = Redis stock, MySQL stock and \
+         Oversold = orders − initial stock. Duplicates = orders of a user beyond their first \
+         (every order the crowd means to place has a user of its own, so a second order is a \
+         double click or a retry that bought again), from MySQL's orders; orders sharing a \
+         key and units over the limit would be broken guarantees. Consistent = Redis stock, MySQL stock and \
          initial − ordered all agree. orders/s counts the time until sold out; latency \
          percentiles (measured by the crowd, microsecond resolution) cover the requests sent before sold out. Goose's own \
          HTML report per strategy is beside this file (its charts load from a CDN)."
@@ -365,9 +417,32 @@ fn stock_said(report: &LoadReport) -> String {
 }
 
 /// What makes a run fail (its exit status): a lock strategy that oversold or left the
-/// stock inconsistent. `none` overselling is the lesson, not a failure.
+/// stock inconsistent. `none` overselling is the lesson, not a failure. Under every
+/// strategy, `none` too: a duplicate order while the shoppers sent keys, two orders
+/// under one key, or a user over the limit (MySQL's guarantees, whatever the lock).
 pub fn violations(report: &LoadReport) -> Vec<String> {
     let mut found = Vec::new();
+    for run in &report.runs {
+        let d = &run.duplicates;
+        if report.config.idempotency_keys && d.repeat_orders > 0 {
+            found.push(format!(
+                "{} made {} duplicate order(s) with idempotency keys",
+                run.strategy, d.repeat_orders
+            ));
+        }
+        if d.orders_sharing_key > 0 {
+            found.push(format!(
+                "{} recorded {} order(s) sharing a key",
+                run.strategy, d.orders_sharing_key
+            ));
+        }
+        if d.units_over_limit > 0 {
+            found.push(format!(
+                "{} sold {} unit(s) over the limit per user",
+                run.strategy, d.units_over_limit
+            ));
+        }
+    }
     for run in report.runs.iter().filter(|r| r.strategy != "none") {
         if run.oversold > 0 {
             found.push(format!(
@@ -467,6 +542,10 @@ mod tests {
                 repeat: 1,
                 rate: None,
                 parts: 1,
+                idempotency_keys: true,
+                retry_share: 0.0,
+                double_click_share: 0.0,
+                limit_per_user: None,
                 provenance: None,
             },
             runs,
@@ -520,6 +599,49 @@ mod tests {
         );
     }
 
+    /// A duplicate made while the shoppers sent keys fails the run, under `none` too;
+    /// without keys it is the lesson. Orders sharing a key or units over the limit
+    /// always fail it.
+    #[test]
+    fn duplicates_fail_the_run_only_where_a_guarantee_promised_none() {
+        let with = |duplicates: Duplicates, keys: bool| {
+            let mut report = report(
+                vec![RunResult {
+                    duplicates,
+                    ..run("none", 0, true, 1)
+                }],
+                1,
+                1,
+            );
+            report.config.idempotency_keys = keys;
+            violations(&report)
+        };
+        let repeats = Duplicates {
+            repeat_orders: 3,
+            ..Duplicates::default()
+        };
+        assert_eq!(
+            with(repeats, true),
+            vec!["none made 3 duplicate order(s) with idempotency keys".to_owned()]
+        );
+        assert!(with(repeats, false).is_empty());
+        let broken = Duplicates {
+            orders_sharing_key: 1,
+            units_over_limit: 2,
+            ..Duplicates::default()
+        };
+        assert_eq!(with(broken, false).len(), 2);
+        let table = text_table(&report(
+            vec![RunResult {
+                duplicates: repeats,
+                ..run("none", 0, true, 1)
+            }],
+            1,
+            1,
+        ));
+        assert!(table.contains("3 DUPLICATE"), "{table}");
+    }
+
     fn sku(
         orders: i64,
         initial: i64,
@@ -538,6 +660,10 @@ mod tests {
             consistent,
             updated_at: chrono::Utc::now(),
             limit_per_user: None,
+            duplicates: Duplicates {
+                repeat_orders: orders / 10,
+                ..Duplicates::default()
+            },
         }
     }
 
@@ -556,6 +682,10 @@ mod tests {
                 stock_redis: Some(3),
                 stock_mysql: 3,
                 consistent: false,
+                duplicates: Duplicates {
+                    repeat_orders: 2,
+                    ..Duplicates::default()
+                },
             }
         );
         assert_eq!(

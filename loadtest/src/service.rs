@@ -119,10 +119,20 @@ impl Service {
         Ok(())
     }
 
-    pub async fn reset(&self, sku: &str, stock: i64) -> anyhow::Result<()> {
+    /// Restocks `sku` (a new sale of it), with a limit per user or none.
+    pub async fn reset(
+        &self,
+        sku: &str,
+        stock: i64,
+        limit_per_user: Option<i64>,
+    ) -> anyhow::Result<()> {
+        let mut body = json!({ "sku": sku, "stock": stock });
+        if let Some(limit) = limit_per_user {
+            body["limit_per_user"] = json!(limit);
+        }
         self.http
             .post(self.admin_url("/api/admin/reset"))
-            .json(&json!({ "sku": sku, "stock": stock }))
+            .json(&body)
             .send()
             .await?
             .error_for_status()

@@ -255,7 +255,9 @@ pub async fn run_part(
             eprintln!("{label}: restocking and switching the cluster");
             service.switch_strategy(strategy).await?;
             for sku in &skus {
-                service.reset(sku, options.stock_of(strategy)).await?;
+                service
+                    .reset(sku, options.stock_of(strategy), options.limit_per_user)
+                    .await?;
             }
         } else {
             let bound = plus(doors, Duration::from_secs(options.max_seconds));
@@ -402,6 +404,7 @@ async fn play(
             gather: (opens - Utc::now()).to_std().unwrap_or_default(),
             goose_options: options.goose_options.clone(),
             share,
+            habits: options.habits(),
         });
         std::fs::create_dir_all(&options.out)?;
         let html = options

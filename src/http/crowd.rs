@@ -28,6 +28,13 @@ pub struct CrowdBody {
     /// Shoppers buying one unit each, all at once.
     #[schema(value_type = i64, minimum = 1, maximum = 500)]
     shoppers: serde_json::Number,
+    /// Every shopper sends their order twice at once (a double click).
+    #[serde(default)]
+    double_click: bool,
+    /// Every shopper sends an `Idempotency-Key` (their own) with their order; without
+    /// it a double click buys twice.
+    #[serde(default)]
+    idempotency_key: bool,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -36,7 +43,8 @@ pub struct CrowdDone {
     shoppers: i64,
     /// The replicas the shoppers were spread over, round-robin.
     replicas: Vec<String>,
-    /// Answers by their code: `created`, `sold_out`, `lock_timeout`, ...
+    /// Answers by their code: `created`, `sold_out`, `lock_timeout`, ... (a
+    /// double-clicking crowd gets two answers per shopper).
     outcomes: BTreeMap<String, u64>,
 }
 
@@ -74,23 +82,31 @@ pub async fn crowd(
             AppError::Internal
         })?;
     let stamp = chrono::Utc::now().timestamp_millis();
-    let answers = (0..shoppers).map(|i| {
-        let index = usize::try_from(i).unwrap_or(0) % replicas.len();
-        let url = format!("http://{}/api/orders", replicas[index]);
-        let order = json!({ "sku": sku, "user_id": format!("crowd-{stamp}-{i}"), "quantity": 1 });
-        let http = http.clone();
-        async move {
-            match http.post(url).json(&order).send().await {
-                Ok(response) if response.status().is_success() => "created".to_owned(),
-                Ok(response) => response
-                    .json::<ErrorBody>()
-                    .await
-                    .map_or_else(|_| "unreadable".to_owned(), |body| body.error),
-                Err(error) if error.is_timeout() => "no_answer".to_owned(),
-                Err(_) => "unreachable".to_owned(),
+    let clicks = if body.double_click { 2 } else { 1 };
+    let answers = (0..shoppers)
+        .flat_map(|i| std::iter::repeat_n(i, clicks))
+        .map(|i| {
+            let index = usize::try_from(i).unwrap_or(0) % replicas.len();
+            let url = format!("http://{}/api/orders", replicas[index]);
+            let user = format!("crowd-{stamp}-{i}");
+            let order = json!({ "sku": sku, "user_id": user, "quantity": 1 });
+            let mut request = http.post(url).json(&order);
+            if body.idempotency_key {
+                // The shopper's own key: both clicks of one shopper share it.
+                request = request.header("Idempotency-Key", user);
             }
-        }
-    });
+            async move {
+                match request.send().await {
+                    Ok(response) if response.status().is_success() => "created".to_owned(),
+                    Ok(response) => response
+                        .json::<ErrorBody>()
+                        .await
+                        .map_or_else(|_| "unreadable".to_owned(), |body| body.error),
+                    Err(error) if error.is_timeout() => "no_answer".to_owned(),
+                    Err(_) => "unreachable".to_owned(),
+                }
+            }
+        });
     let mut outcomes = BTreeMap::new();
     for outcome in futures::future::join_all(answers).await {
         *outcomes.entry(outcome).or_insert(0) += 1;

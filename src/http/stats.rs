@@ -12,7 +12,7 @@ use super::error::{AppError, ErrorBody};
 use crate::model::Sku;
 use crate::store::ProductRecord;
 
-pub use flashsale_wire::stats::{SkuStats, Stats};
+pub use flashsale_wire::stats::{Duplicates, SkuStats, Stats};
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -25,7 +25,11 @@ pub struct StatsQuery {
 /// A SKU's figures from its MySQL record and the Redis stock: oversold is what was
 /// ordered beyond the initial stock, and the stock is consistent when Redis, MySQL and
 /// initial − ordered all agree.
-pub fn sku_stats(record: ProductRecord, stock_redis: Option<i64>) -> SkuStats {
+pub fn sku_stats(
+    record: ProductRecord,
+    stock_redis: Option<i64>,
+    duplicates: Duplicates,
+) -> SkuStats {
     let expected = record.initial_stock - record.ordered_quantity;
     SkuStats {
         oversold: (record.ordered_quantity - record.initial_stock).max(0),
@@ -38,6 +42,7 @@ pub fn sku_stats(record: ProductRecord, stock_redis: Option<i64>) -> SkuStats {
         ordered_quantity: record.ordered_quantity,
         updated_at: record.updated_at,
         limit_per_user: record.limit_per_user,
+        duplicates,
     }
 }
 
@@ -73,6 +78,7 @@ pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppEr
     }
     let skus: Vec<Sku> = records.iter().map(|r| r.sku.clone()).collect();
     let redis_stocks = store.cache.stocks(&skus).await?;
+    let mut duplicates = store.records.duplicates(sku).await?;
     let (settings, strategy) = state.settings_and_strategy().await?;
     Ok(Stats {
         strategy: strategy.name().to_owned(),
@@ -90,7 +96,10 @@ pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppEr
         skus: records
             .into_iter()
             .zip(redis_stocks)
-            .map(|(record, redis)| sku_stats(record, redis))
+            .map(|(record, redis)| {
+                let found = duplicates.remove(record.sku.as_str()).unwrap_or_default();
+                sku_stats(record, redis, found)
+            })
             .collect(),
     })
 }
@@ -119,20 +128,20 @@ mod tests {
 
     #[test]
     fn consistent_sale() {
-        let s = sku_stats(record(20, 5, 15), Some(5));
+        let s = sku_stats(record(20, 5, 15), Some(5), Duplicates::default());
         assert_eq!((s.oversold, s.consistent), (0, true));
     }
 
     #[test]
     fn lost_updates_oversell_and_disagree() {
         // 200 orders all read 20 and wrote back 19.
-        let s = sku_stats(record(20, 19, 200), Some(19));
+        let s = sku_stats(record(20, 19, 200), Some(19), Duplicates::default());
         assert_eq!((s.oversold, s.consistent), (180, false));
     }
 
     #[test]
     fn missing_cache_is_inconsistent() {
-        let s = sku_stats(record(20, 20, 0), None);
+        let s = sku_stats(record(20, 20, 0), None, Duplicates::default());
         assert!(!s.consistent);
     }
 }

@@ -5,6 +5,7 @@
 //! commands and SQL stay inside this folder.
 
 mod cluster_state;
+mod duplicates;
 mod group_commit;
 mod idempotency;
 mod order_commit;

@@ -294,3 +294,49 @@ fn every_test_the_guide_names_exists() {
         );
     }
 }
+
+/// The dashboard's card on the idempotency key (`#key-card` in static/index.html) says
+/// what the code does: the UNIQUE column written by the order's own INSERT, the
+/// answers to a key sent again (409 in_progress, 422 with another body), the 24 h the
+/// keys are kept, and the claim's INSERT and UPDATE it counts as the cost. Fails when
+/// the card and the code part: e.g. with the unique key dropped from the migration,
+/// `KEY_RETENTION` changed, or the card saying "48 h".
+#[test]
+fn the_key_card_says_what_the_code_does() {
+    let squash = |text: &str| text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let page = include_str!("../../static/index.html");
+    let start = page.find("id=\"key-card\"").expect("the key card");
+    let end = start + page[start..].find("</article>").expect("the card's end");
+    let card = squash(&page[start..end]);
+    let migration = squash(include_str!(
+        "../../migrations/0010_idempotency_and_limits.sql"
+    ));
+    let records = squash(&code(include_str!("../store/records.rs")));
+    let claims = squash(&code(include_str!("../store/idempotency.rs")));
+    let errors = squash(&code(include_str!("../http/error.rs")));
+    let says = |claim: &str| assert!(card.contains(claim), "the card says {claim:?}: {card}");
+
+    says(
+        "<code>orders.idempotency_key</code>, a UNIQUE column, in the same transaction as the stock decrement",
+    );
+    assert!(migration.contains("ADD UNIQUE KEY orders_by_idempotency_key (idempotency_key)"));
+    assert!(
+        records.contains(
+            "INSERT INTO orders (sku, user_id, quantity, strategy, replica, created_at, idempotency_key"
+        ),
+        "the order's own INSERT writes the key"
+    );
+    says("409 <code>in_progress</code> while the first still runs, 422 with another body");
+    assert!(errors.contains(r#"AppError::InProgress => (StatusCode::CONFLICT, "in_progress")"#));
+    assert!(errors.contains("AppError::KeyReused => (StatusCode::UNPROCESSABLE_ENTITY"));
+    says("Keys are kept 24 h.");
+    assert_eq!(
+        crate::store::KEY_RETENTION,
+        std::time::Duration::from_secs(24 * 3600)
+    );
+    says(
+        "an <code>INSERT</code> before the order, an <code>UPDATE</code> with the answer after it",
+    );
+    assert!(claims.contains("INSERT INTO idempotency_keys"));
+    assert!(claims.contains("UPDATE idempotency_keys"));
+}

@@ -90,6 +90,30 @@ try {
   await expectText(card("browser", "stock-redis"), "2", "Redis stock");
   await expectText(card("browser", "stock-mysql"), "2", "MySQL stock");
   await expectText(card("browser", "oversold"), /Not oversold/, "verdict");
+  await expectText(card("browser", "duplicates"), /No duplicate orders/, "no duplicates");
+
+  step("double clicks: three shoppers buy twice without a key, once with one");
+  await page.fill("#reset-sku", "clicks");
+  await page.fill("#reset-stock", "20");
+  await page.click("#reset-button");
+  await expectText(card("clicks", "orders"), "0", "clicks restocked");
+  await page.fill("#buy-sku", "clicks");
+  await page.check("#buy-double-click");
+  await page.click("#buy-button");
+  await expectText(card("clicks", "orders"), "6", "two orders per shopper");
+  await expectText(card("clicks", "duplicates"), /3 repeat order\(s\)/, "the duplicates, from the records");
+  await page.click("#reset-button");
+  await expectText(card("clicks", "orders"), "0", "clicks restocked again");
+  await page.check("#buy-key");
+  await page.click("#buy-button");
+  await expectText(page.locator("#control-message"), /double-clicking, with keys/, "the crowd said how it bought");
+  await expectText(card("clicks", "orders"), "3", "one order per shopper");
+  await expectText(card("clicks", "duplicates"), /No duplicate orders/, "no duplicates with keys");
+  await page.uncheck("#buy-double-click");
+  await page.uncheck("#buy-key");
+  await page.fill("#buy-sku", "browser");
+  await expectText(page.locator("#key-card"), /a UNIQUE column,\s+in the same\s+transaction as the\s+stock\s+decrement/,
+    "the card on the key");
 
   step("the race under redis-lock: sections one after another");
   await expectText(page.locator("#race-legend"), /^0 of 3 sections overlap/, "no overlap under a lock");
@@ -160,11 +184,12 @@ try {
   if (cards !== strategies.length) throw new Error(`${cards} strategy cards for ${strategies.length} strategies`);
 
   step("two runs in the history: the latest compared strategy by strategy, both as trends");
-  const run = (strategy, ordersPerS, p50, p99, oversold, repeat = 1, stock = 200) => ({
+  const run = (strategy, ordersPerS, p50, p99, oversold, repeat = 1, stock = 200, repeats = 0) => ({
     strategy, repeat, requests: 260, orders: 200 + oversold, orders_acknowledged: 200 + oversold, sold_out: 60,
     busy: 0, errors: 0, duration_s: 1.5, sell_out_s: 1.0, rps: 170.0, orders_per_s: ordersPerS,
     latency_ms: { p50, p90: p99 * 0.8, p99, max: p99 * 1.2 }, initial_stock: stock, oversold,
     stock_redis: 0, stock_mysql: 0, consistent: oversold === 0,
+    duplicates: { orders_sharing_key: 0, repeat_orders: repeats, units_over_limit: 0 },
   });
   const report = (minutesAgo, config, runs) => ({
     generated_at: new Date(Date.now() - minutesAgo * 60000).toISOString(),
@@ -178,17 +203,22 @@ try {
   await postJson(`${base}/api/runs`, report(1, { users: 60, stock: 200, skus: 1, fault: "pause-holder", fencing: true, repeat: 2 },
     [run("none", 1200, 1.5, 6.0, 140), run("redis-lock", 850, 10.0, 55.0, 0), run("redlock", 300, 20.0, 120.0, 0),
      run("db-for-update", 500, 15.0, 80.0, 0),
-     run("none", 1100, 1.5, 6.0, 120, 2), run("redis-lock", 750, 10.0, 55.0, 0, 2), run("redlock", 300, 20.0, 100.0, 0, 2),
+     run("none", 1100, 1.5, 6.0, 120, 2, 200, 7), run("redis-lock", 750, 10.0, 55.0, 0, 2), run("redlock", 300, 20.0, 100.0, 0, 2),
      run("db-for-update", 500, 15.0, 80.0, 0, 2)]));
   await page.reload();
   await expectText(page.locator("#comparison-settings"),
-    /: 60 shoppers · 200 units × 1 SKU · each strategy 2× · fencing on · fault: pause-holder\.$/, "the latest run's settings");
+    // A report without the keys' fields was made by a load test that sent none.
+    /: 60 shoppers · 200 units × 1 SKU · each strategy 2× · fencing on · fault: pause-holder · no keys\.$/,
+    "the latest run's settings");
   const bars = (chart) => page.locator(`#compare-${chart} .bar-group`);
   if (await bars("orders").count() !== 4) throw new Error(`${await bars("orders").count()} strategies compared, not 4`);
   await expectText(page.locator("#compare-orders [data-strategy=redis-lock] .bar-value"), "800 (750–850)", "orders/s of redis-lock");
   await expectText(page.locator("#compare-latency [data-strategy=redlock] .bar-value"), "110.0 (100.0–120.0) p99", "p99 of redlock");
   await expectText(page.locator("#compare-oversold [data-strategy=none] .bar-value"), "140 OVERSOLD", "none oversold");
   await expectText(page.locator("#compare-oversold [data-strategy=redis-lock] .bar-value"), "0 ✓", "redis-lock not oversold");
+  await expectText(page.locator("#compare-duplicates [data-strategy=none] .bar-value"), "7 DUPLICATE",
+    "none's duplicates, its worse run's");
+  await expectText(page.locator("#compare-duplicates [data-strategy=redis-lock] .bar-value"), "0 ✓", "redis-lock's none");
   // The bars are drawn to scale: a bar fills the share of its track that its value is
   // of the chart's largest (redis-lock's median 800 orders/s against none's 1150).
   const share = (chart, strategy, nth = 0) => page.locator(`#compare-${chart} [data-strategy=${strategy}] .bar`).nth(nth)
@@ -200,9 +230,9 @@ try {
   // The trends: one chart per figure, a run per tick, every run listed with its settings.
   if (await page.locator("#trends").isHidden()) throw new Error("trends hidden with two runs");
   if (await page.locator("#trends canvas").count() < 3) throw new Error("no trend charts");
-  await expectText(page.locator("#run-labels li").first(), /^#\d+ 20 shoppers · 200 units × 1 SKU \(redlock: 400\) · fencing off · no fault: none, redis-lock, redlock$/,
+  await expectText(page.locator("#run-labels li").first(), /^#\d+ 20 shoppers · 200 units × 1 SKU \(redlock: 400\) · fencing off · no fault · no keys: none, redis-lock, redlock$/,
     "the older run's settings, redlock's stock from its record (--stock-for)");
-  await expectText(page.locator("#run-labels li").nth(1), /^#\d+ 60 shoppers .* fault: pause-holder: none, redis-lock, redlock, db-for-update$/,
+  await expectText(page.locator("#run-labels li").nth(1), /^#\d+ 60 shoppers .* fault: pause-holder · no keys: none, redis-lock, redlock, db-for-update$/,
     "the newer run's settings");
   await expectText(page.locator("#history-table tbody tr td:nth-child(2)").first(), /^60 shoppers/, "settings in the table");
   await expectText(page.locator("#history-table tbody tr td:nth-child(3)").first(), "none (1 of 2)", "a repeated run in the table");

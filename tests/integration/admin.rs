@@ -344,3 +344,61 @@ async fn the_server_plays_a_crowd_over_every_replica() {
         }
     }
 }
+
+/// The dashboard's double-clicking crowd: every shopper sends their order twice at
+/// once. Without keys each shopper owns two orders, and `GET /api/stats` counts the
+/// second ones from MySQL (`duplicates.repeat_orders`); with keys (under `none`: no
+/// lock) each owns one. Fails without the double click (no duplicates to count) or
+/// without the count (0 whatever MySQL holds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_double_clicking_crowd_buys_twice_without_keys_and_once_with_them() {
+    let cluster = TestCluster::start(2, &["--work-ms", "30"]).await;
+    cluster.set_strategy("none").await;
+    let mysql = cluster.mysql().await;
+    for (sku, keys) in [("clicks-bare", false), ("clicks-keyed", true)] {
+        cluster.reset(sku, 50).await;
+        let body = serde_json::json!({
+            "sku": sku, "shoppers": 10, "double_click": true, "idempotency_key": keys,
+        });
+        let response = cluster
+            .http
+            .post(cluster.url(0, "/api/admin/crowd"))
+            .json(&body)
+            .send()
+            .await
+            .expect("crowd");
+        assert_eq!(response.status(), StatusCode::OK);
+        let done: serde_json::Value = response.json().await.expect("JSON");
+        let answered: u64 = done["outcomes"]
+            .as_object()
+            .expect("outcomes")
+            .values()
+            .filter_map(serde_json::Value::as_u64)
+            .sum();
+        assert_eq!(answered, 20, "two answers per shopper: {done}");
+        let repeats: i64 = sqlx::query_scalar(
+            "SELECT CAST(COALESCE(SUM(n - 1), 0) AS SIGNED)
+             FROM (SELECT COUNT(*) AS n FROM orders WHERE sku = ? GROUP BY user_id) u",
+        )
+        .bind(sku)
+        .fetch_one(&mysql)
+        .await
+        .expect("repeat orders");
+        let stats = cluster.sku_stats(sku).await;
+        assert_eq!(stats["duplicates"]["repeat_orders"], repeats, "{stats}");
+        assert_eq!(stats["duplicates"]["orders_sharing_key"], 0, "{stats}");
+        if keys {
+            assert_eq!(
+                (stats["orders"].as_i64(), repeats),
+                (Some(10), 0),
+                "{done} {stats}"
+            );
+        } else {
+            assert_eq!(
+                (stats["orders"].as_i64(), repeats),
+                (Some(20), 10),
+                "{done} {stats}"
+            );
+        }
+    }
+}

@@ -155,7 +155,9 @@ async fn a_short_exploration_finds_no_violation() {
             && injected("kill") > 0
             && injected("switch") > 0
             && injected("reset_other") > 0
-            && injected("reconcile_other") > 0,
+            && injected("reconcile_other") > 0
+            && injected("retry") > 0
+            && injected("limit_per_user") > 0,
         "faults: {:?}",
         summary.faults
     );

@@ -7,6 +7,7 @@
 #[allow(dead_code)]
 mod support;
 
+mod duplicates;
 mod explore;
 mod report_matches_mysql;
 mod split_merge;

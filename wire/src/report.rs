@@ -52,6 +52,20 @@ pub struct LoadConfig {
     /// merge`); 1, and left out, for a single process.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub parts: u32,
+    /// Whether the shoppers sent an `Idempotency-Key` with their orders
+    /// (`--no-idempotency-key`: not); false in reports older than the keys.
+    #[serde(default)]
+    pub idempotency_keys: bool,
+    /// The share of shoppers who send an unanswered order again (`--retry-share`).
+    #[serde(default)]
+    pub retry_share: f64,
+    /// The share of shoppers who send each order twice at once
+    /// (`--double-click-share`).
+    #[serde(default)]
+    pub double_click_share: f64,
+    /// Each sale's limit per user (`--limit-per-user`); `None`: no limit.
+    #[serde(default)]
+    pub limit_per_user: Option<i64>,
     /// What produced the figures; `None` in reports older than this field.
     #[serde(default)]
     pub provenance: Option<Provenance>,
@@ -116,6 +130,11 @@ pub struct RunResult {
     pub stock_redis: Option<i64>,
     pub stock_mysql: i64,
     pub consistent: bool,
+    /// Orders that repeat an earlier one, from the records (`GET /api/stats`): with
+    /// one user per intent, `repeat_orders` are the duplicates a double click or a
+    /// retry made; all zero in reports older than the count.
+    #[serde(default)]
+    pub duplicates: crate::stats::Duplicates,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]

@@ -65,6 +65,65 @@ pub struct SkuStats {
     /// reset); `None`: no limit (and from replicas older than the limit).
     #[serde(default)]
     pub limit_per_user: Option<i64>,
+    /// Orders that repeat an earlier one, counted from the orders table; all zero from
+    /// replicas older than the count.
+    #[serde(default)]
+    pub duplicates: Duplicates,
+}
+
+/// Orders that repeat an earlier one, counted from the SKU's orders in MySQL (never
+/// from what clients counted): what a double click or a retry without an
+/// `Idempotency-Key` leaves behind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Duplicates {
+    /// Orders beyond the first under one idempotency key. The unique key on
+    /// `orders.idempotency_key` keeps it at 0: anything else is a broken guarantee.
+    pub orders_sharing_key: i64,
+    /// Orders of a user beyond their first, summed over users. A user may mean to buy
+    /// twice, so this counts duplicates only where every user means one order, as the
+    /// load test's shoppers do (one user name per intent, `docs/loadtest.md`).
+    pub repeat_orders: i64,
+    /// Units bought beyond the sale's limit per user, summed over users (0 without a
+    /// limit). MySQL's check in the order's transaction keeps it at 0.
+    pub units_over_limit: i64,
+}
+
+/// One user's orders of one SKU, added up by the records: the rows `Duplicates::count`
+/// needs (users with a single order within the limit may be left out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UserOrders {
+    pub orders: i64,
+    pub units: i64,
+    /// Of those orders, how many carry an idempotency key, and how many distinct keys.
+    /// A key's orders all belong to one user: the key is refused (422) with another
+    /// body, and the user is part of the body.
+    pub keyed: i64,
+    pub keys: i64,
+}
+
+impl Duplicates {
+    /// The duplicates among one SKU's orders, from each user's totals.
+    pub fn count(users: impl IntoIterator<Item = UserOrders>, limit: Option<i64>) -> Duplicates {
+        let mut found = Duplicates::default();
+        for user in users {
+            found.orders_sharing_key += (user.keyed - user.keys).max(0);
+            found.repeat_orders += (user.orders - 1).max(0);
+            if let Some(limit) = limit {
+                found.units_over_limit += (user.units - limit).max(0);
+            }
+        }
+        found
+    }
+
+    /// Added over SKUs.
+    pub fn sum(all: impl IntoIterator<Item = Duplicates>) -> Duplicates {
+        all.into_iter()
+            .fold(Duplicates::default(), |a, b| Duplicates {
+                orders_sharing_key: a.orders_sharing_key + b.orders_sharing_key,
+                repeat_orders: a.repeat_orders + b.repeat_orders,
+                units_over_limit: a.units_over_limit + b.units_over_limit,
+            })
+    }
 }
 
 /// What a replica announces about itself with each heartbeat.
@@ -99,5 +158,38 @@ mod tests {
             (0, 0, 0)
         );
         assert_eq!(stats.cohort, None);
+    }
+
+    fn user(orders: i64, units: i64, keyed: i64, keys: i64) -> UserOrders {
+        UserOrders {
+            orders,
+            units,
+            keyed,
+            keys,
+        }
+    }
+
+    /// Records with two orders under one key (what the unique key forbids) must be
+    /// counted: without the count, the report would show 0 whatever the records say.
+    #[test]
+    fn two_orders_under_one_key_are_one_duplicate() {
+        let found = Duplicates::count([user(2, 2, 2, 1)], None);
+        assert_eq!(found.orders_sharing_key, 1);
+        assert_eq!(found.repeat_orders, 1, "the same user's second order");
+        // Two keys of one user: no key shared, but a repeat order.
+        let found = Duplicates::count([user(2, 2, 2, 2)], None);
+        assert_eq!((found.orders_sharing_key, found.repeat_orders), (0, 1));
+    }
+
+    #[test]
+    fn units_beyond_the_limit_are_counted_per_user() {
+        let users = [user(3, 3, 0, 0), user(1, 1, 0, 0), user(1, 5, 0, 0)];
+        let found = Duplicates::count(users, Some(2));
+        // 1 over for the first user, 3 over for the one order of 5 units.
+        assert_eq!(found.units_over_limit, 4);
+        assert_eq!(found.repeat_orders, 2);
+        assert_eq!(Duplicates::count(users, None).units_over_limit, 0);
+        let total = Duplicates::sum([found, found]);
+        assert_eq!((total.units_over_limit, total.repeat_orders), (8, 4));
     }
 }

@@ -12,7 +12,10 @@
 //!    told `sold_out`: no orphaned lock, lease, znode or row blocks the SKU;
 //! 5. a change of another SKU (its reset, its reconcile) refuses no order of this one:
 //!    in a round whose faults change no setting of the whole sale, no shopper of the
-//!    SKU was told `sale_changed` (`untouched`).
+//!    SKU was told `sale_changed` (`untouched`);
+//! 6. at most one order per idempotency key, however often the retrying shoppers sent
+//!    it (after hanging up, a killed replica, a 503), under every strategy;
+//! 7. no user owns more units than the sale's limit per user, when it has one.
 //!
 //! Each is read from `/api/stats` (the service's account of Redis and MySQL) and, with
 //! `--database-url`, from MySQL directly; both accounts must also agree.
@@ -222,6 +225,8 @@ impl Checker<'_> {
             stock: figures.stock_mysql,
             orders: figures.orders,
             ordered_quantity: figures.ordered_quantity,
+            sharing_key: figures.duplicates.orders_sharing_key,
+            over_limit: figures.duplicates.units_over_limit,
         };
         let mysql = match self.records {
             Some(records) => match records.sku(sku).await {
@@ -303,7 +308,7 @@ impl Checker<'_> {
         loop {
             let answer = self
                 .cluster
-                .order(target, sku, user, 1, self.patience)
+                .order(target, sku, user, 1, None, self.patience)
                 .await;
             let again = matches!(
                 answer,
@@ -336,9 +341,21 @@ pub fn untouched(round: &Round, crowd: &Tally) -> Option<String> {
     })
 }
 
-/// Guarantees 1 and 2 on one account of the records.
+/// Guarantees 1, 2, 6 and 7 on one account of the records.
 fn invariants(record: &SkuRecord, initial: i64) -> Vec<String> {
     let mut problems = Vec::new();
+    if record.sharing_key > 0 {
+        problems.push(format!(
+            "{} order(s) sharing an idempotency key with an earlier one",
+            record.sharing_key
+        ));
+    }
+    if record.over_limit > 0 {
+        problems.push(format!(
+            "{} unit(s) sold beyond the limit per user",
+            record.over_limit
+        ));
+    }
     if record.initial_stock != initial {
         problems.push(format!(
             "initial stock {} instead of {initial}",
@@ -378,7 +395,37 @@ mod tests {
             stock,
             orders: ordered,
             ordered_quantity: ordered,
+            sharing_key: 0,
+            over_limit: 0,
         }
+    }
+
+    /// Records with two orders under one key, or a user beyond the limit, break the
+    /// round: without guarantees 6 and 7 in `invariants` these pass.
+    #[test]
+    fn invariants_catch_a_key_ordered_twice_and_a_user_over_the_limit() {
+        let twice = SkuRecord {
+            sharing_key: 1,
+            ..record(4, 6)
+        };
+        let found = invariants(&twice, 10);
+        assert!(
+            found
+                .iter()
+                .any(|p| p.contains("1 order(s) sharing an idempotency key")),
+            "{found:?}"
+        );
+        let greedy = SkuRecord {
+            over_limit: 2,
+            ..record(4, 6)
+        };
+        let found = invariants(&greedy, 10);
+        assert!(
+            found
+                .iter()
+                .any(|p| p.contains("2 unit(s) sold beyond the limit")),
+            "{found:?}"
+        );
     }
 
     #[test]

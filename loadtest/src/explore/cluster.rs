@@ -48,6 +48,19 @@ pub enum Answer {
     Broken(String),
 }
 
+impl Answer {
+    /// No answer to the order yet: a retrying shopper sends it again, same key. The
+    /// shopper's own timeout, a connection refused or broken (a killed replica), a
+    /// 503, or the same key's first order still running.
+    pub fn unanswered(&self) -> bool {
+        match self {
+            Answer::HungUp | Answer::Unreachable | Answer::Broken(_) | Answer::Busy(_) => true,
+            Answer::Refused(409, code) => code == "in_progress",
+            _ => false,
+        }
+    }
+}
+
 #[derive(Deserialize)]
 struct ErrorBody {
     error: String,
@@ -207,14 +220,15 @@ impl Cluster {
         .map(drop)
     }
 
-    pub async fn reset(&self, sku: &str, stock: i64) -> anyhow::Result<()> {
-        self.call(
-            reqwest::Method::POST,
-            "/api/admin/reset",
-            Some(json!({ "sku": sku, "stock": stock })),
-        )
-        .await
-        .map(drop)
+    /// Restocks `sku` (a new sale of it), with a limit per user or none.
+    pub async fn reset(&self, sku: &str, stock: i64, limit: Option<i64>) -> anyhow::Result<()> {
+        let mut body = json!({ "sku": sku, "stock": stock });
+        if let Some(limit) = limit {
+            body["limit_per_user"] = json!(limit);
+        }
+        self.call(reqwest::Method::POST, "/api/admin/reset", Some(body))
+            .await
+            .map(drop)
     }
 
     pub async fn reconcile(&self) -> anyhow::Result<()> {
@@ -274,22 +288,26 @@ impl Cluster {
 
     /// One order on `target` (or the next live one). `give_up_after` is the shopper's
     /// own patience: a hang-up when it runs out.
+    /// One order, with the shopper's idempotency key if they have one.
     pub async fn order(
         &self,
         target: usize,
         sku: &str,
         user: &str,
         quantity: i64,
+        key: Option<&str>,
         give_up_after: Duration,
     ) -> Answer {
         let target = self.live_from(target);
-        let sent = self
+        let mut request = self
             .shoppers
             .post(format!("{}/api/orders", self.url(target)))
             .timeout(give_up_after)
-            .json(&json!({ "sku": sku, "user_id": user, "quantity": quantity }))
-            .send()
-            .await;
+            .json(&json!({ "sku": sku, "user_id": user, "quantity": quantity }));
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key);
+        }
+        let sent = request.send().await;
         let response = match sent {
             Ok(response) => response,
             Err(error) if error.is_timeout() => return Answer::HungUp,

@@ -4,6 +4,12 @@
 //! order's critical section short (a COMMIT without its cache write, a lock
 //! acquisition half made).
 //!
+//! Every shopper sends an `Idempotency-Key` of their own, and some retry: while their
+//! order is unanswered (they hung up, their replica was killed, a 503, the key still
+//! in progress) they send it again with the same key, as an impatient client would.
+//! With a limit per user in the round, three shoppers share each user. The checker
+//! then finds at most one order per key and no user over the limit in the records.
+//!
 //! What the shoppers were told is tallied for the summary only; the checker never
 //! trusts it.
 
@@ -22,6 +28,10 @@ use super::schedule::Round;
 /// A shopper who does not hang up still gives up this long after the crowd's window,
 /// which bounds the round.
 const LAST_WAIT: Duration = Duration::from_secs(3);
+/// How many times a retrying shopper sends an unanswered order again.
+const RETRIES: u32 = 3;
+/// Shoppers per user when the round has a limit per user.
+const SHOPPERS_PER_USER: usize = 3;
 
 /// The answers the crowd got.
 #[derive(Debug, Default, Serialize)]
@@ -43,6 +53,10 @@ pub struct Tally {
     /// Anything else (4xx/5xx other than the above): the round still passes if the
     /// records agree, but the count is in the summary.
     pub other: u64,
+    /// Orders sent again with the same key by retrying shoppers.
+    pub retries: u64,
+    /// Of the last answers, `limit_reached` (the round's limit per user).
+    pub limit_reached: u64,
 }
 
 /// One shopper of the plan.
@@ -52,14 +66,19 @@ struct Shopper {
     arrives: Duration,
     quantity: i64,
     hang_up: Option<Duration>,
+    /// Sends the order again, same key, while unanswered.
+    retries: bool,
 }
 
 /// The plan's shoppers, derived from its crowd seed alone.
 fn shoppers(round: &Round) -> Vec<Shopper> {
     let plan = &round.crowd;
     let mut rng = StdRng::seed_from_u64(plan.seed);
+    // A generator of its own, so that the other traits are drawn as before retries.
+    let mut retry_rng = StdRng::seed_from_u64(plan.seed ^ 0x7265_7472_7921);
     (0..plan.shoppers)
         .map(|index| Shopper {
+            retries: retry_rng.random_bool(plan.retry_share.clamp(0.0, 1.0)),
             index,
             arrives: Duration::from_millis(rng.random_range(0..=plan.arrival_ms)),
             quantity: if rng.random_bool(plan.two_units_share) {
@@ -91,18 +110,39 @@ pub async fn buy(cluster: &Cluster, round: &Round, sku: &str) -> Tally {
                 if started.elapsed() >= window {
                     return; // the round's bound: this shopper never came
                 }
-                let patience =
-                    (started + window + LAST_WAIT).saturating_duration_since(Instant::now());
+                let deadline = started + window + LAST_WAIT;
+                let patience = deadline.saturating_duration_since(Instant::now());
                 let give_up = shopper.hang_up.map_or(patience, |h| h.min(patience));
-                let user = format!("shopper-{}", shopper.index);
-                let mut answer = cluster
-                    .order(shopper.index, sku, &user, shopper.quantity, give_up)
-                    .await;
+                let user = match round.crowd.limit_per_user {
+                    Some(_) => format!("shopper-{}", shopper.index / SHOPPERS_PER_USER),
+                    None => format!("shopper-{}", shopper.index),
+                };
+                // Unique to the SKU (and so to the run and round): keys are global.
+                let key = format!("{sku}-s{}", shopper.index);
+                let mut target = shopper.index;
+                let order = |target: usize, give_up: Duration| {
+                    cluster.order(target, sku, &user, shopper.quantity, Some(&key), give_up)
+                };
+                let mut answer = order(target, give_up).await;
                 if answer == Answer::Unreachable {
                     // As a load balancer would: the next replica.
-                    answer = cluster
-                        .order(shopper.index + 1, sku, &user, shopper.quantity, give_up)
-                        .await;
+                    target += 1;
+                    answer = order(target, give_up).await;
+                }
+                let mut retries = if shopper.retries { RETRIES } else { 0 };
+                while retries > 0 && answer.unanswered() && Instant::now() < deadline {
+                    retries -= 1;
+                    tally
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .retried(&answer);
+                    if matches!(answer, Answer::Unreachable | Answer::Broken(_)) {
+                        target += 1;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    // Patient this time: the retry waits for its answer.
+                    let patience = deadline.saturating_duration_since(Instant::now());
+                    answer = order(target, patience).await;
                 }
                 tally
                     .lock()
@@ -117,11 +157,23 @@ pub async fn buy(cluster: &Cluster, round: &Round, sku: &str) -> Tally {
 }
 
 impl Tally {
+    /// An answer a retrying shopper did not take: counted for guarantee 5 (a
+    /// `sale_changed` to a shopper of this SKU) before the order is sent again.
+    fn retried(&mut self, answer: &Answer) {
+        self.retries += 1;
+        if matches!(answer, Answer::Busy(code) if code == "sale_changed") {
+            self.sale_changed += 1;
+        }
+    }
+
     fn add(&mut self, answer: &Answer, impatient: bool) {
         self.sent += 1;
         self.impatient += u64::from(impatient);
         if matches!(answer, Answer::Busy(code) if code == "sale_changed") {
             self.sale_changed += 1;
+        }
+        if matches!(answer, Answer::Refused(409, code) if code == "limit_reached") {
+            self.limit_reached += 1;
         }
         let count = match answer {
             Answer::Created => &mut self.created,

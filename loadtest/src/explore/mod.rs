@@ -293,6 +293,13 @@ impl Summary {
             count(kind, *n);
         }
         count("hang_up", report.crowd.impatient);
+        // Not faults of the nemesis but of the shoppers: orders sent again with the
+        // same key, and rounds sold with a limit per user.
+        count("retry", report.crowd.retries);
+        count(
+            "limit_per_user",
+            u64::from(plan.crowd.limit_per_user.is_some()),
+        );
         count("pause_claimed", report.nemesis.pauses_claimed);
         self.faults_missed += report.nemesis.missed.len() as u64;
         self.details.push(report);
@@ -311,13 +318,17 @@ fn print_round(plan: &Round, report: &RoundReport) {
         .map(|t| format!("{}@{}", t.fault.kind(), t.at_ms))
         .collect();
     eprintln!(
-        "round {:>3}: {:<13} {:>2} units, fencing {:<3}, faults [{}], {} hang-ups; crowd bought {} ({} sale_changed), patient shoppers {}; {:.1} s: {verdict}",
+        "round {:>3}: {:<13} {:>2} units, fencing {:<3}, faults [{}], {} hang-ups, {} retries{}; crowd bought {} ({} sale_changed), patient shoppers {}; {:.1} s: {verdict}",
         plan.round,
         plan.strategy,
         plan.stock,
         if plan.fencing { "on" } else { "off" },
         faults.join(" "),
         report.crowd.impatient,
+        report.crowd.retries,
+        plan.crowd
+            .limit_per_user
+            .map_or(String::new(), |l| format!(", limit {l}/user")),
         report.crowd.created,
         report.crowd.sale_changed,
         report.verdict.patient_bought,
@@ -346,12 +357,15 @@ async fn play(
         .set_fencing(plan.fencing)
         .await
         .context("switching fencing")?;
-    cluster.reset(sku, plan.stock).await.context("restocking")?;
+    cluster
+        .reset(sku, plan.stock, plan.crowd.limit_per_user)
+        .await
+        .context("restocking")?;
     // A second SKU on sale at the same time, with a crowd of its own: the target of
     // the resets and reconciles of one SKU, which the SKU under test must not notice.
     let other = format!("{sku}-other");
     cluster
-        .reset(&other, plan.stock)
+        .reset(&other, plan.stock, plan.crowd.limit_per_user)
         .await
         .context("restocking the other SKU")?;
     let mut other_plan = plan.clone();

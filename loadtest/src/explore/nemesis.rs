@@ -54,7 +54,7 @@ pub async fn strike(
             Fault::Switch { to } => cluster.switch(to).await,
             Fault::Reconcile => cluster.reconcile().await,
             Fault::ReconcileOther => cluster.reconcile_sku(other).await,
-            Fault::ResetOther { stock } => cluster.reset(other, *stock).await,
+            Fault::ResetOther { stock } => cluster.reset(other, *stock, None).await,
             Fault::Kill { target } => kill_replica(cluster, *target).await,
             Fault::Disrupt { what } => match commands.get(what) {
                 Some(command) => run_command(command).await,

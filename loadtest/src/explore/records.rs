@@ -25,6 +25,10 @@ pub struct SkuRecord {
     pub stock: i64,
     pub orders: i64,
     pub ordered_quantity: i64,
+    /// Orders beyond the first under one idempotency key.
+    pub sharing_key: i64,
+    /// Units beyond the SKU's limit per user, summed over users (0 without a limit).
+    pub over_limit: i64,
 }
 
 #[cfg(not(feature = "mysql"))]
@@ -68,11 +72,32 @@ impl Records {
         .bind(sku)
         .fetch_one(&self.pool)
         .await?;
+        // Counted here by statements of their own, not by the service's
+        // (`src/store/duplicates.rs`), so a bug there cannot hide a duplicate.
+        let sharing_key: i64 = sqlx::query_scalar(
+            "SELECT CAST(COALESCE(SUM(n - 1), 0) AS SIGNED) FROM (
+                 SELECT COUNT(*) AS n FROM orders
+                 WHERE sku = ? AND idempotency_key IS NOT NULL GROUP BY idempotency_key) k",
+        )
+        .bind(sku)
+        .fetch_one(&self.pool)
+        .await?;
+        let over_limit: i64 = sqlx::query_scalar(
+            "SELECT CAST(COALESCE(SUM(GREATEST(u.units - p.limit_per_user, 0)), 0) AS SIGNED)
+             FROM (SELECT SUM(quantity) AS units FROM orders WHERE sku = ? GROUP BY user_id) u
+             JOIN products p ON p.sku = ? AND p.limit_per_user IS NOT NULL",
+        )
+        .bind(sku)
+        .bind(sku)
+        .fetch_one(&self.pool)
+        .await?;
         Ok(SkuRecord {
             initial_stock,
             stock,
             orders,
             ordered_quantity,
+            sharing_key,
+            over_limit,
         })
     }
 }

@@ -88,6 +88,13 @@ pub struct CrowdPlan {
     /// Share of shoppers who buy two units instead of one.
     pub two_units_share: f64,
     pub seed: u64,
+    /// Share of shoppers who send their order again, same idempotency key, while it
+    /// is unanswered (their own timeout, a killed replica, a 503, in_progress).
+    #[serde(default)]
+    pub retry_share: f64,
+    /// The sale's limit per user; with one, three shoppers share each user.
+    #[serde(default)]
+    pub limit_per_user: Option<i64>,
 }
 
 /// A fault and when it strikes, in ms after the crowd starts.
@@ -228,6 +235,8 @@ pub fn draw(seed: u64, round: u64, powers: &Powers, targets: usize) -> Round {
         },
         two_units_share: if rng.random_bool(0.5) { 0.0 } else { 0.2 },
         seed: rng.random(),
+        retry_share: 0.0,
+        limit_per_user: None,
     };
 
     // (fault maker, weight): only what this round and these powers allow.
@@ -248,6 +257,20 @@ pub fn draw(seed: u64, round: u64, powers: &Powers, targets: usize) -> Round {
     }
     let count = rng.random_range(1..=4);
     let mut faults = Vec::new();
+    // Retries and limits are drawn from a generator of their own, so the rest of a
+    // round (its crowd and faults) is what it was before they existed.
+    let mut shoppers_rng = StdRng::seed_from_u64(crowd.seed ^ 0x7265_7472_7921);
+    let crowd = CrowdPlan {
+        retry_share: if shoppers_rng.random_bool(0.25) {
+            0.0
+        } else {
+            shoppers_rng.random_range(0.2..0.8)
+        },
+        limit_per_user: shoppers_rng
+            .random_bool(0.3)
+            .then(|| shoppers_rng.random_range(1..=2)),
+        ..crowd
+    };
     for _ in 0..count {
         let at_ms = rng.random_range(0..FAULT_WINDOW_MS);
         let maker = menu
