@@ -276,6 +276,9 @@ const FAILOVER_WITHIN_MS: i64 = 30_000;
     request_body = FaultBody,
     responses(
         (status = 200, description = "The fault is armed", body = FaultArmed),
+        (status = 409, description = "`conflict`: a failover asked of a replica whose Redis \
+            is not behind Sentinel, or under another strategy than redis-lock",
+            body = ErrorBody),
         (status = 422, description = "`invalid_value`: pause out of range", body = ErrorBody),
     ))]
 pub async fn arm_fault(
