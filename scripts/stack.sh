@@ -184,7 +184,12 @@ CFG
 # After a failover fault 6393 is the primary; whatever reads FLASHSALE_REDIS_URL
 # (6390) expects the primary there: fail back through Sentinel.
 redis_failback() {
-  local i log="$STACK/sentinel-$SENTINEL_PORT/sentinel.log"
+  local i port log="$STACK/sentinel-$SENTINEL_PORT/sentinel.log"
+  # A failover fault whose replica died halfway may have left replication cut (its
+  # task gives it back otherwise): the pair may sync again.
+  for port in "${REDIS_PORTS[0]}" "$REDIS_REPLICA_PORT"; do
+    redis-cli -p "$port" ACL SETUSER default +psync +sync >/dev/null 2>&1 || true
+  done
   wait_for "the Redis pair" "$log" pair_healthy
   [ "$(sentinel_primary_port)" = "${REDIS_PORTS[0]}" ] && return 0
   log "Sentinel names $(sentinel_primary_port) the primary; failing back to ${REDIS_PORTS[0]}"
@@ -360,6 +365,9 @@ cmd_down() {
 # needs a reconcile, as after a real one.
 cmd_restart() {
   local pidfile port i
+  # After a failover 6390 is a replica: fail back first, so the restart takes the
+  # primary away, as it says.
+  [ "${1:-}" = redis ] && redis_failback
   case "${1:-}" in
     redis) pidfile="$STACK/redis-${REDIS_PORTS[0]}/redis.pid" port=${REDIS_PORTS[0]} ;;
     mariadb) pidfile="$STACK/mariadb/mariadb.pid" port=$MARIADB_PORT ;;

@@ -189,6 +189,15 @@ fn now_ms() -> f64 {
 /// receiving the primary's writes. Returns once that holds. The cut lasts until
 /// `resume` or `restore` (the fault's task always calls one).
 pub async fn cut(source: &SentinelSource, plan: &Plan) -> Result<(), FailoverError> {
+    let cut = cut_replication(source, plan).await;
+    if cut.is_err() {
+        // Halfway (other replicas made unelectable, the ACL changed): all undone.
+        let _ = restore(plan).await;
+    }
+    cut
+}
+
+async fn cut_replication(source: &SentinelSource, plan: &Plan) -> Result<(), FailoverError> {
     if !plan.others.is_empty() {
         for other in &plan.others {
             let mut connection = connect(other).await?;
@@ -230,16 +239,11 @@ pub async fn cut(source: &SentinelSource, plan: &Plan) -> Result<(), FailoverErr
             .arg("-sync"),
     )
     .await?;
-    let dropped = retried(
+    retried(
         &plan.promoted,
         redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("master"),
     )
-    .await;
-    if let Err(error) = dropped {
-        let _ = restore(plan).await;
-        return Err(error);
-    }
-    Ok(())
+    .await
 }
 
 /// Steps 3 to 5, once `held` said a holder holds the lock key `lock_key`.

@@ -71,6 +71,18 @@ pub fn judge(report: &LoadReport, objectives: &Objectives) -> Vec<String> {
 /// What the report's runs missed, one line each, naming the strategy.
 pub fn missed(report: &LoadReport, objectives: &Objectives) -> Vec<String> {
     let mut found = Vec::new();
+    // A bound for a strategy that did not run (a typo: `redis_lock=300`) checks
+    // nothing: it fails the run rather than passing it unchecked.
+    let ran = |name: &str| report.runs.iter().any(|run| run.strategy == name);
+    for (option, objective) in [
+        ("--max-p99-ms", &objectives.max_p99_ms),
+        ("--min-orders-per-s", &objectives.min_orders_per_s),
+    ] {
+        let named = objective.iter().flat_map(|o| o.named.iter());
+        for (name, _) in named.filter(|(name, _)| !ran(name)) {
+            found.push(format!("{option} names {name}, which did not run"));
+        }
+    }
     for run in &report.runs {
         let which = format!("{} (run {})", run.strategy, run.repeat);
         let max_p99 = objectives.max_p99_ms.as_ref();
@@ -151,5 +163,11 @@ mod tests {
             "{missed:?}"
         );
         assert!(super::missed(&report, &Objectives::default()).is_empty());
+        let typo = Objectives {
+            max_p99_ms: Some(parse_objective("redis_lock=300").unwrap()),
+            ..Objectives::default()
+        };
+        let missed = super::missed(&report, &typo);
+        assert_eq!(missed, ["--max-p99-ms names redis_lock, which did not run"]);
     }
 }

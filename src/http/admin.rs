@@ -342,7 +342,7 @@ async fn arm_failover(
     };
     let within = std::time::Duration::from_millis(u64::try_from(within).unwrap_or(0));
     let cluster = state.store.cluster.clone();
-    let Some(sentinel) = cluster.redis_source().sentinel_source() else {
+    if cluster.redis_source().sentinel_source().is_none() {
         return Err(AppError::Conflict(
             "this replica's Redis is not behind Sentinel (start it with --redis-sentinel)".into(),
         ));
@@ -354,38 +354,39 @@ async fn arm_failover(
             strategy.name()
         )));
     }
-    let unavailable = |error: crate::redis_failover::FailoverError| {
-        AppError::Unavailable(format!("cannot fail the Redis over: {error}"))
-    };
-    let plan = crate::redis_failover::plan(sentinel)
-        .await
-        .map_err(unavailable)?;
-    crate::redis_failover::cut(sentinel, &plan)
-        .await
-        .map_err(unavailable)?;
-    // Armed after the cut: the promoted replica never hears of it, so the next holder
-    // there does not stall as well.
-    if let Err(error) = cluster.arm_pause(pause).await {
-        let _ = crate::redis_failover::restore(&plan).await;
-        return Err(error.into());
+    // One failover fault at a time: a second would resume or restore the first's cut.
+    let bound = within * 2 + std::time::Duration::from_secs(60);
+    if !cluster.claim_failover(bound).await? {
+        return Err(AppError::Conflict(
+            "a failover fault is already under way (DELETE /api/admin/faults withdraws it)".into(),
+        ));
     }
-    tracing::warn!(%sku, primary = %plan.primary, promoted = %plan.promoted,
-        "fault armed: the Redis fails over while the next holder holds the lock");
-    let source = cluster.redis_source().clone();
-    let task_plan = plan.clone();
+    // The cut, the pause and the failover run in a task of their own, to the end: a
+    // request dropped halfway (a hang-up, a timeout) must not leave replication cut.
+    // Every way out of the task undoes the cut (`redis_failover::restore`).
+    let (armed, plan_armed) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
-        let Some(sentinel) = source.sentinel_source() else {
-            return;
-        };
-        match cluster
-            .fail_over_when_held(sentinel, task_plan, &sku, within)
-            .await
-        {
-            Ok(outcome) => tracing::warn!(?outcome, %sku, "fault: the Redis failed over"),
-            Err(error) => tracing::error!(%error, %sku, "fault: the failover failed"),
+        let source = cluster.redis_source().clone();
+        if let Some(sentinel) = source.sentinel_source() {
+            let outcome = cluster
+                .fail_over_when_held(sentinel, pause, &sku, within, armed)
+                .await;
+            match outcome {
+                Ok(outcome) => tracing::warn!(?outcome, %sku, "fault: the Redis failover ended"),
+                Err(error) => tracing::error!(%error, %sku, "fault: the failover failed"),
+            }
         }
+        cluster.release_failover().await;
     });
-    Ok(plan)
+    match plan_armed.await {
+        Ok(Ok(plan)) => Ok(plan),
+        Ok(Err(error)) => Err(AppError::Unavailable(format!(
+            "cannot fail the Redis over: {error}"
+        ))),
+        Err(_) => Err(AppError::Unavailable(
+            "cannot fail the Redis over: the fault's task ended".into(),
+        )),
+    }
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -444,6 +445,8 @@ pub async fn kill_holder(
 #[utoipa::path(delete, path = "/api/admin/faults", tag = "admin",
     responses((status = 204, description = "No fault is armed any more")))]
 pub async fn disarm_fault(State(state): State<AppState>) -> Result<StatusCode, AppError> {
+    // A failover fault's task sees its claim gone, undoes its cut and stops.
+    state.flow.store.cluster.release_failover().await;
     state.flow.store.cluster.disarm_pause().await?;
     Ok(StatusCode::NO_CONTENT)
 }

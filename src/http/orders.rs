@@ -265,15 +265,22 @@ where
     F: FnOnce(NewOrder) -> Fut,
     Fut: Future<Output = Result<Order, AppError>>,
 {
-    let token = match records.claim_key(key, hold).await? {
-        Claim::Mine(token) => token,
-        claim => return answer_from(claim),
-    };
+    // Armed before the claim: a claim that landed while its statement failed (the
+    // answer lost) is given back too; fenced by the token, the give-back is harmless
+    // when nothing landed.
+    let token = ClaimToken::draw();
     let held = HeldClaim {
         records: records.clone(),
         key: key.key.clone(),
         token: Some(token),
     };
+    match records.claim_key(key, token, hold).await? {
+        Claim::Mine(_) => {}
+        claim => {
+            held.disarm();
+            return answer_from(claim);
+        }
+    }
     order.idempotency = Some(Idempotency {
         claim: Some(token.value()),
         ..key.clone()
@@ -333,7 +340,11 @@ async fn settle(
             tracing::error!(%error, "an order could not be written as JSON");
             AppError::Internal
         })?;
-        records.answer_key(&key.key, token, 201, &body).await?;
+        // Not recorded (a reset deleted the claim with the order meanwhile, or another
+        // request settled it): what the key has now, never an order that is gone.
+        if !records.answer_key(&key.key, token, 201, &body).await? {
+            return answer_from(records.key_now(key).await?);
+        }
         return Ok(Answer::Placed(order));
     }
     if let AppError::Order(OrderError::DuplicateKey) = refusal {

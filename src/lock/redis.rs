@@ -31,8 +31,10 @@
 //! `crate::redis_failover`). With `WAIT n timeout` after the `SET`, as Redisson's lock
 //! does since RedLock's deprecation, an acquisition counts only once `n` replicas
 //! acknowledged it; fewer within the timeout, and the key is deleted and the attempt
-//! counts as refused. It closes the failover of an acknowledging replica, not the
-//! election of one that did not acknowledge (Redisson issue 5256): only fencing does.
+//! counts as refused. It closes the failover of an acknowledging replica during the
+//! first lease, not the election of one that did not acknowledge (Redisson issue
+//! 5256), nor a failover after replication fell behind a later renewal (the watchdog's
+//! renewals are not waited for): only fencing closes those.
 
 mod pending_set;
 pub(crate) mod subscriptions;

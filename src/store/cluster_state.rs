@@ -261,13 +261,94 @@ impl ClusterState {
         format!("{}:fault:failover", self.namespace)
     }
 
-    /// The failover fault's second half: once the pause armed after the cut is claimed
-    /// and `sku`'s redis-lock key exists on the primary (a holder holds it, stalled),
-    /// fail over. Replication stays cut for at most `within` (a lock with `WAIT` is not
-    /// held meanwhile), then resumes while the fault waits as long again for a holder;
-    /// without one, the pause is withdrawn. The outcome is kept (on the new primary)
-    /// for the timeline.
+    /// Held while a failover fault runs, so that a second one waits for it.
+    fn failover_claim_key(&self) -> String {
+        format!("{}:fault:failover-running", self.namespace)
+    }
+
+    /// Claims the failover fault for at most `bound`; false if one is under way.
+    pub async fn claim_failover(&self, bound: std::time::Duration) -> Result<bool, StoreError> {
+        let mut conn = self.pool.get().await?;
+        let ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
+        let set: Option<String> = deadpool_redis::redis::cmd("SET")
+            .arg(self.failover_claim_key())
+            .arg(1)
+            .arg("NX")
+            .arg("PX")
+            .arg(ms)
+            .query_async(&mut conn)
+            .await?;
+        Ok(set.is_some())
+    }
+
+    /// Ends the failover fault's claim: the task, once it undid its cut, or an admin
+    /// withdrawing the fault (the task sees the claim gone and stops). Best effort: the
+    /// claim expires anyway.
+    pub async fn release_failover(&self) {
+        if let Ok(mut conn) = self.pool.get().await {
+            let _: Result<(), _> = conn.del(self.failover_claim_key()).await;
+        }
+    }
+
+    async fn failover_claimed(&self) -> Result<bool, StoreError> {
+        let mut conn = self.pool.get().await?;
+        Ok(conn.exists(self.failover_claim_key()).await?)
+    }
+
+    /// The failover fault, from the cut to the restore, in one task that the admin
+    /// request only waits for until `armed` says the plan (a request dropped halfway
+    /// leaves nothing cut). The replica to promote stops receiving the primary's
+    /// writes, `pause` is armed for the next holder, and once that holder holds `sku`'s
+    /// redis-lock key on the primary, the Redis fails over. Replication stays cut for
+    /// at most `within` (a lock with `WAIT` is not held meanwhile), then resumes while
+    /// the fault waits as long again for a holder; without one, or once an admin
+    /// withdrew the fault, the pause is withdrawn. Every way out undoes the cut. The
+    /// outcome is kept (on the new primary) for the timeline.
     pub async fn fail_over_when_held(
+        &self,
+        sentinel: &crate::redis_pool::SentinelSource,
+        pause: PauseFault,
+        sku: &crate::model::Sku,
+        within: std::time::Duration,
+        armed: tokio::sync::oneshot::Sender<
+            Result<crate::redis_failover::Plan, crate::redis_failover::FailoverError>,
+        >,
+    ) -> anyhow::Result<crate::redis_failover::Outcome> {
+        use crate::redis_failover::{FailoverError, cut, plan, restore};
+        let plan = match plan(sentinel).await {
+            Ok(plan) => plan,
+            Err(error) => {
+                let _ = armed.send(Err(error));
+                anyhow::bail!("no failover plan");
+            }
+        };
+        if let Err(error) = cut(sentinel, &plan).await {
+            let _ = armed.send(Err(error));
+            anyhow::bail!("replication not cut");
+        }
+        // Armed after the cut: the promoted replica never hears of it, so the next
+        // holder there does not stall as well.
+        if let Err(error) = self.arm_pause(pause).await {
+            let _ = restore(&plan).await;
+            let _ = armed.send(Err(FailoverError::Sentinel(format!(
+                "the pause could not be armed: {error}"
+            ))));
+            anyhow::bail!("pause not armed");
+        }
+        tracing::warn!(%sku, primary = %plan.primary, promoted = %plan.promoted,
+            "fault armed: the Redis fails over while the next holder holds the lock");
+        let _ = armed.send(Ok(plan.clone()));
+        let outcome = self
+            .fail_over_once_held(sentinel, plan.clone(), sku, within)
+            .await;
+        if outcome.is_err() {
+            let _ = restore(&plan).await;
+            let _ = self.disarm_pause().await;
+        }
+        outcome
+    }
+
+    async fn fail_over_once_held(
         &self,
         sentinel: &crate::redis_pool::SentinelSource,
         plan: crate::redis_failover::Plan,
@@ -292,7 +373,8 @@ impl ClusterState {
                 crate::redis_failover::resume(&plan).await?;
                 resumed = true;
             }
-            if tokio::time::Instant::now() >= deadline {
+            let withdrawn = matches!(self.failover_claimed().await, Ok(false));
+            if withdrawn || tokio::time::Instant::now() >= deadline {
                 crate::redis_failover::restore(&plan).await?;
                 self.disarm_pause().await?;
                 return Ok(crate::redis_failover::Outcome {

@@ -55,6 +55,11 @@ pub enum Claim {
 pub struct ClaimToken(u64);
 
 impl ClaimToken {
+    /// A fresh token, drawn before the claim is made.
+    pub fn draw() -> ClaimToken {
+        ClaimToken(rand::random::<u64>() >> 1)
+    }
+
     /// The token as the order carries it (`Idempotency::claim`).
     pub fn value(self) -> u64 {
         self.0
@@ -115,13 +120,20 @@ pub(crate) async fn settle_in_order(
 }
 
 impl Records {
-    /// Claims `key` for `hold` (the deadline past which the claim may be taken over),
-    /// or says why not.
-    pub async fn claim_key(&self, key: &Idempotency, hold: Duration) -> Result<Claim, StoreError> {
+    /// Claims `key` for `hold` (the deadline past which the claim may be taken over)
+    /// with `token`, or says why not. The caller holds `token` before the first
+    /// statement, so that a claim that landed while its answer was lost (an error
+    /// after the INSERT) can still be given back, and every attempt uses it: a later
+    /// attempt finds an earlier one's claim its own.
+    pub async fn claim_key(
+        &self,
+        key: &Idempotency,
+        token: ClaimToken,
+        hold: Duration,
+    ) -> Result<Claim, StoreError> {
         // An attempt meets a claim inserted, answered or given back by someone else
         // between its statements only a few times in a row; then it answers in_progress.
         for _ in 0..4 {
-            let token = ClaimToken(rand::random::<u64>() >> 1);
             if let Some(claim) = self.try_claim(key, hold, token).await? {
                 return Ok(claim);
             }
@@ -190,7 +202,10 @@ impl Records {
         else {
             return Ok(None);
         };
-        if fingerprint != key.fingerprint {
+        // Another body's claim, unless its holder is dead: then the key's order, if
+        // any, decides (its own request must not be refused by a dead stranger's claim).
+        let dead_holder = claim.is_some() && expired == Some(1);
+        if fingerprint != key.fingerprint && !dead_holder {
             return Ok(Some(Claim::OtherRequest));
         }
         if let (Some(status), Some(body)) = (status, answer) {
@@ -231,6 +246,9 @@ impl Records {
                 return Ok(Some(Claim::OtherRequest));
             }
             return Ok(Some(Claim::Answered { status: 201, body }));
+        }
+        if fingerprint != key.fingerprint {
+            return Ok(Some(Claim::OtherRequest));
         }
         let take_over = || {
             sqlx::query(
