@@ -7,6 +7,7 @@
 //! | `flashsale_http_requests_total` | route, method, status | `http::observe` |
 //! | `flashsale_http_request_duration_seconds` (histogram) | route | `http::observe` |
 //! | `flashsale_orders_total` | strategy, outcome (the API code, `strategy::Outcome`; `duplicate`: refused by MySQL for its idempotency key, answered with that key's order) | `http::orders` |
+//! | `flashsale_order_seconds` (histogram) | strategy, outcome | `http::orders`: an order from its start to its outcome (lock wait, critical section, commit), whether or not its shopper is still there |
 //! | `flashsale_idempotent_replays_total` | — | `http::orders`, keyed orders answered from their key's stored answer |
 //! | `flashsale_lock_acquire_seconds` (histogram) | strategy, outcome (`acquired`, `timeout`, `abandoned`: the shopper left, `error`) | `strategy::flow` |
 //! | `flashsale_lock_hold_seconds` (histogram) | strategy | `strategy::flow` |
@@ -49,6 +50,10 @@ fn describe() {
     describe_counter!(
         "flashsale_orders_total",
         "Orders by strategy and outcome (the API's code)"
+    );
+    describe_histogram!(
+        "flashsale_order_seconds",
+        "An order's time from its start to its outcome, by strategy and outcome"
     );
     describe_counter!(
         "flashsale_idempotent_replays_total",

@@ -180,6 +180,7 @@ async fn run(
     order: NewOrder,
     options: OrderOptions,
 ) -> Result<Order, AppError> {
+    let started = std::time::Instant::now();
     let placed = if options.client_gone.is_cancelled() {
         Err(OrderError::Abandoned)
     } else {
@@ -189,8 +190,11 @@ async fn run(
         Ok(_) => Outcome::Created,
         Err(error) => error.outcome(),
     };
-    metrics::counter!("flashsale_orders_total", "strategy" => strategy.name(), "outcome" => outcome.code())
+    let (name, code) = (strategy.name(), outcome.code());
+    metrics::counter!("flashsale_orders_total", "strategy" => name, "outcome" => code)
         .increment(1);
+    metrics::histogram!("flashsale_order_seconds", "strategy" => name, "outcome" => code)
+        .record(started.elapsed().as_secs_f64());
     match placed {
         Ok(order) => Ok(order),
         Err(error) => Err(error.into()),

@@ -176,6 +176,8 @@ async fn metrics_are_exposed_in_prometheus_format() {
         "flashsale_orders_total{strategy=\"none\",outcome=\"sold_out\"} 1\n",
         "flashsale_orders_total{strategy=\"redis-lock\",outcome=\"sold_out\"} 1\n",
         "flashsale_lock_acquire_seconds_count{strategy=\"redis-lock\",outcome=\"acquired\"} 1\n",
+        "flashsale_order_seconds_count{strategy=\"none\",outcome=\"created\"} 1\n",
+        "flashsale_order_seconds_count{strategy=\"redis-lock\",outcome=\"sold_out\"} 1\n",
         "flashsale_oversold{sku=\"measured\"} 0\n",
         "flashsale_stock{sku=\"measured\",store=\"mysql\"} 0\n",
         "flashsale_stock{sku=\"measured\",store=\"redis\"} NaN\n",
