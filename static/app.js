@@ -609,20 +609,21 @@ function renderReplicas(replicas, at) {
   drawReplicas();
 }
 
-// Compares a snapshot's replicas with what the page knew: one listed under a new pid
-// was restarted (by its supervisor), one no longer listed is gone. Each change goes to
+// Compares a snapshot's replicas with what the page knew: one listed with a new start
+// time was restarted (by its supervisor), one no longer listed is gone. (Process ids
+// are shown only where the replica shows them: with an admin token set, it does not.) Each change goes to
 // the list of events under the table, so a restart quicker than a snapshot still shows.
 function trackReplicas(replicas, now) {
   const listed = new Set(replicas.map((r) => r.id));
   for (const r of replicas) {
     const known = state.replicas.get(r.id);
-    const sameProcess = Boolean(known) && known.info.pid === r.pid;
+    const sameProcess = Boolean(known) && known.info.started_at === r.started_at;
     if (known && !sameProcess) {
       const sinceKill = known.killed ? `, ${span(Date.now() - known.killed.at)} after the kill` : "";
-      logReplicaEvent(`${r.id} is back as pid ${r.pid}` +
+      logReplicaEvent(`${r.id} is back` + (r.pid ? ` as pid ${r.pid}` : "") +
         (r.restarts ? `, restarted ${r.restarts}×` : "") + `${sinceKill}.`);
     } else if (known && known.goneSince) {
-      logReplicaEvent(`${r.id} (pid ${r.pid}) is heard from again.`);
+      logReplicaEvent(`${r.id}${pidText(r.pid)} is heard from again.`);
     }
     state.replicas.set(r.id, {
       info: r,
@@ -637,18 +638,23 @@ function trackReplicas(replicas, now) {
     if (listed.has(id)) continue;
     if (!known.goneSince) {
       known.goneSince = now;
-      logReplicaEvent(`${id} (pid ${known.info.pid}) is gone: no heartbeat for 5 s.`);
+      logReplicaEvent(`${id}${pidText(known.info.pid)} is gone: no heartbeat for 5 s.`);
     } else if (now - known.goneSince > GONE_KEPT_MS) {
       state.replicas.delete(id);
     }
   }
 }
 
+// " (pid N)", or nothing where the replica does not show its process id.
+function pidText(pid) {
+  return pid ? ` (pid ${pid})` : "";
+}
+
 // The kill button hit `id`: the table says so at once, until a snapshot shows the
-// replica back under a new pid (or gone from the registry).
+// replica back as a new process (or gone from the registry).
 function noteKilled(id, pid) {
   const known = state.replicas.get(id);
-  if (known && known.info.pid === pid) known.killed = { pid, at: Date.now() };
+  if (known && (!known.info.pid || known.info.pid === pid)) known.killed = { pid, at: Date.now() };
   logReplicaEvent(`${id} (pid ${pid}) was sent kill -9 from this page.`);
   drawReplicas();
 }
@@ -678,9 +684,10 @@ function replicaStatus(known, now) {
   const silence = now - Date.parse(r.last_seen);
   const heard = `last heartbeat ${duration(silence / 1000)} ago`;
   if (known.goneSince) {
-    return { down: true, bad: true, text: `gone (pid ${r.pid}${known.killed ? ", killed from this page" : ""}) · ${heard}` };
+    const why = [r.pid ? `pid ${r.pid}` : "", known.killed ? "killed from this page" : ""].filter(Boolean);
+    return { down: true, bad: true, text: `gone${why.length ? ` (${why.join(", ")})` : ""} · ${heard}` };
   }
-  if (known.killed) return { down: true, bad: true, text: `killed (pid ${r.pid}), waiting for its supervisor · ${heard}` };
+  if (known.killed) return { down: true, bad: true, text: `killed (pid ${known.killed.pid}), waiting for its supervisor · ${heard}` };
   if (silence > SILENT_AFTER_MS) return { down: true, bad: true, text: `silent, down? · ${heard}` };
   const up = `up ${duration((now - Date.parse(r.started_at)) / 1000)}`;
   return { down: false, bad: r.restarts > 0, text: r.restarts ? `restarted ${r.restarts}× · ${up}` : up };

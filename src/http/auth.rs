@@ -12,6 +12,18 @@ use axum::response::Response;
 use super::AppState;
 use super::error::AppError;
 
+/// Whether `headers` carry the admin token (always, when none is set).
+pub fn is_admin(state: &AppState, headers: &axum::http::HeaderMap) -> bool {
+    let Some(expected) = &state.admin_token else {
+        return true;
+    };
+    headers
+        .get(AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "))
+        .is_some_and(|token| expected.matches(token))
+}
+
 pub async fn require_admin(
     State(state): State<AppState>,
     request: Request,

@@ -68,7 +68,16 @@ pub fn spawn_snapshots(state: AppState) -> JoinHandle<()> {
 }
 
 async fn snapshot(state: &AppState) -> anyhow::Result<String> {
-    let stats = stats::collect(state, None).await?;
+    let mut stats = stats::collect(state, None).await?;
+    // The feed cannot carry a token (EventSource sends no headers): with one set, it
+    // shows no process ids, as /api/stats does to anyone but an admin.
+    if state.admin_token.is_some() {
+        stats.replicas = stats
+            .replicas
+            .into_iter()
+            .map(|r| r.without_pid())
+            .collect();
+    }
     let strategy = state.strategies.named(&stats.strategy)?;
     let mut locks = Vec::new();
     let mut recent: Vec<_> = stats.skus.iter().collect();

@@ -191,8 +191,7 @@ async fn run(
         Err(error) => error.outcome(),
     };
     let (name, code) = (strategy.name(), outcome.code());
-    metrics::counter!("flashsale_orders_total", "strategy" => name, "outcome" => code)
-        .increment(1);
+    metrics::counter!("flashsale_orders_total", "strategy" => name, "outcome" => code).increment(1);
     metrics::histogram!("flashsale_order_seconds", "strategy" => name, "outcome" => code)
         .record(started.elapsed().as_secs_f64());
     match placed {

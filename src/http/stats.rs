@@ -10,7 +10,7 @@ use super::ApiJson;
 use super::AppState;
 use super::error::{AppError, ErrorBody};
 use crate::model::Sku;
-use crate::store::ProductRecord;
+use crate::store::{ProductRecord, ReplicaInfo};
 
 pub use flashsale_wire::stats::{Duplicates, SkuStats, Stats};
 
@@ -57,6 +57,7 @@ pub fn sku_stats(
     ))]
 pub async fn stats(
     State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
     query: Result<Query<StatsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<ApiJson<Stats>, AppError> {
     let Query(query) = query?;
@@ -66,7 +67,16 @@ pub async fn stats(
         .map(Sku::parse)
         .transpose()
         .map_err(AppError::Invalid)?;
-    Ok(ApiJson(collect(&state, sku.as_ref()).await?))
+    let mut stats = collect(&state, sku.as_ref()).await?;
+    // Process ids are for the admins who may kill them (`kill-holder`).
+    if !super::auth::is_admin(&state, &headers) {
+        stats.replicas = stats
+            .replicas
+            .into_iter()
+            .map(ReplicaInfo::without_pid)
+            .collect();
+    }
+    Ok(ApiJson(stats))
 }
 
 /// The stats of every SKU, or of `sku` alone (404 if unknown).

@@ -190,6 +190,43 @@ fn header_of(response: &reqwest::Response, name: &str) -> String {
         .to_ascii_lowercase()
 }
 
+/// With an admin token set, replicas' process ids are the admins' (who may kill them):
+/// `/api/stats` leaves them out for anyone else, and shows them with the token.
+#[tokio::test]
+async fn replica_pids_only_for_admins() {
+    let cluster = TestCluster::start(1, &["--admin-token", TOKEN]).await;
+    let stats = |token: Option<&'static str>| {
+        // A client of its own: the cluster's sends the token with every request.
+        let mut request = crate::support::http_client().get(cluster.url(0, "/api/stats"));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        async move {
+            let stats: serde_json::Value = request
+                .send()
+                .await
+                .expect("stats")
+                .json()
+                .await
+                .expect("JSON");
+            stats["replicas"].as_array().cloned().unwrap_or_default()
+        }
+    };
+    let anonymous = stats(None).await;
+    assert!(!anonymous.is_empty());
+    assert!(
+        anonymous.iter().all(|r| r.get("pid").is_none()),
+        "{anonymous:?}"
+    );
+    let admin = stats(Some(TOKEN)).await;
+    assert!(
+        admin
+            .iter()
+            .all(|r| r["pid"].as_u64().is_some_and(|pid| pid > 0)),
+        "{admin:?}"
+    );
+}
+
 /// Secrets never reach the logs, even at debug level: not the admin token, not a
 /// wrong token someone presented, not the database password.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -131,6 +131,9 @@ impl Duplicates {
 pub struct ReplicaInfo {
     pub id: String,
     pub address: String,
+    /// The replica's process id, shown to admins only when an admin token is set
+    /// (0, and left out, otherwise); the process is told apart by `started_at`.
+    #[serde(default, skip_serializing_if = "hidden")]
     pub pid: u32,
     pub started_at: DateTime<Utc>,
     pub requests: u64,
@@ -141,6 +144,17 @@ pub struct ReplicaInfo {
     #[serde(default)]
     pub restarts: u32,
     pub last_seen: DateTime<Utc>,
+}
+
+fn hidden(pid: &u32) -> bool {
+    *pid == 0
+}
+
+impl ReplicaInfo {
+    /// The replica as someone who is not an admin sees it: without its process id.
+    pub fn without_pid(self) -> ReplicaInfo {
+        ReplicaInfo { pid: 0, ..self }
+    }
 }
 
 #[cfg(test)]
