@@ -186,6 +186,21 @@ async fn sale_on(ha: &RedisHa, fencing: bool, extra: &[&str], sku: &str) -> Test
     cluster.set_strategy("redis-lock").await;
     cluster.set_fencing(fencing).await;
     cluster.reset(sku, 1).await;
+    // Every write so far (the settings, the sale's stock and epochs) reaches the
+    // replicas before any fault: a loaded machine can lag, and a stock key missing on
+    // the promoted replica would answer 503 `unavailable`, not the lesson.
+    let mut primary = RedisHa::connection(ha.primary).await.expect("the primary");
+    let acknowledged: i64 = redis::cmd("WAIT")
+        .arg(ha.replicas.len())
+        .arg(10_000)
+        .query_async(&mut primary)
+        .await
+        .expect("WAIT");
+    assert_eq!(
+        acknowledged,
+        ha.replicas.len() as i64,
+        "the replicas caught up"
+    );
     cluster
 }
 
@@ -237,8 +252,15 @@ async fn failover_run(cluster: &TestCluster, ha: &RedisHa, fault: Value) -> Run 
                     .expect("the fault's record");
                 let deadline = Instant::now() + Duration::from_secs(20);
                 let rival = loop {
-                    let status = cluster.order(1, sku, "rival", 1).await.status();
+                    let answer = cluster.order(1, sku, "rival", 1).await;
+                    let status = answer.status();
                     if status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() >= deadline {
+                        if status == StatusCode::SERVICE_UNAVAILABLE {
+                            eprintln!(
+                                "the rival's last 503: {}",
+                                answer.text().await.unwrap_or_default()
+                            );
+                        }
                         break status;
                     }
                     tokio::time::sleep(Duration::from_millis(50)).await;
