@@ -395,3 +395,62 @@ async fn failover_to_the_replica_that_did_not_acknowledge_loses_the_lock_despite
         "one unit, two orders in MySQL"
     );
 }
+
+/// Whether `port`'s link to its primary is up (`master_link_status:up`).
+async fn replication_up(port: u16) -> bool {
+    let Some(mut connection) = RedisHa::connection(port).await else {
+        return false;
+    };
+    let info: String = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(&mut connection)
+        .await
+        .unwrap_or_default();
+    info.contains("master_link_status:up")
+}
+
+/// A failover fault withdrawn before any holder took the lock (`DELETE
+/// /api/admin/faults`) stops: replication comes back at once and nothing fails over;
+/// while it runs, a second one is refused (409), since it would resume or restore the
+/// first one's cut. Without the fault's claim, the second is armed and the DELETE only
+/// withdraws the pause: the cut lasts its whole `within_ms` (20 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_withdrawn_failover_gives_replication_back() {
+    let ha = RedisHa::start(1).await;
+    let sku = "failover-withdrawn";
+    let cluster = sale_on(&ha, true, &[], sku).await;
+    let arm = || async {
+        let fault = json!({ "failover_redis": { "sku": sku, "within_ms": 20000 } });
+        let url = cluster.url(0, "/api/admin/faults");
+        cluster
+            .http
+            .post(url)
+            .json(&fault)
+            .send()
+            .await
+            .expect("arm")
+            .status()
+    };
+    assert_eq!(arm().await, StatusCode::OK);
+    let replica = ha.replicas[0];
+    let cut = eventually(Duration::from_secs(5), || async {
+        !replication_up(replica).await
+    });
+    assert!(cut.await, "the fault cut replication");
+    assert_eq!(
+        arm().await,
+        StatusCode::CONFLICT,
+        "one failover fault at a time"
+    );
+
+    let url = cluster.url(0, "/api/admin/faults");
+    let withdrawn = cluster.http.delete(url).send().await.expect("withdraw");
+    assert_eq!(withdrawn.status(), StatusCode::NO_CONTENT);
+    let back = eventually(Duration::from_secs(8), || replication_up(replica));
+    assert!(back.await, "replication is back well before the cut's 20 s");
+    assert_eq!(
+        ha.primary_now().await,
+        Some(ha.primary),
+        "nothing failed over"
+    );
+}
