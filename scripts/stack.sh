@@ -199,8 +199,12 @@ redis_failback() {
     sleep 0.25
   done
   [ "$(sentinel_primary_port)" = "${REDIS_PORTS[0]}" ] || die "Sentinel did not fail back to ${REDIS_PORTS[0]}"
-  wait_for "the Redis pair" "$log" pair_healthy
+  wait_for "the Redis pair" "$log" replica_follows
 }
+
+# The replica follows the primary, as the replica itself reports (Sentinel's view of a
+# node it has just demoted lags by up to 10 s).
+replica_follows() { follows "$REDIS_REPLICA_PORT"; }
 
 # --- MariaDB -----------------------------------------------------------------
 
@@ -406,6 +410,16 @@ cmd_failover() {
   done
   [ "$(sentinel_primary_port)" != "$before" ] || die "Sentinel did not fail over"
   log "Redis failed over: $before -> $(sentinel_primary_port)"
+  # Sentinel turns the old primary, still up, into a replica only at its next look
+  # (up to 10 s): until then it takes writes the new primary never sees. The
+  # replicas leave it at once (they listen for Sentinel's announcement); waiting
+  # here keeps the split brain inside the fault, not in whatever runs next.
+  wait_for "the old primary $before following the new one" "$log" follows "$before"
+}
+
+# Whether the Redis on port $1 is a replica whose link to its primary is up.
+follows() {
+  redis-cli -p "$1" info replication 2>/dev/null | tr -d '\r' | grep -qx 'master_link_status:up'
 }
 
 status_line() {

@@ -14,12 +14,19 @@
 //!
 //! The Redis is either one server at a URL or the primary that Redis Sentinel names
 //! ([`Source`]). Behind Sentinel, each new connection asks Sentinel for the primary,
-//! and a connection is replaced after a failover: Sentinel closes the clients of the
-//! nodes it reconfigures (`CLIENT KILL TYPE normal`), and a demoted primary's
-//! `READONLY` answer marks the connection broken too.
+//! and the connections opened before a failover are not handed out again once
+//! Sentinel announces it (`+switch-master`, which the pool listens for, as Redisson
+//! and Lettuce do). Waiting for the old primary to say so is not enough: Sentinel
+//! turns a primary that is still up into a replica only at its next look, up to 10 s
+//! later, and until then it takes writes that the new primary never sees (two
+//! replicas would sell one SKU's stock from two copies). A demoted primary's
+//! `READONLY` answer marks a connection broken too.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
+
+use futures::StreamExt;
 
 use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
 use deadpool_redis::redis::aio::{ConnectionLike, MultiplexedConnection};
@@ -135,7 +142,12 @@ pub fn pool(url: &str, size: usize) -> anyhow::Result<Pool> {
 
 /// The same for any [`Source`].
 pub fn pool_of(source: Source, size: usize) -> anyhow::Result<Pool> {
-    Ok(managed::Pool::builder(Manager { source })
+    let manager = Manager {
+        source,
+        switches: Arc::default(),
+        watching: OnceLock::new(),
+    };
+    Ok(managed::Pool::builder(manager)
         .max_size(size)
         .wait_timeout(Some(BOUND))
         .create_timeout(Some(BOUND))
@@ -146,6 +158,19 @@ pub fn pool_of(source: Source, size: usize) -> anyhow::Result<Pool> {
 
 pub struct Manager {
     source: Source,
+    /// Failovers announced since the pool began (behind Sentinel).
+    switches: Arc<AtomicU64>,
+    /// The task that counts them, started with the first connection.
+    watching: OnceLock<Watching>,
+}
+
+/// Stops the failover watch with its pool.
+struct Watching(tokio::task::AbortHandle);
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 impl Manager {
@@ -162,6 +187,8 @@ pub struct Tracked {
     connection: MultiplexedConnection,
     broken: bool,
     unanswered: bool,
+    /// The failovers announced when it was opened.
+    switches: u64,
 }
 
 impl Tracked {
@@ -192,6 +219,15 @@ impl managed::Manager for Manager {
     type Error = RedisError;
 
     async fn create(&self) -> Result<Tracked, RedisError> {
+        if let Source::Sentinel(sentinel) = &self.source {
+            self.watching.get_or_init(|| {
+                let task = tokio::spawn(watch_failovers(sentinel.clone(), self.switches.clone()));
+                Watching(task.abort_handle())
+            });
+        }
+        // Read before asking for the primary: a failover announced meanwhile makes
+        // this connection old at once, which costs a reconnect, never a stale primary.
+        let switches = self.switches.load(Ordering::Acquire);
         Ok(Tracked {
             connection: self
                 .source
@@ -201,12 +237,16 @@ impl managed::Manager for Manager {
                 .await?,
             broken: false,
             unanswered: false,
+            switches,
         })
     }
 
     async fn recycle(&self, tracked: &mut Tracked, metrics: &Metrics) -> RecycleResult<RedisError> {
         if tracked.broken {
             return Err(RecycleError::message("the connection failed in use"));
+        }
+        if tracked.switches != self.switches.load(Ordering::Acquire) {
+            return Err(RecycleError::message("opened before a failover"));
         }
         if !tracked.unanswered && metrics.last_used() < PING_IF_IDLE_FOR {
             return Ok(());
@@ -219,6 +259,40 @@ impl managed::Manager for Manager {
             Ok(())
         } else {
             Err(RecycleError::message("unexpected answer to PING"))
+        }
+    }
+}
+
+/// Counts the failovers of `sentinel.master` that the Sentinels announce on their
+/// `+switch-master` channel (`<master> <old ip> <old port> <new ip> <new port>`). Each
+/// (re)subscription counts as one too: a failover may have come while nobody listened.
+async fn watch_failovers(sentinel: Arc<SentinelSource>, switches: Arc<AtomicU64>) {
+    loop {
+        for node in &sentinel.nodes {
+            let subscribe = async {
+                let mut pubsub = Client::open(format!("redis://{node}"))?
+                    .get_async_pubsub()
+                    .await?;
+                pubsub.subscribe("+switch-master").await?;
+                Ok::<_, RedisError>(pubsub)
+            };
+            match tokio::time::timeout(BOUND, subscribe).await {
+                Ok(Ok(pubsub)) => {
+                    switches.fetch_add(1, Ordering::AcqRel);
+                    let mut messages = pubsub.into_on_message();
+                    while let Some(message) = messages.next().await {
+                        let announced: String = message.get_payload().unwrap_or_default();
+                        if announced.split(' ').next() == Some(sentinel.master.as_str()) {
+                            switches.fetch_add(1, Ordering::AcqRel);
+                            tracing::warn!(%announced, "Redis failed over: connections to the old primary are dropped");
+                        }
+                    }
+                    tracing::warn!(node, "Sentinel subscription ended; subscribing again");
+                }
+                Ok(Err(error)) => tracing::warn!(%error, node, "cannot subscribe to Sentinel"),
+                Err(_) => tracing::warn!(node, "no answer subscribing to Sentinel"),
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
 }

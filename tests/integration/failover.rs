@@ -454,3 +454,62 @@ async fn a_withdrawn_failover_gives_replication_back() {
         "nothing failed over"
     );
 }
+
+/// Whether `port` answers `ROLE` as a primary.
+async fn is_primary(port: u16) -> bool {
+    let Some(mut connection) = RedisHa::connection(port).await else {
+        return false;
+    };
+    let role: Vec<redis::Value> = redis::cmd("ROLE")
+        .query_async(&mut connection)
+        .await
+        .unwrap_or_default();
+    matches!(role.first(), Some(redis::Value::BulkString(name)) if name == b"master")
+}
+
+/// After a failover the old primary, still up, stays a primary until Sentinel's next
+/// look at it (up to 10 s) and takes every write sent to it, writes the new primary
+/// never sees: the split brain that sold one SKU's stock twice in the fault explorer
+/// (two replicas, two copies of the stock). A pooled connection opened before the
+/// failover must not be handed out once Sentinel has announced it. Without the pool's
+/// `+switch-master` watch, the write below lands on the old primary and is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_leaves_the_old_primary_when_sentinel_announces_a_failover() {
+    use flashsale::redis_pool::{Source, pool_of};
+
+    let ha = RedisHa::start(1).await;
+    let source = Source::sentinel(&[ha.sentinel_addr()], MASTER).expect("sentinel source");
+    let pool = pool_of(source, 4).expect("pool");
+    {
+        let mut connection = pool.get().await.expect("a connection");
+        let () = connection.set("before", "1").await.expect("write before");
+    }
+    // The watch subscribes with the first connection.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (old, new) = (ha.primary, ha.replicas[0]);
+    let mut sentinel = RedisHa::connection(ha.sentinel).await.expect("sentinel");
+    let () = redis::cmd("SENTINEL")
+        .arg("FAILOVER")
+        .arg(MASTER)
+        .query_async(&mut sentinel)
+        .await
+        .expect("SENTINEL FAILOVER");
+    let switched = eventually(Duration::from_secs(10), || async {
+        ha.primary_now().await == Some(new)
+    });
+    assert!(switched.await, "Sentinel named the replica the primary");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        is_primary(old).await,
+        "the old primary is still a primary (Sentinel has not looked again yet): the window this test needs"
+    );
+
+    let mut connection = pool.get().await.expect("a connection");
+    let () = connection.set("after", "2").await.expect("write after");
+    assert_eq!(
+        RedisHa::get(new, "after").await.as_deref(),
+        Some("2"),
+        "the write after the failover reached the new primary"
+    );
+    assert_eq!(RedisHa::get(old, "after").await, None, "not the old one");
+}

@@ -224,8 +224,10 @@ impl Drop for Subscription {
 /// channel, and reconnects after Redis went away.
 async fn listen(client: Source, releases: Arc<Releases>) {
     loop {
-        // Behind Sentinel, the primary of now: after a failover Sentinel closes this
-        // connection and the next one goes to the new primary.
+        // Behind Sentinel, the primary of now. After a failover this one stays on the
+        // old primary until Sentinel turns it into a replica and closes its clients
+        // (up to 10 s); the notices missed meanwhile are hints, and waiters fall back
+        // to the keys' TTLs.
         let connect = async { client.client().await?.get_async_pubsub().await };
         match timeout(BOUND, connect).await {
             Ok(Ok(pubsub)) => {
