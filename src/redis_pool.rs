@@ -15,12 +15,15 @@
 //! The Redis is either one server at a URL or the primary that Redis Sentinel names
 //! ([`Source`]). Behind Sentinel, each new connection asks Sentinel for the primary,
 //! and the connections opened before a failover are not handed out again once
-//! Sentinel announces it (`+switch-master`, which the pool listens for, as Redisson
-//! and Lettuce do). Waiting for the old primary to say so is not enough: Sentinel
-//! turns a primary that is still up into a replica only at its next look, up to 10 s
-//! later, and until then it takes writes that the new primary never sees (two
-//! replicas would sell one SKU's stock from two copies). A demoted primary's
-//! `READONLY` answer marks a connection broken too.
+//! Sentinel names the new primary (it announces it on `+switch-master`, which the pool
+//! listens for, as Redisson and Lettuce do, and asking it once a second backs that
+//! up). Waiting for the old primary to say so is not enough: Sentinel turns a primary
+//! that is still up into a replica only at its next look, up to 10 s later, and until
+//! then it takes writes that the new primary never sees (two replicas would sell one
+//! SKU's stock from two copies). About a second remains, from the promotion to its
+//! announcement, in which writes still reach the old primary and are lost: the
+//! window fencing covers (docs/failover.md). A demoted primary's `READONLY` answer
+//! marks a connection broken too.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -263,37 +266,67 @@ impl managed::Manager for Manager {
     }
 }
 
-/// Counts the failovers of `sentinel.master` that the Sentinels announce on their
-/// `+switch-master` channel (`<master> <old ip> <old port> <new ip> <new port>`). Each
-/// (re)subscription counts as one too: a failover may have come while nobody listened.
+/// Counts the failovers of `sentinel.master`: a change of the primary that a Sentinel
+/// announces on its `+switch-master` channel (`<master> <old ip> <old port> <new ip>
+/// <new port>`, about a second after the promotion), or that asking it once a second
+/// finds (a subscription that went quiet, or a failover while nobody listened). A
+/// Sentinel that stops answering is left for the next one.
 async fn watch_failovers(sentinel: Arc<SentinelSource>, switches: Arc<AtomicU64>) {
+    let mut primary: Option<String> = None;
+    let mut moved_to = |now: String| {
+        if primary.as_ref() != Some(&now) {
+            switches.fetch_add(1, Ordering::AcqRel);
+            primary = Some(now);
+        }
+    };
     loop {
         for node in &sentinel.nodes {
-            let subscribe = async {
-                let mut pubsub = Client::open(format!("redis://{node}"))?
-                    .get_async_pubsub()
-                    .await?;
+            let listen = async {
+                let client = Client::open(format!("redis://{node}"))?;
+                let asking = client.get_multiplexed_async_connection().await?;
+                let mut pubsub = client.get_async_pubsub().await?;
                 pubsub.subscribe("+switch-master").await?;
-                Ok::<_, RedisError>(pubsub)
+                Ok::<_, RedisError>((asking, pubsub))
             };
-            match tokio::time::timeout(BOUND, subscribe).await {
-                Ok(Ok(pubsub)) => {
-                    switches.fetch_add(1, Ordering::AcqRel);
-                    let mut messages = pubsub.into_on_message();
-                    while let Some(message) = messages.next().await {
-                        let announced: String = message.get_payload().unwrap_or_default();
-                        if announced.split(' ').next() == Some(sentinel.master.as_str()) {
-                            switches.fetch_add(1, Ordering::AcqRel);
+            let (mut asking, pubsub) = match tokio::time::timeout(BOUND, listen).await {
+                Ok(Ok(listening)) => listening,
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, node, "cannot listen to Sentinel");
+                    continue;
+                }
+                Err(_) => {
+                    tracing::warn!(node, "no answer from Sentinel");
+                    continue;
+                }
+            };
+            let mut announcements = pubsub.into_on_message();
+            let mut ask = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    announced = announcements.next() => {
+                        let Some(announced) = announced else { break };
+                        let announced: String = announced.get_payload().unwrap_or_default();
+                        let mut fields = announced.split(' ');
+                        if fields.next() == Some(sentinel.master.as_str()) {
+                            let new: Vec<&str> = fields.skip(2).collect();
                             tracing::warn!(%announced, "Redis failed over: connections to the old primary are dropped");
+                            moved_to(new.join(":"));
                         }
                     }
-                    tracing::warn!(node, "Sentinel subscription ended; subscribing again");
+                    _ = ask.tick() => {
+                        let mut question = redis::cmd("SENTINEL");
+                        question.arg("GET-MASTER-ADDR-BY-NAME").arg(&sentinel.master);
+                        let asked = question.query_async::<(String, String)>(&mut asking);
+                        match tokio::time::timeout(BOUND, asked).await {
+                            Ok(Ok((host, port))) => moved_to(format!("{host}:{port}")),
+                            _ => break,
+                        }
+                    }
                 }
-                Ok(Err(error)) => tracing::warn!(%error, node, "cannot subscribe to Sentinel"),
-                Err(_) => tracing::warn!(node, "no answer subscribing to Sentinel"),
             }
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            tracing::warn!(node, "lost Sentinel; listening to the next one");
         }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
