@@ -108,6 +108,17 @@ pub struct Backends {
     #[arg(long, env = "FLASHSALE_LOCK_LEASE_MS", default_value_t = 10000,
           value_parser = clap::value_parser!(u64).range(crate::lock::LEASE_MS_BOUNDS))]
     pub lock_lease_ms: u64,
+
+    /// redis-lock: replicas that must acknowledge the lock's `SET` (`WAIT`), as for
+    /// `flashsale serve`; 0, no `WAIT`.
+    #[arg(long, env = "FLASHSALE_REDIS_LOCK_WAIT_REPLICAS", default_value_t = 0,
+          value_parser = clap::value_parser!(u32).range(0..=16))]
+    pub redis_lock_wait_replicas: u32,
+
+    /// How long redis-lock's `WAIT` waits, in milliseconds, as for `flashsale serve`.
+    #[arg(long, env = "FLASHSALE_REDIS_LOCK_WAIT_TIMEOUT_MS", default_value_t = 100,
+          value_parser = clap::value_parser!(u64).range(1..=400))]
+    pub redis_lock_wait_timeout_ms: u64,
 }
 
 impl Backends {
@@ -123,6 +134,14 @@ impl Backends {
             ("FLASHSALE_ETCD", self.etcd.clone()),
             ("FLASHSALE_ZK_SESSION_MS", self.zk_session_ms.to_string()),
             ("FLASHSALE_LOCK_LEASE_MS", self.lock_lease_ms.to_string()),
+            (
+                "FLASHSALE_REDIS_LOCK_WAIT_REPLICAS",
+                self.redis_lock_wait_replicas.to_string(),
+            ),
+            (
+                "FLASHSALE_REDIS_LOCK_WAIT_TIMEOUT_MS",
+                self.redis_lock_wait_timeout_ms.to_string(),
+            ),
         ]
     }
 

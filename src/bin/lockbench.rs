@@ -393,7 +393,9 @@ async fn contender_main(cli: &Cli, lock: LockKind, who: usize) -> anyhow::Result
         LockKind::RedisLock => {
             let client = redis::Client::open(backends.redis_url.as_str())?;
             let pool = redis_pool(&backends.redis_url)?;
-            let lock = RedisLock::new(client, pool, &names.namespace, &owner, lease);
+            let wait = Duration::from_millis(backends.redis_lock_wait_timeout_ms);
+            let lock = RedisLock::new(client, pool, &names.namespace, &owner, lease)
+                .with_wait_replicas(backends.redis_lock_wait_replicas, wait);
             run.contend(&lock).await?
         }
         LockKind::DbUnique => {
