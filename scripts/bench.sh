@@ -52,10 +52,11 @@
 #   BENCH_STACK_DIR (the services' pidfiles, for the CPU table; default .stack);
 #   BENCH_DOC, the document written (default BENCHMARKS.md; scripts/test.sh runs a
 #   small lockbench section into a scratch file, so the pipeline cannot rot).
-# Every run is bounded in time; the whole default run takes about thirty-seven
+# Every run is bounded in time; the whole default run takes about thirty-eight
 # minutes after the build (four for lockbench and the peers, five for the orders,
-# fourteen for the latency (per strategy and repeat: 6 s of capacity, 10 s of open
-# model, 2 s around them), eight for the 16 SKUs (five with BENCH_MODES=cohort),
+# fifteen for the latency (per strategy and repeat: 1 s warm-up, 5 s of capacity, 10 s
+# of open model, about 3 s around them; a strategy whose orders time out adds the
+# load test's 15 s timeout), eight for the 16 SKUs (five with BENCH_MODES=cohort),
 # three and a half for the round trips, two for the recovery). Five repeats,
 # because three left a goal's verdict to one noisy round.
 set -euo pipefail
