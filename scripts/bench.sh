@@ -18,13 +18,21 @@
 #               `none` with one connection in the same repeat; from the same runs,
 #               where a lock strategy's time per order goes (the replicas' step
 #               histograms) and each process's CPU time per order (/proc)
+#   latency     per strategy (a lock with the cohort layer on), its capacity measured
+#               as in `orders` (wrk, counted in MySQL), then at 80 % of it an open
+#               model (`loadtest --rate`) on the same hot SKU: p50, p99 and p99.9
+#               from when each order was due (scripts/bench/latency.sh)
+#   skus        the `orders` runs again with every request buying the next of 16
+#               SKUs, as a ratio to `none` on the same SKUs with the same connections
+#               in the same repeat (scripts/bench/skus.sh)
 #   roundtrips  requests per order sold to each backing service (Redis, MariaDB,
 #               ZooKeeper, etcd), from the servers' own counters, per strategy, each
 #               lock with the cohort layer on and off (scripts/bench/cost.sh)
 #   recovery    per lock strategy, from `kill -9` of the replica holding the lock to
 #               the next order another replica sells, with the README demo's lease
 #
-#   scripts/bench.sh [--no-stack] lockbench|orders|roundtrips|recovery   only those
+#   scripts/bench.sh [--no-stack] lockbench|orders|latency|skus|roundtrips|recovery
+#                                 only those
 #
 # Settings, from the environment:
 #   BENCH_CONTENDERS (8), BENCH_SECONDS (3), BENCH_REPEAT (5),
@@ -37,14 +45,19 @@
 #   with the cohort layer on and off; "cohort": on only), BENCH_BIN_DIR (default target/release: the
 #   binaries measured; any other folder is used as it is, without a build: scripts/test.sh
 #   points it at the debug build its tests made, so the workspace is not built twice),
-#   BENCH_RT_ORDERS (200), BENCH_RT_CONCURRENCY (30), BENCH_RT_REPEAT (3),
+#   BENCH_LATENCY_SECONDS (10: each open model's arrivals), BENCH_LATENCY_LOAD (0.8:
+#   the share of the capacity offered), BENCH_LOADTEST (default BIN_DIR/loadtest),
+#   BENCH_SKU_COUNT (16), BENCH_RT_ORDERS (200), BENCH_RT_CONCURRENCY (30), BENCH_RT_REPEAT (3),
 #   BENCH_RECOVERY_REPEAT (3), BENCH_RECOVERY_LOCKS (the six lock strategies),
 #   BENCH_STACK_DIR (the services' pidfiles, for the CPU table; default .stack);
 #   BENCH_DOC, the document written (default BENCHMARKS.md; scripts/test.sh runs a
 #   small lockbench section into a scratch file, so the pipeline cannot rot).
-# Every run is bounded in time; the whole default run takes about fifteen minutes
-# after the build (four for lockbench and the peers, five for the orders, three and a
-# half for the round trips, two for the recovery). Five repeats,
+# Every run is bounded in time; the whole default run takes about thirty-eight
+# minutes after the build (four for lockbench and the peers, five for the orders,
+# fifteen for the latency (per strategy and repeat: 1 s warm-up, 5 s of capacity, 10 s
+# of open model, about 3 s around them; a strategy whose orders time out adds the
+# load test's 15 s timeout), eight for the 16 SKUs (five with BENCH_MODES=cohort),
+# three and a half for the round trips, two for the recovery). Five repeats,
 # because three left a goal's verdict to one noisy round.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -59,7 +72,7 @@ sections=()
 for arg in "$@"; do
   case "$arg" in
     --no-stack) use_stack=0 ;;
-    lockbench | orders | roundtrips | recovery) sections+=("$arg") ;;
+    lockbench | orders | latency | skus | roundtrips | recovery) sections+=("$arg") ;;
     -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$arg' (see --help)" ;;
   esac
@@ -238,10 +251,12 @@ EOF
 }
 
 source scripts/bench/orders.sh
+source scripts/bench/latency.sh
+source scripts/bench/skus.sh
 source scripts/bench/services.sh
 source scripts/bench/cost.sh
 
-[ ${#sections[@]} -gt 0 ] || sections=(lockbench orders roundtrips recovery)
+[ ${#sections[@]} -gt 0 ] || sections=(lockbench orders latency skus roundtrips recovery)
 for section in "${sections[@]}"; do
   "section_$section"
 done

@@ -23,11 +23,14 @@ admin() {
   curl -sf -X "$1" -H 'content-type: application/json' "http://127.0.0.1:$PORT$2" -d "$3" >/dev/null
 }
 
+# The SKUs `measure` buys and counts: $SKU, or the comma list $SKUS when a section
+# sets it (`local SKUS=a,b`: bash's locals reach the functions the section calls).
 orders_of_sku() {
   curl -sf "http://127.0.0.1:$PORT/api/stats" | python3 -c '
 import json, sys
 stats = json.load(sys.stdin)
-print(next((s["orders"] for s in stats["skus"] if s["sku"] == sys.argv[1]), 0))' "$SKU"
+wanted = sys.argv[1].split(",")
+print(sum(s["orders"] for s in stats["skus"] if s["sku"] in wanted))' "${SKUS:-$SKU}"
 }
 
 # measure CONNECTIONS SECONDS LABEL REPEAT PORT...: wrk against every PORT at once;
@@ -38,7 +41,7 @@ measure() {
   local before after port pids=() non2xx=0 n
   before=$(orders_of_sku)
   for port in "$@"; do
-    BENCH_SKU=$SKU BENCH_WORKER="${label// /-}-$repeat-$port" BENCH_RUN=$RUN_STAMP \
+    BENCH_SKU=$SKU BENCH_SKUS=${SKUS:-} BENCH_WORKER="${label// /-}-$repeat-$port" BENCH_RUN=$RUN_STAMP \
       BENCH_KEYED=$([[ $label == *" keyed" ]] && echo 1 || echo 0) timeout $((seconds + 30)) \
       wrk -t1 -c"$connections" -d"${seconds}s" -s scripts/bench/order.lua \
       "http://127.0.0.1:$port" >"$WORK/wrk-$port.txt" 2>&1 &

@@ -12,6 +12,11 @@ so that a row adds up:
                                 the lock
   orders_table.py cpu RUNS N S  CPU time per order by process over runs of S seconds,
                                 and the most orders/s N cores could give at that cost
+  orders_table.py latency RUNS  the open model at a share of each strategy's capacity
+                                (scripts/bench/latency.sh): rates, p50/p99/p99.9
+                                against the goal, the cores' use
+  orders_table.py skus RUNS     orders/s on many SKUs (JSON lines from `measure`) and
+                                the ratio to `none` on the same SKUs in the same repeat
 
 """
 import json
@@ -26,6 +31,10 @@ GOALS = {
 STEPS = ["read", "check", "commit", "cache_write", "release"]
 GROUPS = ["replicas", "redis", "mariadb", "zookeeper", "etcd"]
 BASE = "none, 1 connection (the base)"
+# The open model's goal (issue 42), every strategy alike.
+GOAL_P99_MS = 25
+# On many SKUs (issue 42): every strategy against `none` with the same connections.
+GOAL_SKUS = 0.8
 
 
 def spread(values, digits):
@@ -192,8 +201,69 @@ def cpu(runs, cores, seconds):
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
+def lines(path):
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def latency(path):
+    """One row per strategy: its capacity and the open model's rates, latency and
+    cost, each the median (min-max) of the repeats that ran."""
+    hz = os.sysconf("SC_CLK_TCK")
+    runs = lines(path)
+    print("| strategy | capacity orders/s | offered orders/s | sold orders/s | p50 ms | p99 ms"
+          " | p99.9 ms | goal | busy | errors | cores busy % | load test ms/order | runs |")
+    print("|---" * 13 + "|")
+    for name in names(runs):
+        mine = [r for r in runs if r["strategy"] == name]
+        done = [r for r in mine if not r.get("failed")]
+        figures = {key: [] for key in ("sold", "p50", "p99", "p999", "refused", "errors", "busy", "cpu")}
+        for r in done:
+            run, before, after = r["run"], r["before"], r["after"]
+            figures["sold"].append(run["orders_per_s"])
+            for key in ("p50", "p99", "p999"):
+                if run["latency_ms"].get(key) is not None:
+                    figures[key].append(run["latency_ms"][key])
+            figures["refused"].append(run["busy"])
+            figures["errors"].append(run["errors"] + run["sold_out"])
+            window = after["total"] - before["total"]
+            if window > 0:
+                figures["busy"].append(100 * (after["busy"] - before["busy"]) / window)
+            if run["orders"] > 0:
+                figures["cpu"].append((after["harness"] - before["harness"]) / hz * 1000 / run["orders"])
+        cells = [spread([r["capacity"] for r in mine], 0),
+                 spread([r["rate"] for r in mine if "rate" in r], 0),
+                 spread(figures["sold"], 0), spread(figures["p50"], 2),
+                 spread(figures["p99"], 2), spread(figures["p999"], 2),
+                 f"p99 ≤ {GOAL_P99_MS} ms", spread(figures["refused"], 0),
+                 spread(figures["errors"], 0),
+                 spread(figures["busy"], 0), spread(figures["cpu"], 2),
+                 f"{len(done)}/{len(mine)}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def skus(path):
+    """Orders/s per strategy and its ratio to `none` in the same repeat."""
+    runs = lines(path)
+    measure = {r["repeat"]: r["orders_per_s"] for r in runs if r["strategy"] == "none"}
+    print("| strategy | orders/s | ÷ none, same connections and SKUs | goal | non-2xx answers/s |")
+    print("|---|---|---|---|---|")
+    for name in names(runs):
+        mine = [r for r in runs if r["strategy"] == name]
+        shares = [r["orders_per_s"] / measure[r["repeat"]] for r in mine if measure.get(r["repeat"])]
+        judged = name != "none" and not name.endswith(" classic")
+        goal = f"≥ {GOAL_SKUS:.1f}" if judged else "—"
+        print(f"| {name} | {spread([r['orders_per_s'] for r in mine], 0)} | {spread(shares, 2)}"
+              f" | {goal} | {spread([r['non_2xx_per_s'] for r in mine], 0)} |")
+
+
 if __name__ == "__main__":
     mode, path = sys.argv[1], sys.argv[2]
+    if mode == "latency":
+        latency(path)
+        sys.exit()
+    if mode == "skus":
+        skus(path)
+        sys.exit()
     runs = load(path)
     if mode == "ratios":
         ratios(runs)

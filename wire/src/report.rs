@@ -143,5 +143,9 @@ pub struct Latency {
     pub p50: f64,
     pub p90: f64,
     pub p99: f64,
+    /// The 99.9th percentile: at 80 % of capacity the tail that p99 does not yet show
+    /// (`scripts/bench.sh latency`); `None` in reports older than the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p999: Option<f64>,
     pub max: f64,
 }
