@@ -14,19 +14,18 @@
 //!
 //! The Redis is either one server at a URL or the primary that Redis Sentinel names
 //! ([`Source`]). Behind Sentinel, each new connection asks Sentinel for the primary,
-//! and the connections opened before a failover are not handed out again once
-//! Sentinel names the new primary (it announces it on `+switch-master`, which the pool
-//! listens for, as Redisson and Lettuce do, and asking it once a second backs that
-//! up). Waiting for the old primary to say so is not enough: Sentinel turns a primary
-//! that is still up into a replica only at its next look, up to 10 s later, and until
-//! then it takes writes that the new primary never sees (two replicas would sell one
-//! SKU's stock from two copies). About a second remains, from the promotion to its
-//! announcement, in which writes still reach the old primary and are lost: the
+//! and a connection to any node but the primary Sentinel names now is not handed out
+//! (the pool learns the primary from Sentinel's `+switch-master` announcements, as
+//! Redisson and Lettuce do, and from asking it once a second). Waiting for the old
+//! primary to say so is not enough: Sentinel turns a primary that is still up into a
+//! replica only at its next look, up to 10 s later, and until then it takes writes
+//! that the new primary never sees (two replicas would sell one SKU's stock from two
+//! copies). A moment remains, from the promotion until the pool hears of it (up to
+//! about a second), in which writes still reach the old primary and are lost: the
 //! window fencing covers (docs/failover.md). A demoted primary's `READONLY` answer
 //! marks a connection broken too.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -147,7 +146,7 @@ pub fn pool(url: &str, size: usize) -> anyhow::Result<Pool> {
 pub fn pool_of(source: Source, size: usize) -> anyhow::Result<Pool> {
     let manager = Manager {
         source,
-        switches: Arc::default(),
+        primary: Arc::default(),
         watching: OnceLock::new(),
     };
     Ok(managed::Pool::builder(manager)
@@ -161,9 +160,10 @@ pub fn pool_of(source: Source, size: usize) -> anyhow::Result<Pool> {
 
 pub struct Manager {
     source: Source,
-    /// Failovers announced since the pool began (behind Sentinel).
-    switches: Arc<AtomicU64>,
-    /// The task that counts them, started with the first connection.
+    /// Behind Sentinel, the primary's `host:port` as the watch last learnt it (`None`
+    /// until it has): a connection to any other node is not handed out.
+    primary: Arc<RwLock<Option<String>>>,
+    /// The task that keeps it, started with the first connection.
     watching: OnceLock<Watching>,
 }
 
@@ -182,6 +182,15 @@ impl Manager {
     pub fn source(&self) -> &Source {
         &self.source
     }
+
+    /// Whether `address` may be used: the primary the watch knows, or any node while
+    /// it knows none (a URL, or a watch that has not heard from Sentinel yet).
+    fn is_primary(&self, address: &str) -> bool {
+        match self.primary.read() {
+            Ok(primary) => primary.as_deref().is_none_or(|primary| primary == address),
+            Err(_) => true,
+        }
+    }
 }
 
 /// A pooled connection, whether it failed in use, and whether a command sent on it
@@ -190,8 +199,8 @@ pub struct Tracked {
     connection: MultiplexedConnection,
     broken: bool,
     unanswered: bool,
-    /// The failovers announced when it was opened.
-    switches: u64,
+    /// The `host:port` it was opened to.
+    address: String,
 }
 
 impl Tracked {
@@ -224,23 +233,26 @@ impl managed::Manager for Manager {
     async fn create(&self) -> Result<Tracked, RedisError> {
         if let Source::Sentinel(sentinel) = &self.source {
             self.watching.get_or_init(|| {
-                let task = tokio::spawn(watch_failovers(sentinel.clone(), self.switches.clone()));
+                let task = tokio::spawn(watch_failovers(sentinel.clone(), self.primary.clone()));
                 Watching(task.abort_handle())
             });
         }
-        // Read before asking for the primary: a failover announced meanwhile makes
-        // this connection old at once, which costs a reconnect, never a stale primary.
-        let switches = self.switches.load(Ordering::Acquire);
+        let client = self.source.client().await?;
+        let address = client.get_connection_info().addr().to_string();
+        // Sentinel's lookup (`SENTINEL MASTERS`) can name the old primary for a moment
+        // after its `GET-MASTER-ADDR-BY-NAME`, which the watch asks, names the new one.
+        if !self.is_primary(&address) {
+            return Err(RedisError::from((
+                ErrorKind::Io,
+                "Sentinel is failing the Redis over",
+                format!("{address} is no longer the primary"),
+            )));
+        }
         Ok(Tracked {
-            connection: self
-                .source
-                .client()
-                .await?
-                .get_multiplexed_async_connection()
-                .await?,
+            connection: client.get_multiplexed_async_connection().await?,
             broken: false,
             unanswered: false,
-            switches,
+            address,
         })
     }
 
@@ -248,8 +260,10 @@ impl managed::Manager for Manager {
         if tracked.broken {
             return Err(RecycleError::message("the connection failed in use"));
         }
-        if tracked.switches != self.switches.load(Ordering::Acquire) {
-            return Err(RecycleError::message("opened before a failover"));
+        if !self.is_primary(&tracked.address) {
+            return Err(RecycleError::message(
+                "opened to a primary since failed over",
+            ));
         }
         if !tracked.unanswered && metrics.last_used() < PING_IF_IDLE_FOR {
             return Ok(());
@@ -266,17 +280,18 @@ impl managed::Manager for Manager {
     }
 }
 
-/// Counts the failovers of `sentinel.master`: a change of the primary that a Sentinel
-/// announces on its `+switch-master` channel (`<master> <old ip> <old port> <new ip>
-/// <new port>`, about a second after the promotion), or that asking it once a second
-/// finds (a subscription that went quiet, or a failover while nobody listened). A
+/// Keeps `primary`, the `host:port` of `sentinel.master`'s primary: announced by a
+/// Sentinel on its `+switch-master` channel (`<master> <old ip> <old port> <new ip>
+/// <new port>`, about a second after the promotion), and asked of it once a second
+/// besides (a subscription that went quiet, a failover while nobody listened). A
 /// Sentinel that stops answering is left for the next one.
-async fn watch_failovers(sentinel: Arc<SentinelSource>, switches: Arc<AtomicU64>) {
-    let mut primary: Option<String> = None;
-    let mut moved_to = |now: String| {
-        if primary.as_ref() != Some(&now) {
-            switches.fetch_add(1, Ordering::AcqRel);
-            primary = Some(now);
+async fn watch_failovers(sentinel: Arc<SentinelSource>, primary: Arc<RwLock<Option<String>>>) {
+    let moved_to = |now: String| {
+        if let Ok(mut known) = primary.write()
+            && known.as_ref() != Some(&now)
+        {
+            tracing::warn!(primary = %now, "the Redis primary is now here: connections elsewhere are dropped");
+            *known = Some(now);
         }
     };
     loop {
@@ -309,7 +324,6 @@ async fn watch_failovers(sentinel: Arc<SentinelSource>, switches: Arc<AtomicU64>
                         let mut fields = announced.split(' ');
                         if fields.next() == Some(sentinel.master.as_str()) {
                             let new: Vec<&str> = fields.skip(2).collect();
-                            tracing::warn!(%announced, "Redis failed over: connections to the old primary are dropped");
                             moved_to(new.join(":"));
                         }
                     }

@@ -484,8 +484,8 @@ async fn a_pool_leaves_the_old_primary_when_sentinel_announces_a_failover() {
         let mut connection = pool.get().await.expect("a connection");
         let () = connection.set("before", "1").await.expect("write before");
     }
-    // The watch starts with the first connection (and drops it once it has asked
-    // Sentinel); the connection the pool keeps is opened after that.
+    // The watch starts with the first connection and learns the primary from
+    // Sentinel; the pool keeps a connection to it.
     tokio::time::sleep(Duration::from_millis(500)).await;
     {
         let mut connection = pool.get().await.expect("a connection");
@@ -527,7 +527,8 @@ async fn a_pool_leaves_the_old_primary_when_sentinel_announces_a_failover() {
 /// runtime it could still be restoring one trial's nodes when the next trial's took
 /// their ports), fencing off; counts the trials that lost the held lock (the fault's
 /// record), those that sold the unit twice (MySQL), and how long after the promotion
-/// the rival's order was answered.
+/// the rival's order was answered (an upper bound: the rival starts once the fault's
+/// record is on the new primary, and retries a 503 every 50 ms).
 ///
 ///     cargo test --release --test integration failover_trials -- --ignored --nocapture
 #[test]
@@ -548,7 +549,9 @@ fn failover_trials() {
         ),
         ("WAIT 1, two replicas", 2, &wait, json!({})),
     ];
-    println!("| setting | trials | lock lost | two orders for one unit | rival's answer (count) | rival answered after the promotion, ms: median (min–max) |");
+    println!(
+        "| setting | trials | lock lost | two orders for one unit | rival's answer (count) | rival answered after the promotion, ms: median (min–max) |"
+    );
     println!("|---|---|---|---|---|---|");
     for (label, replicas, extra, fault) in settings {
         let (mut lost, mut doubled, mut after) = (0, 0, Vec::new());
@@ -577,7 +580,7 @@ fn failover_trials() {
             // Every task of the trial (the fault's among them) ends here.
             drop(runtime);
             lost += usize::from(was_lost);
-            doubled += usize::from(orders == 2);
+            doubled += usize::from(orders >= 2);
             *answers.entry(rival.as_u16()).or_insert(0) += 1;
             after.push(ms);
         }
