@@ -190,17 +190,25 @@ async fn sale_on(ha: &RedisHa, fencing: bool, extra: &[&str], sku: &str) -> Test
     // replicas before any fault: a loaded machine can lag, and a stock key missing on
     // the promoted replica would answer 503 `unavailable`, not the lesson.
     let mut primary = RedisHa::connection(ha.primary).await.expect("the primary");
-    let acknowledged: i64 = redis::cmd("WAIT")
-        .arg(ha.replicas.len())
-        .arg(10_000)
-        .query_async(&mut primary)
+    // WAIT waits for this connection's own writes (the replication offset of its last
+    // one): without a write of its own it returns at once, whatever the replicas lack.
+    // A write now comes after every write so far in the primary's stream.
+    let () = primary
+        .set("failover-test:barrier", 1)
         .await
-        .expect("WAIT");
-    assert_eq!(
-        acknowledged,
-        ha.replicas.len() as i64,
-        "the replicas caught up"
-    );
+        .expect("a write to wait for");
+    // Short WAITs, under the client's bound on an answer (a longer one ends as an
+    // error, not as a count).
+    let caught_up = eventually(Duration::from_secs(10), || async {
+        let acknowledged: i64 = redis::cmd("WAIT")
+            .arg(ha.replicas.len())
+            .arg(300)
+            .query_async(&mut primary.clone())
+            .await
+            .unwrap_or(0);
+        acknowledged == ha.replicas.len() as i64
+    });
+    assert!(caught_up.await, "the replicas caught up");
     cluster
 }
 
