@@ -75,6 +75,7 @@ impl Server {
             lock_wait: config.lock_wait(),
             lock_lease: config.lock_lease(),
             lock_waiters: AtomicU64::new(0),
+            combining: Default::default(),
         });
         let state = AppState {
             flow: flow.clone(),

@@ -230,17 +230,27 @@ function setUpControls() {
     }
   });
 
-  document.getElementById("cohort-toggle").addEventListener("change", async (event) => {
-    const enabled = event.target.checked;
+  const switchCohort = async (enabled, combine) => {
+    const toggle = document.getElementById("cohort-toggle");
     try {
-      await api("PUT", "/api/admin/cohort", { enabled });
-      say(enabled
-        ? "Cohort on: a replica's requests for a SKU queue locally and the holder hands the lock to the next one, up to 8 in a row, instead of releasing it."
-        : "Cohort off: every order takes the lock from the lock service and gives it back.");
+      await api("PUT", "/api/admin/cohort", { enabled, combine: enabled ? combine : 1 });
+      say(!enabled
+        ? "Cohort off: every order takes the lock from the lock service and gives it back."
+        : combine > 1
+          ? `Cohort on, combining ${combine}: a lock holder sells up to ${combine} orders queued for its SKU in its replica in one critical section.`
+          : "Cohort on: a replica's requests for a SKU queue locally and the holder hands the lock to the next one, up to 8 in a row, instead of releasing it.");
     } catch (error) {
-      event.target.checked = !enabled;
+      toggle.checked = !enabled;
       say(`Could not switch the cohort layer: ${error.message}`, true);
     }
+  };
+  document.getElementById("cohort-toggle").addEventListener("change", (event) =>
+    switchCohort(event.target.checked, Number(document.getElementById("combine").value) || 1));
+  document.getElementById("combine").addEventListener("change", (event) => {
+    const combine = Math.min(64, Math.max(1, Math.round(Number(event.target.value)) || 1));
+    event.target.value = combine;
+    if (combine > 1) document.getElementById("cohort-toggle").checked = true;
+    switchCohort(document.getElementById("cohort-toggle").checked, combine);
   });
 
   document.getElementById("fault-form").addEventListener("submit", async (event) => {
@@ -417,8 +427,13 @@ function onSnapshot(snapshot) {
   if (typeof stats.cohort === "boolean") {
     const cohort = document.getElementById("cohort-toggle");
     if (document.activeElement !== cohort) cohort.checked = stats.cohort;
-    document.getElementById("cohort-state").textContent = stats.cohort
-      ? "on: local requests queue, the lock is handed on (up to 8 in a row)" : "off: every order asks the lock service";
+    const combine = document.getElementById("combine");
+    if (typeof stats.combine === "number" && document.activeElement !== combine) combine.value = stats.combine;
+    document.getElementById("cohort-state").textContent = !stats.cohort
+      ? "off: every order asks the lock service"
+      : (stats.combine || 1) > 1
+        ? `on, combining up to ${stats.combine} orders per critical section`
+        : "on: local requests queue, the lock is handed on (up to 8 in a row)";
   }
   document.getElementById("fault-state").textContent = stats.pause_armed_ms
     ? `armed: the next holder stalls ${span(stats.pause_armed_ms)} (${(stats.pause_armed_at || "before_commit").replace("_", " ")})` : "";
@@ -515,7 +530,8 @@ function renderRace(sku, sections, failover) {
     title.textContent = `${s.replica} ${s.strategy}: ${s.outcome}, ${(s.end_ms - s.start_ms).toFixed(1)} ms` +
       (lostToFailover[i] ? ", lock lost to the Redis failover" : "") +
       (s.fence === null ? "" : `, token ${s.fence}`) + (s.order_id === null ? "" : `, order ${s.order_id}`) +
-      (s.handed_over ? ", lock handed over by the replica's previous holder" : "");
+      (s.handed_over ? ", lock handed over by the replica's previous holder" : "") +
+      ((s.orders || 1) > 1 ? `, ${s.orders} orders combined in this one section` : "");
     bar.appendChild(title);
   });
   if (promotedAt >= t0 && promotedAt <= t1) {
@@ -529,10 +545,14 @@ function renderRace(sku, sections, failover) {
   const staleSales = stale.filter(Boolean).length;
   const attempts = attempt.filter(Boolean).length;
   const handed = sections.filter((s) => s.handed_over).length;
+  const combined = sections.filter((s) => (s.orders || 1) > 1);
   document.getElementById("race-legend").textContent =
     `${overlaps} of ${sections.length} sections overlap another · green: sold · grey: sold out · red: refused (lock lost or fenced)` +
     (attempts ? ` · dashed: ${attempts} attempt(s) without a lock (optimistic, redis-atomic), which may overlap` : "") +
     (handed ? ` · pale: ${handed} section(s) whose lock was handed over within the replica (cohort), not acquired` : "") +
+    (combined.length
+      ? ` · ${combined.length} section(s) sold ${combined.reduce((n, s) => n + s.orders, 0)} orders combined (hover for each one's count)`
+      : "") +
     (staleSales ? ` · striped: ${staleSales} stale holder(s) sold after their lock had gone` : "") +
     (lostToFailover.some(Boolean)
       ? ` · ${lostToFailover.filter(Boolean).length} of them lost the lock to the Redis failover (the promoted replica never had it)`

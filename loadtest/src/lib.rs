@@ -86,8 +86,8 @@ pub async fn run(
     if let Some(switch) = options.fencing {
         service.set_fencing(switch == Switch::On).await?;
     }
-    if let Some(switch) = options.cohort {
-        service.set_cohort(switch == Switch::On).await?;
+    if let Some(setting) = options::cohort_setting(options.cohort, options.combine)? {
+        service.set_cohort(setting).await?;
     }
     let switches = Switches::of(&service.stats(None).await?);
     let mut runs = Vec::new();
@@ -125,6 +125,7 @@ pub async fn run(
 pub(crate) struct Switches {
     pub fencing: bool,
     pub cohort: Option<bool>,
+    pub combine: Option<u16>,
     pub provenance: flashsale_wire::report::Provenance,
 }
 
@@ -133,6 +134,7 @@ impl Switches {
         Switches {
             fencing: stats.fencing,
             cohort: stats.cohort,
+            combine: stats.combine,
             provenance: provenance::of(stats),
         }
     }
@@ -161,6 +163,7 @@ pub(crate) fn load_config(
         }),
         fencing: switches.fencing,
         cohort: switches.cohort,
+        combine: switches.combine,
         repeat: options.repeat,
         rate: options.rate,
         parts: options.part.map_or(1, |part| part.of),

@@ -146,12 +146,13 @@ fn first_number(parts: &BTreeMap<u32, PartialReport>) -> Option<u32> {
     parts.keys().next().copied()
 }
 
-/// Every setting but the switches (fencing, cohort), which part 1 sets and the others
+/// Every setting but the switches (fencing, cohort, combining), which part 1 sets and the others
 /// only observe.
 fn same_settings(a: &LoadConfig, b: &LoadConfig) -> bool {
     LoadConfig {
         fencing: b.fencing,
         cohort: b.cohort,
+        combine: b.combine,
         // Each part ran on its own machine.
         provenance: b.provenance.clone(),
         ..a.clone()
@@ -245,6 +246,7 @@ mod tests {
             fault: None,
             fencing: false,
             cohort: Some(true),
+            combine: None,
             repeat: 1,
             rate: None,
             parts: 2,

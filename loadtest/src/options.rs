@@ -116,6 +116,12 @@ pub struct Options {
     #[arg(long, value_enum)]
     pub cohort: Option<Switch>,
 
+    /// Switch the cohort layer on with combining: a lock holder sells up to N orders
+    /// queued for its SKU in its replica in one critical section (1: the layer on,
+    /// without combining). Cannot go with `--cohort off` above 1.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub combine: Option<u16>,
+
     /// Run every strategy this many times (interleaved: all strategies, then all
     /// again); the table shows each figure's median and min-max.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
@@ -239,4 +245,21 @@ pub enum Fault {
 pub enum Switch {
     On,
     Off,
+}
+
+/// The cohort switch to set before the runs, from `--cohort` and `--combine`: `None`
+/// leaves the cluster as it is.
+pub fn cohort_setting(
+    cohort: Option<Switch>,
+    combine: Option<u16>,
+) -> anyhow::Result<Option<(bool, u16)>> {
+    Ok(match (cohort, combine) {
+        (None, None) => None,
+        (Some(switch), None) => Some((switch == Switch::On, 1)),
+        (Some(Switch::Off), Some(n)) if n > 1 => {
+            anyhow::bail!("--combine {n} needs the cohort layer; it cannot go with --cohort off")
+        }
+        (Some(Switch::Off), Some(_)) => Some((false, 1)),
+        (_, Some(n)) => Some((true, n)),
+    })
 }

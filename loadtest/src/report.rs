@@ -335,11 +335,15 @@ pub fn markdown(report: &LoadReport) -> String {
         )),
     );
     if let Some(cohort) = c.cohort {
-        let cohort = if cohort {
-            "on (a replica's requests for a SKU queue locally and the holder hands the \
-             lock to the next one, up to 8 in a row)"
-        } else {
-            "off (every order takes the lock from the lock service)"
+        let cohort = match (cohort, c.combine.unwrap_or(1)) {
+            (false, _) => "off (every order takes the lock from the lock service)".to_owned(),
+            (true, 1) => "on (a replica's requests for a SKU queue locally and the holder \
+                          hands the lock to the next one, up to 8 in a row)"
+                .to_owned(),
+            (true, n) => format!(
+                "on, combining (a lock holder sells up to {n} orders queued for its SKU in \
+                 its replica in one critical section)"
+            ),
         };
         let _ = writeln!(md, "Cohort layer: {cohort}.\n");
     }
@@ -566,6 +570,7 @@ mod tests {
                 fault: None,
                 fencing: false,
                 cohort: None,
+                combine: None,
                 repeat: 1,
                 rate: None,
                 parts: 1,

@@ -168,10 +168,10 @@ impl Service {
         Ok(())
     }
 
-    pub async fn set_cohort(&self, enabled: bool) -> anyhow::Result<()> {
+    pub async fn set_cohort(&self, (enabled, combine): (bool, u16)) -> anyhow::Result<()> {
         self.http
             .put(self.admin_url("/api/admin/cohort"))
-            .json(&json!({ "enabled": enabled }))
+            .json(&json!({ "enabled": enabled, "combine": combine }))
             .send()
             .await?
             .error_for_status()

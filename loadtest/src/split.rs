@@ -233,13 +233,14 @@ pub async fn run_part(
         "part {}/{}: doors open in {lead:.1} s",
         part.number, part.of
     );
-    if part.coordinates() && (options.fencing.is_some() || options.cohort.is_some()) {
+    let cohort = crate::options::cohort_setting(options.cohort, options.combine)?;
+    if part.coordinates() && (options.fencing.is_some() || cohort.is_some()) {
         sleep_until(minus(doors_open, PREPARE_LEAD)).await;
         if let Some(switch) = options.fencing {
             service.set_fencing(switch == Switch::On).await?;
         }
-        if let Some(switch) = options.cohort {
-            service.set_cohort(switch == Switch::On).await?;
+        if let Some(setting) = cohort {
+            service.set_cohort(setting).await?;
         }
     }
     let slots: Vec<(u32, &String)> = (1..=options.repeat)

@@ -7,8 +7,10 @@ ORDER_SECONDS=${BENCH_ORDER_SECONDS:-5}
 CONNECTIONS=${BENCH_CONNECTIONS:-10}
 PORT=${BENCH_PORT:-8181}
 read -r -a STRATEGIES <<<"${BENCH_STRATEGIES:-none redis-lock db-unique optimistic zookeeper db-for-update etcd redlock redis-atomic}"
-# The lock strategies' modes (see modes_of): "cohort classic" or just "cohort".
-MODES=${BENCH_MODES:-cohort classic}
+# The lock strategies' modes (see modes_of): any of "cohort classic combined".
+MODES=${BENCH_MODES:-cohort classic combined}
+# How many queued orders a holder sells in one critical section in the "combined" mode.
+COMBINE=${BENCH_COMBINE:-16}
 # Strategies measured once more with an Idempotency-Key on every order (labelled
 # "STRATEGY keyed", the cohort layer on): what the key costs.
 read -r -a KEYED <<<"${BENCH_KEYED_STRATEGIES-none redis-lock redis-atomic}"
@@ -153,12 +155,21 @@ measure_costs() {
 }
 
 # modes_of STRATEGY: the modes it is measured in: a lock strategy with the cohort layer
-# on ("cohort") and, if BENCH_MODES asks for it, off ("classic": the lock as the
-# articles teach it); the others have no layer.
+# on ("cohort") and, if BENCH_MODES asks for them, off ("classic": the lock as the
+# articles teach it) and on with combining ("combined"); the others have no layer.
 modes_of() {
   case "$1" in
     redis-lock | db-unique | zookeeper | etcd | redlock) echo "$MODES" ;;
     *) echo cohort ;;
+  esac
+}
+
+# cohort_body MODE: the cohort switch's body for a mode of modes_of.
+cohort_body() {
+  case "$1" in
+    classic) echo '{"enabled":false}' ;;
+    combined) echo "{\"enabled\":true,\"combine\":$COMBINE}" ;;
+    *) echo '{"enabled":true,"combine":1}' ;;
   esac
 }
 
@@ -231,16 +242,16 @@ section_orders() {
     for strategy in "${STRATEGIES[@]}"; do
       for mode in $(modes_of "$strategy"); do
         local label=$strategy
-        [ "$mode" = classic ] && label="$strategy classic"
+        [ "$mode" = cohort ] || label="$strategy $mode"
         log "orders: repeat $repeat of $REPEAT, $label"
-        admin PUT /api/admin/cohort "{\"enabled\":$([ "$mode" = classic ] && echo false || echo true)}"
+        admin PUT /api/admin/cohort "$(cohort_body "$mode")"
         admin PUT /api/admin/strategy "{\"strategy\":\"$strategy\"}"
         admin POST /api/admin/reset "{\"sku\":\"$SKU\",\"stock\":$STOCK}"
         measure "$CONNECTIONS" 1 warm "$repeat" "${ports[@]}" >/dev/null
         measure_costs "$CONNECTIONS" "$ORDER_SECONDS" "$label" "$repeat" "${ports[@]}" >>"$results"
       done
     done
-    admin PUT /api/admin/cohort '{"enabled":true}'
+    admin PUT /api/admin/cohort "$(cohort_body cohort)"
     for strategy in ${KEYED[@]+"${KEYED[@]}"}; do
       log "orders: repeat $repeat of $REPEAT, $strategy keyed"
       admin PUT /api/admin/strategy "{\"strategy\":\"$strategy\"}"
@@ -248,7 +259,7 @@ section_orders() {
       measure "$CONNECTIONS" 1 "warm keyed" "$repeat" "${ports[@]}" >/dev/null
       measure_costs "$CONNECTIONS" "$ORDER_SECONDS" "$strategy keyed" "$repeat" "${ports[@]}" >>"$results"
     done
-    admin PUT /api/admin/cohort '{"enabled":true}'
+    admin PUT /api/admin/cohort "$(cohort_body cohort)"
   done
   stop_replicas
 
@@ -267,7 +278,9 @@ section_orders() {
     echo "strategy is measured $REPEAT times, the repeats interleaved. A lock strategy's"
     echo "row is its lock with the cohort layer (docs/cohort.md), the service's default;"
     echo "its \`classic\` row is the same lock with the layer off, as the articles teach it:"
-    echo "reported, not judged. A \`keyed\` row is the strategy again with an"
+    echo "reported, not judged; its \`combined\` row is the layer with combining: a holder"
+    echo "sells up to $COMBINE orders queued for the SKU in its replica in one critical"
+    echo "section, one transaction (\`{\"combine\": $COMBINE}\`, docs/cohort.md). A \`keyed\` row is the strategy again with an"
     echo "\`Idempotency-Key\` of its own on every order (\`BENCH_KEYED=1\`): the key is claimed"
     echo "in MySQL before the order and recorded with it, so the row is what a shopper's"
     echo "protection against double clicks costs (docs/order-flow.md, guarantee 8)."

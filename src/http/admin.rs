@@ -21,7 +21,7 @@ use super::error::{AppError, ErrorBody};
 use crate::model::StrategyName;
 use crate::model::{PausePoint, Sku, integer_in_range};
 use crate::replica_kill::kill_replica;
-use crate::store::{PauseFault, SaleChange};
+use crate::store::{CohortSetting, MAX_BATCH, PauseFault, SaleChange};
 
 /// Largest stock a reset may set.
 pub const MAX_STOCK: i64 = 10_000_000;
@@ -172,47 +172,87 @@ pub struct CohortBody {
     /// to the next one, up to 8 in a row, instead of releasing it. Off: every order
     /// takes the lock from the lock service (the textbook lock).
     enabled: bool,
+    /// With the layer on, how many orders for its SKU queued in its replica a holder
+    /// sells in its one critical section, its own included (flat combining; 1, the
+    /// default: none). With the layer off there is no combining: answered as 1.
+    #[schema(minimum = 1, maximum = 64, required = false)]
+    combine: u16,
 }
 
 impl CohortBody {
     fn parse(body: &serde_json::Map<String, serde_json::Value>) -> Result<CohortBody, AppError> {
-        if let Some(unknown) = body.keys().find(|key| *key != "enabled") {
+        if let Some(unknown) = body
+            .keys()
+            .find(|key| !matches!(key.as_str(), "enabled" | "combine"))
+        {
             return Err(AppError::UnknownField(format!(
-                "unknown field `{unknown}`, expected `enabled`"
+                "unknown field `{unknown}`, expected `enabled` or `combine`"
             )));
         }
-        match body.get("enabled") {
-            Some(serde_json::Value::Bool(enabled)) => Ok(CohortBody { enabled: *enabled }),
-            Some(other) => Err(AppError::Invalid(format!(
-                "`enabled` must be true or false, not {other}"
-            ))),
-            None => Err(AppError::Invalid(
-                "missing field `enabled` (true or false)".into(),
-            )),
+        let enabled = match body.get("enabled") {
+            Some(serde_json::Value::Bool(enabled)) => *enabled,
+            Some(other) => {
+                return Err(AppError::Invalid(format!(
+                    "`enabled` must be true or false, not {other}"
+                )));
+            }
+            None => {
+                return Err(AppError::Invalid(
+                    "missing field `enabled` (true or false)".into(),
+                ));
+            }
+        };
+        let max = i64::try_from(MAX_BATCH).unwrap_or(i64::MAX);
+        let combine = match body.get("combine") {
+            None => 1,
+            Some(serde_json::Value::Number(n)) => {
+                integer_in_range("`combine`", n, 1, max).map_err(AppError::Invalid)?
+            }
+            Some(other) => {
+                return Err(AppError::Invalid(format!(
+                    "`combine` must be a whole number from 1 to {max}, not {other}"
+                )));
+            }
+        };
+        // Combining is part of the layer: with the layer off there is none.
+        let combine = if enabled { combine } else { 1 };
+        Ok(CohortBody {
+            enabled,
+            combine: u16::try_from(combine).unwrap_or(1),
+        })
+    }
+
+    fn setting(&self) -> CohortSetting {
+        CohortSetting {
+            enabled: self.enabled,
+            combine: self.combine,
         }
     }
 }
 
-/// Whether lock strategies run under the cohort layer.
+/// Whether lock strategies run under the cohort layer, and its combining.
 #[utoipa::path(get, path = "/api/admin/cohort", tag = "admin",
     responses((status = 200, description = "The cohort switch", body = CohortBody)))]
 pub async fn cohort(State(state): State<AppState>) -> Result<ApiJson<CohortBody>, AppError> {
     let (settings, _) = state.settings_and_strategy().await?;
     Ok(ApiJson(CohortBody {
         enabled: settings.cohort,
+        combine: settings.combine,
     }))
 }
 
-/// Switches the cohort layer for every replica (each reads the switch with each
-/// order). Like every change of the sale it moves the epoch: orders begun under the
-/// other mode that have not committed are refused (`sale_changed`), so the two modes
-/// never hold one SKU's lock at once.
+/// Switches the cohort layer (and its combining) for every replica (each reads the
+/// switch with each order). Like every change of the sale it moves the epoch: orders
+/// begun under the other mode that have not committed are refused (`sale_changed`),
+/// so the two modes never hold one SKU's lock at once.
 #[utoipa::path(put, path = "/api/admin/cohort", tag = "admin",
     request_body = CohortBody,
     responses(
         (status = 200, description = "The cohort switch as now set", body = CohortBody),
-        (status = 400, description = "`malformed_request`: `enabled` missing or not a \
-            boolean", body = ErrorBody),
+        (status = 400, description = "`malformed_request`: not a JSON object", body = ErrorBody),
+        (status = 422, description = "`invalid_value`: `enabled` missing or not a boolean, \
+            or `combine` not a whole number from 1 to 64; `unknown_field`: another field",
+            body = ErrorBody),
     ))]
 pub async fn set_cohort(
     State(state): State<AppState>,
@@ -222,9 +262,13 @@ pub async fn set_cohort(
     state
         .flow
         .store
-        .change_sale(SaleChange::Cohort(body.enabled))
+        .change_sale(SaleChange::Cohort(body.setting()))
         .await?;
-    tracing::info!(enabled = body.enabled, "cohort layer switched");
+    tracing::info!(
+        enabled = body.enabled,
+        combine = body.combine,
+        "cohort layer switched"
+    );
     Ok(ApiJson(body))
 }
 

@@ -94,6 +94,7 @@ pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppEr
         strategy: strategy.name().to_owned(),
         fencing: settings.fencing,
         cohort: Some(settings.cohort),
+        combine: Some(settings.combine),
         epoch: settings.epoch,
         pause_armed_ms: settings.pause.map(|p| p.ms),
         pause_armed_at: settings.pause.map(|p| p.at),

@@ -107,6 +107,9 @@ impl ClusterEvent {
     }
 }
 
+/// How long the failover fault waits for a holder once replication has resumed.
+const RESUMED_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// A replica is considered alive while its last heartbeat is younger than this.
 pub const REPLICA_TTL_MS: i64 = 5_000;
 
@@ -116,9 +119,54 @@ pub struct ClusterState {
     namespace: String,
 }
 
-/// How a switch (fencing, cohort) is written in Redis and MySQL.
+/// How a switch (fencing) is written in Redis and MySQL.
 pub(super) fn switch_value(enabled: bool) -> &'static str {
     if enabled { "on" } else { "off" }
+}
+
+/// The cohort layer's switch and how many orders a holder may sell in one critical
+/// section (`strategy::combine`; 1: one, no combining).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CohortSetting {
+    pub enabled: bool,
+    pub combine: u16,
+}
+
+impl CohortSetting {
+    /// On, without combining: the default (MySQL has no row until the first switch).
+    pub const ON: CohortSetting = CohortSetting {
+        enabled: true,
+        combine: 1,
+    };
+
+    /// As written in Redis and MySQL: `off`, `on`, or `combine:N` (on, combining).
+    pub fn encode(self) -> String {
+        match (self.enabled, self.combine) {
+            (false, _) => "off".to_owned(),
+            (true, 0 | 1) => "on".to_owned(),
+            (true, n) => format!("combine:{n}"),
+        }
+    }
+
+    /// Anything but `off` and a well-formed `combine:N` reads as on, as before
+    /// combining existed.
+    pub fn decode(value: &str) -> CohortSetting {
+        if value == "off" {
+            return CohortSetting {
+                enabled: false,
+                combine: 1,
+            };
+        }
+        let combine = value
+            .strip_prefix("combine:")
+            .and_then(|n| n.parse::<u16>().ok())
+            .unwrap_or(1)
+            .max(1);
+        CohortSetting {
+            enabled: true,
+            combine,
+        }
+    }
 }
 
 /// The settings as found in Redis: `None` where Redis has no value.
@@ -126,7 +174,7 @@ pub(super) fn switch_value(enabled: bool) -> &'static str {
 pub struct CachedSettings {
     pub strategy: Option<String>,
     pub fencing: Option<bool>,
-    pub cohort: Option<bool>,
+    pub cohort: Option<CohortSetting>,
     pub epoch: Option<u64>,
     pub pause: Option<PauseFault>,
 }
@@ -149,6 +197,9 @@ pub struct ClusterSettings {
     /// Whether lock strategies run under the cohort layer (a replica's requests queue
     /// locally and the lock is handed on within the replica).
     pub cohort: bool,
+    /// With the cohort layer on: how many queued orders a holder may sell in one
+    /// critical section (1: no combining).
+    pub combine: u16,
     /// The sale epoch the order runs under; its commit requires that no change of its
     /// SKU came after it.
     pub epoch: u64,
@@ -239,7 +290,7 @@ impl ClusterState {
         Ok(CachedSettings {
             strategy,
             fencing: fencing.map(|f| f == "on"),
-            cohort: cohort.map(|c| c == "on"),
+            cohort: cohort.as_deref().map(CohortSetting::decode),
             epoch,
             pause: pause.as_deref().and_then(PauseFault::decode),
         })
@@ -301,7 +352,7 @@ impl ClusterState {
     /// writes, `pause` is armed for the next holder, and once that holder holds `sku`'s
     /// redis-lock key on the primary, the Redis fails over. Replication stays cut for
     /// at most `within` (a lock with `WAIT` is not held meanwhile), then resumes while
-    /// the fault waits as long again for a holder; without one, or once an admin
+    /// the fault waits as long again, and at least `RESUMED_WAIT`, for a holder; without one, or once an admin
     /// withdrew the fault, the pause is withdrawn. Every way out undoes the cut. The
     /// outcome is kept (on the new primary) for the timeline.
     pub async fn fail_over_when_held(
@@ -357,7 +408,9 @@ impl ClusterState {
     ) -> anyhow::Result<crate::redis_failover::Outcome> {
         let lock_key = format!("{}:lock:{}", self.namespace, sku.as_str());
         let cut_until = tokio::time::Instant::now() + within;
-        let deadline = cut_until + within;
+        // After the resume the replica reconnects (its retry runs once a second) and
+        // a holder that waits for it has to come round again: seconds, not `within`.
+        let deadline = cut_until + within.max(RESUMED_WAIT);
         let mut resumed = false;
         loop {
             let held = async {

@@ -4,6 +4,7 @@
 //! Everything here speaks in domain terms (`stock`, `commit_order`); the Redis
 //! commands and SQL stay inside this folder.
 
+mod batch_commit;
 mod cluster_state;
 mod duplicates;
 mod group_commit;
@@ -14,7 +15,10 @@ mod sale;
 mod stock_cache;
 mod timeline;
 
-pub use cluster_state::{ClusterEvent, ClusterSettings, ClusterState, PauseFault, ReplicaInfo};
+pub use batch_commit::BatchWritten;
+pub use cluster_state::{
+    ClusterEvent, ClusterSettings, ClusterState, CohortSetting, PauseFault, ReplicaInfo,
+};
 pub use group_commit::{GroupCommit, MAX_BATCH, PendingOrder, Recorded, TakenOrder};
 pub use idempotency::{Claim, ClaimToken, KEY_RETENTION};
 pub use order_commit::{Committed, Fence, LockedProduct, Refusal, StockWrite};

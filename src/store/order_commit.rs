@@ -281,38 +281,8 @@ async fn write_order(
         }
     };
     let updated = match write {
-        StockWrite::Set {
-            new_stock,
-            fence: None,
-        } => {
-            sqlx::query(
-                "UPDATE products p
-                 SET p.stock = ?, p.version = LAST_INSERT_ID(p.version + 1)
-                 WHERE p.sku = ? AND p.epoch <= ?",
-            )
-            .bind(new_stock)
-            .bind(sku)
-            .bind(epoch)
-            .execute(&mut **tx)
-            .await?
-        }
-        StockWrite::Set {
-            new_stock,
-            fence: Some(fence),
-        } => {
-            sqlx::query(
-                "UPDATE products p JOIN product_fences f ON f.sku = p.sku AND f.lock_service = ?
-                 SET p.stock = ?, p.version = LAST_INSERT_ID(p.version + 1)
-                 WHERE p.sku = ? AND p.epoch <= ? AND f.fence = ? AND p.stock = ?",
-            )
-            .bind(strategy)
-            .bind(new_stock)
-            .bind(sku)
-            .bind(epoch)
-            .bind(fence.token)
-            .bind(fence.read_stock)
-            .execute(&mut **tx)
-            .await?
+        StockWrite::Set { new_stock, fence } => {
+            set_stock(tx, sku, new_stock, fence, epoch, strategy).await?
         }
         StockWrite::DecrementAtVersion { version, .. } => {
             sqlx::query(
@@ -363,6 +333,49 @@ async fn write_order(
     }))
 }
 
+/// `StockWrite::Set`'s statement: the stock a lock holder computed, written while the
+/// SKU has not changed since `epoch`, and with a fence only while the fence is still
+/// the holder's token and the stock still the one it read. A combined batch
+/// (`batch_commit.rs`) runs it once with the stock after all its orders.
+pub(super) async fn set_stock(
+    tx: &mut Transaction<'static, MySql>,
+    sku: &str,
+    new_stock: i64,
+    fence: Option<Fence>,
+    epoch: u64,
+    strategy: &str,
+) -> Result<MySqlQueryResult, StoreError> {
+    let updated =
+        match fence {
+            None => {
+                sqlx::query(
+                    "UPDATE products p
+                 SET p.stock = ?, p.version = LAST_INSERT_ID(p.version + 1)
+                 WHERE p.sku = ? AND p.epoch <= ?",
+                )
+                .bind(new_stock)
+                .bind(sku)
+                .bind(epoch)
+                .execute(&mut **tx)
+                .await?
+            }
+            Some(fence) => sqlx::query(
+                "UPDATE products p JOIN product_fences f ON f.sku = p.sku AND f.lock_service = ?
+                 SET p.stock = ?, p.version = LAST_INSERT_ID(p.version + 1)
+                 WHERE p.sku = ? AND p.epoch <= ? AND f.fence = ? AND p.stock = ?",
+            )
+            .bind(strategy)
+            .bind(new_stock)
+            .bind(sku)
+            .bind(epoch)
+            .bind(fence.token)
+            .bind(fence.read_stock)
+            .execute(&mut **tx)
+            .await?,
+        };
+    Ok(updated)
+}
+
 /// `StockWrite::Decrement`'s statement: the stock falls by `quantity` only while the
 /// SKU has not changed since `epoch` and the stock covers it. The caller has checked
 /// that the sale reached `epoch` (`sale_epoch`). A group commit (`group_commit.rs`) runs
@@ -410,7 +423,7 @@ pub(super) async fn decrement(
 
 /// The sale epoch and the SKU's limit per user, in one plain read inside the caller's
 /// transaction (see `sale_epoch` and `write_order`).
-async fn sale_epoch_and_limit(
+pub(super) async fn sale_epoch_and_limit(
     tx: &mut Transaction<'static, MySql>,
     sku: &str,
 ) -> Result<(u64, Option<i64>), StoreError> {
@@ -476,7 +489,7 @@ pub(super) async fn sale_epoch(tx: &mut Transaction<'static, MySql>) -> Result<u
 pub(crate) const DECREMENT_ROW_WAIT_SECONDS: u64 = 5;
 
 /// Why the update matched nothing, read inside the same transaction.
-async fn diagnose(
+pub(super) async fn diagnose(
     tx: &mut Transaction<'static, MySql>,
     order: &NewOrder,
     write: StockWrite,

@@ -39,7 +39,7 @@ use std::sync::LazyLock;
 
 use deadpool_redis::redis::Script;
 
-use super::cluster_state::switch_value;
+use super::cluster_state::{CohortSetting, switch_value};
 use super::{ClusterSettings, Store, StoreError};
 use crate::model::Sku;
 use crate::store::order_commit::{DEADLOCK, mysql_error_number};
@@ -50,8 +50,9 @@ use crate::store::records::Records;
 pub enum SaleChange {
     Strategy(String),
     Fencing(bool),
-    /// The cohort layer on or off: orders begun under the other mode are refused.
-    Cohort(bool),
+    /// The cohort layer on or off, and its combining: orders begun under the other
+    /// mode are refused.
+    Cohort(CohortSetting),
     /// New stock for a SKU (created if new); its orders and fences are cleared, so a
     /// limit per user (`None`: none) counts each user's units afresh.
     Reset {
@@ -90,7 +91,7 @@ pub struct SaleSettings {
     pub strategy: String,
     pub fencing: bool,
     /// On unless switched off: MySQL has no row for it until the first switch.
-    pub cohort: bool,
+    pub cohort: CohortSetting,
     pub epoch: u64,
 }
 
@@ -241,7 +242,7 @@ impl Store {
                 Publish::IfStill(Some(seen)) => seen.to_string(),
                 _ => String::new(),
             })
-            .arg(switch_value(settings.cohort));
+            .arg(settings.cohort.encode());
         for at in stocks {
             for key in self.cache.keys(&at.sku) {
                 script.key(key);
@@ -296,7 +297,8 @@ impl Store {
             return Ok(ClusterSettings {
                 strategy,
                 fencing,
-                cohort,
+                cohort: cohort.enabled,
+                combine: cohort.combine,
                 epoch,
                 pause: cached.pause,
             });
@@ -326,7 +328,8 @@ impl Store {
         Ok(ClusterSettings {
             strategy: durable.strategy,
             fencing: durable.fencing,
-            cohort: durable.cohort,
+            cohort: durable.cohort.enabled,
+            combine: durable.cohort.combine,
             epoch: durable.epoch,
             pause: cached.pause,
         })
@@ -397,10 +400,10 @@ impl Records {
                     .execute(&mut *tx)
                     .await?;
             }
-            SaleChange::Cohort(enabled) => {
+            SaleChange::Cohort(cohort) => {
                 sqlx::query(save)
                     .bind("cohort")
-                    .bind(switch_value(*enabled))
+                    .bind(cohort.encode())
                     .execute(&mut *tx)
                     .await?;
             }
@@ -532,7 +535,7 @@ fn parse_settings(rows: &[(String, String)]) -> Result<SaleSettings, StoreError>
             .unwrap_or(super::DEFAULT_STRATEGY)
             .to_owned(),
         fencing: value("fencing") == Some("on"),
-        cohort: value("cohort") != Some("off"),
+        cohort: value("cohort").map_or(CohortSetting::ON, CohortSetting::decode),
         epoch,
     })
 }

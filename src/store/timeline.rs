@@ -43,6 +43,14 @@ pub struct Section {
     /// not acquired from the lock service.
     #[serde(default)]
     pub handed_over: bool,
+    /// How many orders the section answered: more than one when its holder sold the
+    /// orders queued behind it too (combining).
+    #[serde(default = "one")]
+    pub orders: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 #[derive(Clone)]

@@ -20,7 +20,7 @@ use tracing::{Instrument, debug_span};
 
 use super::{OrderError, OrderOptions, Outcome};
 use crate::lock::{DistributedLock, HeldLock, acquisition_token};
-use crate::model::{NewOrder, Order, PausePoint};
+use crate::model::{NewOrder, Order, PausePoint, Sku};
 use crate::store::{
     ClusterEvent, Committed, Fence, ReadToSell, Refusal, Section, StockWrite, Store, StoreError,
 };
@@ -40,11 +40,14 @@ pub struct SaleFlow {
     pub lock_lease: Duration,
     /// Orders of this replica waiting for a lock right now (for the dashboard).
     pub lock_waiters: AtomicU64,
+    /// Orders waiting for a lock, for a holder to sell with its own (`combine`).
+    pub combining: super::combine::Combining,
 }
 
 impl SaleFlow {
     /// The whole flow of a lock strategy: acquire the SKU's lock, run the critical
-    /// section, release. The lock is released on every path, including errors.
+    /// section, release. The lock is released on every path, including errors. With
+    /// combining on, the holder sells the orders queued behind it too (`combine`).
     pub async fn sell_locked<L: DistributedLock>(
         &self,
         lock: &L,
@@ -52,8 +55,29 @@ impl SaleFlow {
         strategy: &str,
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
+        if options.combine > 1 {
+            return self.sell_combined(lock, order, strategy, options).await;
+        }
+        let guard = self.acquire(lock, &order.sku, strategy, &options).await?;
+        let holding = Instant::now();
+        let critical = self.sell(order, strategy, Some(&guard), &options);
+        let sold = self.section(order, strategy, Some(&guard), critical).await;
+        self.let_go(guard, &order.sku, strategy, holding, sold.as_ref().err())
+            .await;
+        sold
+    }
+
+    /// Takes `sku`'s lock for an order, as `options` say (fenced or not); a shopper who
+    /// leaves while waiting ends the wait.
+    pub(super) async fn acquire<L: DistributedLock>(
+        &self,
+        lock: &L,
+        sku: &Sku,
+        strategy: &str,
+        options: &OrderOptions,
+    ) -> Result<L::Guard, OrderError> {
         let acquire = async {
-            let (sku, wait) = (order.sku.as_str(), self.lock_wait);
+            let (sku, wait) = (sku.as_str(), self.lock_wait);
             let acquiring = async {
                 if options.fencing {
                     lock.acquire(sku, wait).await
@@ -70,42 +94,48 @@ impl SaleFlow {
                 () = options.client_gone.cancelled() => Err(OrderError::Abandoned),
             }
         };
-        let guard = self
-            .wait_for_lock(strategy, &options, acquire)
+        self.wait_for_lock(strategy, options, acquire)
             .instrument(debug_span!("acquire", strategy))
-            .await?;
-        let holding = Instant::now();
-        let critical = self.sell(order, strategy, Some(&guard), &options);
-        let sold = self.section(order, strategy, Some(&guard), critical).await;
-        if let Err(OrderError::LockLost(_) | OrderError::Fenced { .. } | OrderError::StaleRead) =
-            &sold
-        {
+            .await
+    }
+
+    /// Releases a lock held since `holding` after its critical section ended with
+    /// `failed` (none: the order was placed); a hold that proved lost is not handed on.
+    pub(super) async fn let_go<G: HeldLock>(
+        &self,
+        guard: G,
+        sku: &Sku,
+        strategy: &str,
+        holding: Instant,
+        failed: Option<&OrderError>,
+    ) {
+        let lost = matches!(failed, Some(OrderError::LockLost(_)));
+        let fenced = matches!(
+            failed,
+            Some(OrderError::Fenced { .. } | OrderError::StaleRead)
+        );
+        if lost || fenced {
             guard.mark_lost();
         }
         let released = timed(strategy, "release", guard.release())
             .instrument(debug_span!("release"))
             .await;
         if let Err(error) = released {
-            tracing::warn!(%error, sku = %order.sku, strategy, "lock release failed");
+            tracing::warn!(%error, %sku, strategy, "lock release failed");
         }
         metrics::histogram!("flashsale_lock_hold_seconds", "strategy" => strategy.to_owned())
             .record(holding.elapsed().as_secs_f64());
-        match &sold {
-            Err(OrderError::LockLost(_)) => {
-                self.store
-                    .cluster
-                    .count(strategy, ClusterEvent::LockLost)
-                    .await
-            }
-            Err(OrderError::Fenced { .. } | OrderError::StaleRead) => {
-                self.store
-                    .cluster
-                    .count(strategy, ClusterEvent::FencingRejection)
-                    .await;
-            }
-            _ => {}
+        if lost {
+            self.store
+                .cluster
+                .count(strategy, ClusterEvent::LockLost)
+                .await;
+        } else if fenced {
+            self.store
+                .cluster
+                .count(strategy, ClusterEvent::FencingRejection)
+                .await;
         }
-        sold
     }
 
     /// Waits for a lock (`acquire`, whatever the mechanism): counts the order among
@@ -247,7 +277,7 @@ impl SaleFlow {
     /// in between, or gave up after its read): the stock is rebuilt from MySQL before
     /// anyone sells from it. Without this, the holder after a crash sells from a stock
     /// one order too high, and two orders take one unit even though the lock held.
-    async fn read_to_sell(
+    pub(super) async fn read_to_sell(
         &self,
         order: &NewOrder,
         mark: &str,
@@ -286,7 +316,7 @@ impl SaleFlow {
     /// Registers the holder's token as the SKU's fence. A lock that yields no token
     /// cannot be fenced: with fencing on, that refuses the order rather than let it
     /// write unfenced.
-    async fn register_fence(
+    pub(super) async fn register_fence(
         &self,
         hold: &dyn HeldLock,
         order: &NewOrder,
@@ -333,14 +363,20 @@ impl SaleFlow {
                 // (a refusal the lock does not prevent: the limit per user, a key
                 // recorded already). Left, the mark would make the next holder rebuild
                 // the stock from MySQL for nothing.
-                if !mark.is_empty()
-                    && let Err(error) = self.store.cache.clear_mark(&order.sku, mark).await
-                {
-                    tracing::warn!(%error, sku = %order.sku, "a pending mark could not be cleared");
-                }
+                self.clear_mark(order, mark).await;
                 Err(self.refused(order, refusal).await)
             }
             Err(error) => Err(self.commit_failed(order, error).await),
+        }
+    }
+
+    /// Clears a holder's pending mark (`mark`, empty for none) from a stock it did not
+    /// change.
+    pub(super) async fn clear_mark(&self, order: &NewOrder, mark: &str) {
+        if !mark.is_empty()
+            && let Err(error) = self.store.cache.clear_mark(&order.sku, mark).await
+        {
+            tracing::warn!(%error, sku = %order.sku, "a pending mark could not be cleared");
         }
     }
 
@@ -403,7 +439,7 @@ impl SaleFlow {
     /// written Redis yet, or never will): the cache is repaired from MySQL's row, as of
     /// its version (so it cannot undo a newer write) and while the sale is still at
     /// `epoch`.
-    async fn repair_cache(
+    pub(super) async fn repair_cache(
         &self,
         order: &NewOrder,
         stock: i64,
@@ -467,6 +503,26 @@ impl SaleFlow {
             .ok()
             .and_then(Placed::ended_ms)
             .unwrap_or_else(epoch_ms);
+        self.record_section(
+            &order.sku, strategy, hold, start_ms, end_ms, outcome, order_id, 1,
+        );
+        result
+    }
+
+    /// Puts a critical section on the SKU's timeline (without waiting): `orders` is
+    /// how many orders it answered (more than one when a holder combined them).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn record_section(
+        &self,
+        sku: &Sku,
+        strategy: &str,
+        hold: Option<&dyn HeldLock>,
+        start_ms: f64,
+        end_ms: f64,
+        outcome: Outcome,
+        order_id: Option<u64>,
+        orders: u32,
+    ) {
         let section = Section {
             replica: self.replica_id.clone(),
             strategy: strategy.to_owned(),
@@ -476,9 +532,9 @@ impl SaleFlow {
             fence: hold.and_then(HeldLock::fencing_token),
             order_id,
             handed_over: hold.is_some_and(HeldLock::handed_over),
+            orders,
         };
-        self.store.timeline.record(&order.sku, section);
-        result
+        self.store.timeline.record(sku, section);
     }
 
     /// The simulated validation inside the critical section (FLASHSALE_WORK_MS).
@@ -492,7 +548,7 @@ impl SaleFlow {
     /// armed for `point`, it stops renewing its lock and stalls, as a GC or VM pause
     /// can, so its lease runs out and another replica takes the lock while this one
     /// still means to go on.
-    async fn pause_at(
+    pub(super) async fn pause_at(
         &self,
         point: PausePoint,
         hold: Option<&dyn HeldLock>,
@@ -541,7 +597,11 @@ impl Placed for Order {
 /// Runs one step of an order's critical section and records how long it took, so
 /// `/metrics` shows where a strategy's time per order goes (`scripts/bench.sh` puts it
 /// in BENCHMARKS.md). A step that is dropped records nothing.
-async fn timed<T>(strategy: &str, step: &'static str, work: impl Future<Output = T>) -> T {
+pub(super) async fn timed<T>(
+    strategy: &str,
+    step: &'static str,
+    work: impl Future<Output = T>,
+) -> T {
     let started = Instant::now();
     let done = work.await;
     metrics::histogram!(

@@ -7,6 +7,7 @@
 //! (`none`, `optimistic`, `db-for-update`, `redis-atomic`) implement `Strategy`. The
 //! HTTP layer, the stats and the dashboard pick them up from the registry.
 
+mod combine;
 mod cost;
 mod db_for_update;
 mod db_unique;
@@ -81,6 +82,9 @@ pub struct OrderOptions {
     /// Lock holders go through the cohort layer (`lock::cohort`): a replica's requests
     /// queue locally and a holder hands the lock to the next.
     pub cohort: bool,
+    /// With the cohort layer on: how many orders for its SKU queued in the replica a
+    /// lock holder sells in its one critical section (`combine`; 1: none).
+    pub combine: u16,
     /// The sale epoch the order started under; its commit requires it unchanged.
     pub epoch: u64,
     /// Where an armed paused-holder fault stalls the next holder to claim it.

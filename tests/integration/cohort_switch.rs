@@ -31,8 +31,8 @@ async fn the_cohort_switch_is_on_by_default_shared_and_durable() {
     let cluster = TestCluster::start(2, &[]).await;
     assert_eq!(
         cluster.get_json(1, "/api/admin/cohort").await,
-        json!({ "enabled": true }),
-        "on by default"
+        json!({ "enabled": true, "combine": 1 }),
+        "on by default, without combining"
     );
     let stats = cluster.get_json(1, "/api/stats").await;
     assert_eq!(stats["cohort"], true, "{stats}");
@@ -41,11 +41,11 @@ async fn the_cohort_switch_is_on_by_default_shared_and_durable() {
     let (status, body) = set_cohort(&cluster, 0, &json!({ "enabled": false })).await;
     assert_eq!(
         (status, &body),
-        (StatusCode::OK, &json!({ "enabled": false }))
+        (StatusCode::OK, &json!({ "enabled": false, "combine": 1 }))
     );
     assert_eq!(
         cluster.get_json(1, "/api/admin/cohort").await,
-        json!({ "enabled": false }),
+        json!({ "enabled": false, "combine": 1 }),
         "the other replica reads the switch"
     );
     let stats = cluster.get_json(1, "/api/stats").await;
@@ -72,18 +72,36 @@ async fn the_cohort_switch_is_on_by_default_shared_and_durable() {
     assert_eq!(removed, 1, "the switch is published in Redis as {key}");
     assert_eq!(
         cluster.get_json(1, "/api/admin/cohort").await,
-        json!({ "enabled": false }),
+        json!({ "enabled": false, "combine": 1 }),
         "rebuilt from MySQL, not the default"
     );
     let back: Option<String> = redis.get(&key).await.expect("GET");
     assert_eq!(back.as_deref(), Some("off"), "published again");
 
-    let (status, body) = set_cohort(&cluster, 1, &json!({ "enabled": true })).await;
+    let (status, body) = set_cohort(&cluster, 1, &json!({ "enabled": true, "combine": 8 })).await;
+    let combining = json!({ "enabled": true, "combine": 8 });
+    assert_eq!((status, &body), (StatusCode::OK, &combining));
+    assert_eq!(cluster.get_json(0, "/api/admin/cohort").await, combining);
+    let stats = cluster.get_json(0, "/api/stats").await;
     assert_eq!(
-        (status, &body),
-        (StatusCode::OK, &json!({ "enabled": true }))
+        (&stats["cohort"], &stats["combine"]),
+        (&json!(true), &json!(8))
     );
-    assert_eq!(cluster.get_json(0, "/api/stats").await["cohort"], true);
+    let mysql = cluster.mysql().await;
+    let stored: String =
+        sqlx::query_scalar("SELECT value FROM cluster_settings WHERE name = 'cohort'")
+            .fetch_one(&mysql)
+            .await
+            .expect("the durable copy");
+    assert_eq!(stored, "combine:8");
+    mysql.close().await;
+    let removed: i64 = redis.del(&key).await.expect("DEL");
+    assert_eq!(removed, 1);
+    assert_eq!(
+        cluster.get_json(1, "/api/admin/cohort").await,
+        combining,
+        "combining rebuilt from MySQL"
+    );
 }
 
 /// An order begun with the cohort layer on stalls before its commit, holding its lock;
@@ -144,9 +162,10 @@ async fn an_order_begun_under_the_other_mode_is_refused() {
     );
 }
 
-/// A body that is not `{"enabled": bool}` is refused with a JSON error naming
-/// `enabled` (422: a JSON object the route does not take, `docs/api.md`), and the
-/// switch stays as it was.
+/// A body that is not `{"enabled": bool, "combine": 1..=64}` is refused with a JSON
+/// error naming the field (422: a JSON object the route does not take,
+/// `docs/api.md`), and the switch stays as it was. Combining with the layer off is no
+/// combining: answered as 1.
 #[tokio::test]
 async fn a_bad_cohort_body_names_what_is_wrong_and_changes_nothing() {
     let cluster = TestCluster::start(1, &[]).await;
@@ -157,6 +176,10 @@ async fn a_bad_cohort_body_names_what_is_wrong_and_changes_nothing() {
         json!({ "enabled": null }),
         json!({}),
         json!({ "on": true }),
+        json!({ "enabled": true, "combine": 0 }),
+        json!({ "enabled": true, "combine": 65 }),
+        json!({ "enabled": true, "combine": "8" }),
+        json!({ "enabled": true, "combine": 2.5 }),
     ] {
         let (status, answer) = set_cohort(&cluster, 0, &body).await;
         assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}: {answer}");
@@ -166,21 +189,33 @@ async fn a_bad_cohort_body_names_what_is_wrong_and_changes_nothing() {
             "invalid_value"
         };
         assert_eq!(answer["error"], code, "{body}");
+        let field = if body.get("combine").is_some() {
+            "`combine`"
+        } else {
+            "`enabled`"
+        };
         assert!(
             answer["message"]
                 .as_str()
-                .is_some_and(|m| m.contains("`enabled`")),
+                .is_some_and(|m| m.contains(field)),
             "{body}: the message names the field: {answer}"
         );
     }
     assert_eq!(
         cluster.get_json(0, "/api/admin/cohort").await,
-        json!({ "enabled": true })
+        json!({ "enabled": true, "combine": 1 })
     );
     assert_eq!(
         cluster.get_json(0, "/api/stats").await["epoch"],
         epoch,
         "no change of the sale"
+    );
+    let (status, answer) =
+        set_cohort(&cluster, 0, &json!({ "enabled": false, "combine": 8 })).await;
+    assert_eq!(
+        (status, answer),
+        (StatusCode::OK, json!({ "enabled": false, "combine": 1 })),
+        "no combining without the layer"
     );
 }
 

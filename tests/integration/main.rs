@@ -7,6 +7,7 @@ mod bad_input;
 mod cluster;
 mod cohort;
 mod cohort_switch;
+mod combining;
 mod dashboard;
 mod failover;
 mod faults;

@@ -41,6 +41,10 @@ pub struct LoadConfig {
     /// in reports of services older than the switch.
     #[serde(default)]
     pub cohort: Option<bool>,
+    /// How many queued orders a lock holder sold in one critical section (the cohort
+    /// layer's combining, `--combine`; 1: none); `None` in reports older than it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub combine: Option<u16>,
     /// How often each strategy was run (`--repeat`); its runs are interleaved.
     #[serde(default = "one")]
     pub repeat: u32,

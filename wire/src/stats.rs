@@ -21,6 +21,10 @@ pub struct Stats {
     /// replicas older than the switch.
     #[serde(default)]
     pub cohort: Option<bool>,
+    /// With the cohort layer on, how many queued orders a holder sells in one critical
+    /// section (1: no combining); `None` from replicas older than combining.
+    #[serde(default)]
+    pub combine: Option<u16>,
     /// The sale epoch: moved forward by every admin change of the sale.
     #[serde(default)]
     pub epoch: u64,

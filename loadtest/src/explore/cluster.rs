@@ -210,11 +210,11 @@ impl Cluster {
         .map(drop)
     }
 
-    pub async fn set_cohort(&self, enabled: bool) -> anyhow::Result<()> {
+    pub async fn set_cohort(&self, (enabled, combine): (bool, u16)) -> anyhow::Result<()> {
         self.call(
             reqwest::Method::PUT,
             "/api/admin/cohort",
-            Some(json!({ "enabled": enabled })),
+            Some(json!({ "enabled": enabled, "combine": combine })),
         )
         .await
         .map(drop)

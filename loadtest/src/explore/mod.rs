@@ -78,6 +78,11 @@ pub struct ExploreOptions {
     #[arg(long, value_enum)]
     pub cohort: Option<crate::options::Switch>,
 
+    /// Switch the cohort layer on with combining (a holder sells up to N queued orders
+    /// in one critical section) once before the first round.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub combine: Option<u16>,
+
     /// Also take backends away mid-sale, with the commands below. For a private stack
     /// only: every other user of those services sees the outage too.
     #[arg(long)]
@@ -135,6 +140,9 @@ pub struct Summary {
     pub fenced_rounds: u64,
     /// The cohort layer as `--cohort` set it; `None`: left as the cluster had it.
     pub cohort: Option<bool>,
+    /// Its combining as `--combine` set it; `None`: left as the cluster had it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub combine: Option<u16>,
     /// Rounds whose faults changed only the other SKU among the sale's settings, so
     /// that a `sale_changed` on the SKU under test broke guarantee 5 (`checker`).
     pub sku_scoped_rounds: u64,
@@ -192,12 +200,10 @@ pub async fn run(options: &ExploreOptions) -> anyhow::Result<Summary> {
         Some(url) => Some(Records::connect(url).await?),
         None => None,
     };
-    let cohort = options
-        .cohort
-        .map(|switch| switch == crate::options::Switch::On);
-    if let Some(enabled) = cohort {
+    let cohort = crate::options::cohort_setting(options.cohort, options.combine)?;
+    if let Some(setting) = cohort {
         cluster
-            .set_cohort(enabled)
+            .set_cohort(setting)
             .await
             .context("switching the cohort layer")?;
     }
@@ -227,7 +233,8 @@ pub async fn run(options: &ExploreOptions) -> anyhow::Result<Summary> {
     );
 
     let mut summary = Summary::new(seed);
-    summary.cohort = cohort;
+    summary.cohort = cohort.map(|(enabled, _)| enabled);
+    summary.combine = cohort.map(|(_, combine)| combine);
     for round in rounds {
         let plan = schedule::draw(seed, round, &powers, cluster.target_count());
         let sku = format!("x{seed}-{run_label}-r{round}");
@@ -275,6 +282,7 @@ impl Summary {
             strategies: BTreeMap::new(),
             fenced_rounds: 0,
             cohort: None,
+            combine: None,
             sku_scoped_rounds: 0,
             violations: Vec::new(),
             aborted: None,
