@@ -56,27 +56,34 @@ impl Records {
         let mut tx = self.begin().await?;
         let (sale_epoch, limit_per_user) = sale_epoch_and_limit(&mut tx, sku).await?;
         if sale_epoch < epoch {
+            tx.rollback().await?;
             return Ok(BatchWritten::Refused(Refusal::SaleChanged));
         }
         // Each order's units count against its user's limit: `write_order` checks that.
         if limit_per_user.is_some() {
+            tx.rollback().await?;
             return Ok(BatchWritten::OneByOne);
         }
         let updated = set_stock(&mut tx, sku, new_stock, fence, epoch, strategy).await?;
         if updated.rows_affected() == 0 {
             let write = StockWrite::Set { new_stock, fence };
             let refusal = diagnose(&mut tx, first, write, epoch, strategy).await?;
+            tx.rollback().await?;
             return Ok(BatchWritten::Refused(refusal));
         }
         let version = i64::try_from(updated.last_insert_id()).unwrap_or(i64::MAX);
+        // Refused by an order alone: rolled back at once, so that the product row is
+        // free for the one-order transactions that follow.
         let recorded = match insert_orders(&mut tx, orders, strategy, replica).await {
             Err(StoreError::Mysql(error)) if is_duplicate_key(&error) => {
+                tx.rollback().await?;
                 return Ok(BatchWritten::OneByOne);
             }
             recorded => recorded?,
         };
         let keys: Vec<_> = orders.iter().map(|o| o.idempotency.as_ref()).collect();
         if !settle_in_order(&mut tx, &recorded.iter().collect::<Vec<_>>(), &keys).await? {
+            tx.rollback().await?;
             return Ok(BatchWritten::OneByOne);
         }
         tx.commit()

@@ -45,11 +45,11 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug_span};
 
-use super::flow::{epoch_ms, timed};
+use super::flow::{epoch_ms, timed, timed_for};
 use super::{OrderError, OrderOptions, Outcome, SaleFlow};
 use crate::lock::{DistributedLock, HeldLock, acquisition_token};
 use crate::model::{NewOrder, Order, PausePoint, Sku};
-use crate::store::{BatchWritten, Fence, Refusal, StockWrite, StoreError};
+use crate::store::{BatchWritten, Committed, Fence, Refusal, StockWrite, StoreError};
 
 /// The orders of one replica waiting for a lock, per strategy, SKU and sale epoch.
 #[derive(Default)]
@@ -216,10 +216,11 @@ impl SaleFlow {
         let holding = Instant::now();
         let limit = usize::from(options.combine);
         let Some(batch) = self.combining.take(place, limit) else {
-            self.let_go(guard, sku, strategy, holding, None).await;
+            self.let_go(guard, sku, strategy, holding, None, 1).await;
             return;
         };
         let orders: Vec<&NewOrder> = batch.iter().map(|w| &w.order).collect();
+        let n = orders.len();
         let start_ms = epoch_ms();
         let answers = self.sell_batch(&orders, strategy, &guard, options).await;
         self.record_batch(sku, strategy, &guard, start_ms, &answers);
@@ -240,7 +241,7 @@ impl SaleFlow {
                 let _ = waiter.answer.send(answer);
             }
         }
-        self.let_go(guard, sku, strategy, holding, lost.as_ref())
+        self.let_go(guard, sku, strategy, holding, lost.as_ref(), n)
             .await;
         if let Some((waiter, answer)) = own {
             let _ = waiter.answer.send(answer);
@@ -293,56 +294,81 @@ impl SaleFlow {
         )
         .instrument(debug_span!("read"))
         .await?;
-        let mut answers: Vec<Option<Result<Order, OrderError>>> =
-            orders.iter().map(|_| None).collect();
-        let mut left = stock;
-        let mut sold = Vec::new();
-        for (position, order) in orders.iter().enumerate() {
-            if order.quantity <= left {
-                left -= order.quantity;
-                sold.push(position);
-            } else {
-                answers[position] = Some(Err(OrderError::SoldOut {
-                    available: left.max(0),
-                    requested: order.quantity,
-                }));
-            }
+        let n = orders.len();
+        let allotted = allot(orders, stock);
+        if allotted.iter().all(Option::is_some) {
+            return Ok(allotted.into_iter().flatten().map(Err).collect());
         }
-        if !sold.is_empty() {
-            self.pause_at(PausePoint::AfterRead, hold, strategy, options)
-                .await?;
-            self.simulate_work().await;
-            if let Some(hold) = hold {
-                timed(strategy, "check", hold.ensure_held()).await?;
-            }
-            self.pause_at(PausePoint::BeforeCommit, hold, strategy, options)
-                .await?;
-            let to_sell: Vec<&NewOrder> = sold.iter().map(|&p| orders[p]).collect();
-            let fence = token.map(|token| Fence {
-                token,
-                read_stock: stock,
-            });
-            let recorded = timed(
-                strategy,
-                "commit",
-                self.commit_sold(&to_sell, stock, fence, strategy, options.epoch, &mark),
-            )
-            .instrument(debug_span!("commit"))
+        self.pause_at(PausePoint::AfterRead, hold, strategy, options)
             .await?;
-            for (position, answer) in sold.into_iter().zip(recorded) {
-                answers[position] = Some(answer);
-            }
+        self.simulate_work().await;
+        if let Some(hold) = hold {
+            timed_for(strategy, "check", n, hold.ensure_held()).await?;
         }
-        Ok(answers
+        self.pause_at(PausePoint::BeforeCommit, hold, strategy, options)
+            .await?;
+        let to_sell: Vec<&NewOrder> = orders
+            .iter()
+            .zip(&allotted)
+            .filter(|(_, refused)| refused.is_none())
+            .map(|(order, _)| *order)
+            .collect();
+        let fence = token.map(|token| Fence {
+            token,
+            read_stock: stock,
+        });
+        let sold = self.commit_together(&to_sell, stock, fence, strategy, options.epoch, &mark);
+        let placed = match timed_for(strategy, "commit", n, sold)
+            .instrument(debug_span!("commit"))
+            .await?
+        {
+            Some(placed) => placed,
+            None => {
+                let alone =
+                    self.commit_one_by_one(orders, stock, fence, hold, strategy, options, &mark);
+                return Ok(alone.await);
+            }
+        };
+        self.after_commit(hold, strategy, options).await;
+        let version = placed.first().map_or(0, |c| c.version);
+        let left = stock - to_sell.iter().map(|o| o.quantity).sum::<i64>();
+        let cache_write = self.write_cache(orders[0], left, version, &mark);
+        timed_for(strategy, "cache_write", n, cache_write)
+            .instrument(debug_span!("cache_write"))
+            .await;
+        let mut placed = placed.into_iter();
+        Ok(allotted
             .into_iter()
-            .map(|a| a.unwrap_or(Err(OrderError::Store(StoreError::GroupCommitLost))))
+            .map(|refused| match refused {
+                Some(refused) => Err(refused),
+                None => placed
+                    .next()
+                    .map(|c| c.order)
+                    .ok_or(OrderError::Store(StoreError::GroupCommitLost)),
+            })
             .collect())
     }
 
+    /// The paused-holder fault's last point, after the commit: an order committed
+    /// stays committed, whatever the pause does.
+    async fn after_commit(
+        &self,
+        hold: Option<&dyn HeldLock>,
+        strategy: &str,
+        options: &OrderOptions,
+    ) {
+        if let Err(error) = self
+            .pause_at(PausePoint::AfterCommit, hold, strategy, options)
+            .await
+        {
+            tracing::warn!(%error, "the after-commit pause failed; the orders stand");
+        }
+    }
+
     /// Records the orders a batch sells (`to_sell`, covered by `stock`, the stock read
-    /// with `mark`) and writes the stock after them to Redis: in one transaction, or one
-    /// by one when an order must be judged alone. An error concerns every order.
-    async fn commit_sold(
+    /// with `mark`) in one transaction. `None`: an order must be judged alone, nothing
+    /// was written. An error concerns every order.
+    async fn commit_together(
         &self,
         to_sell: &[&NewOrder],
         stock: i64,
@@ -350,9 +376,9 @@ impl SaleFlow {
         strategy: &str,
         epoch: u64,
         mark: &str,
-    ) -> Result<Vec<Result<Order, OrderError>>, OrderError> {
+    ) -> Result<Option<Vec<Committed>>, OrderError> {
         let Some(first) = to_sell.first() else {
-            return Ok(Vec::new());
+            return Ok(Some(Vec::new()));
         };
         let units: i64 = to_sell.iter().map(|o| o.quantity).sum();
         let written = self
@@ -368,17 +394,11 @@ impl SaleFlow {
             )
             .await;
         match written {
-            Ok(BatchWritten::All(committed)) => {
-                let version = committed.first().map_or(0, |c| c.version);
-                self.write_cache(first, stock - units, version, mark).await;
-                Ok(committed.into_iter().map(|c| Ok(c.order)).collect())
-            }
+            Ok(BatchWritten::All(committed)) => Ok(Some(committed)),
             Ok(BatchWritten::Refused(refusal)) => {
                 Err(self.batch_refused(first, refusal, epoch, mark).await)
             }
-            Ok(BatchWritten::OneByOne) => Ok(self
-                .commit_one_by_one(to_sell, stock, fence, strategy, epoch, mark)
-                .await),
+            Ok(BatchWritten::OneByOne) => Ok(None),
             Err(error) => Err(self.commit_failed(first, error).await),
         }
     }
@@ -400,23 +420,41 @@ impl SaleFlow {
         self.refused(first, refusal).await
     }
 
-    /// The batch's orders in transactions of their own, in arrival order, each from the
-    /// stock the one before left: an order refused alone (its key, its user's limit)
-    /// leaves the others be. A refusal or failure that concerns the batch (the sale
-    /// changed, the fence moved) ends it: that order and those after it answer it.
+    /// Every order of the batch in a transaction of its own, in arrival order, each
+    /// judged against the stock the ones before it left (sold out or sold), and each
+    /// after its own check that the lock is still held: an order refused alone (its
+    /// key, its user's limit) leaves the others be and its units to those after it. A
+    /// refusal or failure that concerns the batch (the lock lost, the sale changed,
+    /// the fence moved) ends it: that order and those after it answer it.
+    #[allow(clippy::too_many_arguments)]
     async fn commit_one_by_one(
         &self,
-        to_sell: &[&NewOrder],
+        orders: &[&NewOrder],
         stock: i64,
         fence: Option<Fence>,
+        hold: Option<&dyn HeldLock>,
         strategy: &str,
-        epoch: u64,
+        options: &OrderOptions,
         mark: &str,
     ) -> Vec<Result<Order, OrderError>> {
-        let mut answers = Vec::with_capacity(to_sell.len());
+        let epoch = options.epoch;
+        let mut answers = Vec::with_capacity(orders.len());
         let (mut current, mut version) = (stock, None);
         let mut ended = None;
-        for (position, order) in to_sell.iter().enumerate() {
+        for (position, order) in orders.iter().enumerate() {
+            if order.quantity > current {
+                answers.push(Err(OrderError::SoldOut {
+                    available: current.max(0),
+                    requested: order.quantity,
+                }));
+                continue;
+            }
+            if let Some(hold) = hold
+                && let Err(lost) = timed(strategy, "check", hold.ensure_held()).await
+            {
+                ended = Some((position, lost.into()));
+                break;
+            }
             let write = StockWrite::Set {
                 new_stock: current - order.quantity,
                 fence: fence.map(|f| Fence {
@@ -443,7 +481,7 @@ impl SaleFlow {
                     if let Refusal::StaleRead { stock, version } = refusal {
                         self.repair_cache(order, stock, version, mark, epoch).await;
                         // Repaired from MySQL: no cache write of this batch may follow.
-                        return finish(answers, ended, to_sell.len());
+                        return finish(answers, ended, orders.len());
                     }
                     break;
                 }
@@ -452,7 +490,7 @@ impl SaleFlow {
                     ended = Some((position, self.commit_failed(order, error).await));
                     if unknown {
                         // The stock was dropped: whether this order landed is unknown.
-                        return finish(answers, ended, to_sell.len());
+                        return finish(answers, ended, orders.len());
                     }
                     break;
                 }
@@ -460,11 +498,13 @@ impl SaleFlow {
         }
         match version {
             Some(version) => {
-                self.write_cache(to_sell[0], current, version, mark).await;
+                self.after_commit(hold, strategy, options).await;
+                let cache_write = self.write_cache(orders[0], current, version, mark);
+                timed_for(strategy, "cache_write", orders.len(), cache_write).await;
             }
-            None => self.clear_mark(to_sell[0], mark).await,
+            None => self.clear_mark(orders[0], mark).await,
         }
-        finish(answers, ended, to_sell.len())
+        finish(answers, ended, orders.len())
     }
 
     /// One section on the timeline for a batch: created if any order was, with the
@@ -478,10 +518,14 @@ impl SaleFlow {
         answers: &[Result<Order, OrderError>],
     ) {
         let placed = answers.iter().find_map(|a| a.as_ref().ok());
-        let outcome = match (placed, answers.first()) {
-            (Some(_), _) => Outcome::Created,
-            (None, Some(Err(error))) => error.outcome(),
-            _ => Outcome::Internal,
+        let errors = || answers.iter().filter_map(|a| a.as_ref().err());
+        // A lost lock or a refused fence is what the timeline teaches: it wins.
+        let lost = errors().find(|e| e.outcome() == Outcome::LockLost);
+        let outcome = match (placed, lost, errors().next()) {
+            (_, Some(lost), _) => lost.outcome(),
+            (Some(_), None, _) => Outcome::Created,
+            (None, None, Some(error)) => error.outcome(),
+            (None, None, None) => Outcome::Internal,
         };
         self.record_section(
             sku,
@@ -494,6 +538,26 @@ impl SaleFlow {
             u32::try_from(answers.len()).unwrap_or(u32::MAX),
         );
     }
+}
+
+/// Each order's share of `stock`, in arrival order: `None` sold, or why not (sold out
+/// with what the orders before it left).
+fn allot(orders: &[&NewOrder], stock: i64) -> Vec<Option<OrderError>> {
+    let mut left = stock;
+    orders
+        .iter()
+        .map(|order| {
+            if order.quantity <= left {
+                left -= order.quantity;
+                None
+            } else {
+                Some(OrderError::SoldOut {
+                    available: left.max(0),
+                    requested: order.quantity,
+                })
+            }
+        })
+        .collect()
 }
 
 /// The answers of a batch that `ended` at an order: that order's error, then the same

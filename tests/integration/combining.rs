@@ -44,6 +44,50 @@ async fn sections_answering(cluster: &TestCluster, sku: &str, count: u64) -> Vec
     sections.as_array().cloned().unwrap_or_default()
 }
 
+/// An order of one unit takes `sku`'s lock on replica 0 and stalls before its commit
+/// (the paused-holder fault; the cluster's lease and lock wait must outlive the
+/// stall), while `orders` (user, quantity) queue behind it one after the other, each
+/// waiting for the lock before the next is sent, so that their arrival order is
+/// theirs. Returns their answers once the holder has been answered 201.
+async fn behind_a_stalled_holder(
+    cluster: &TestCluster,
+    sku: &'static str,
+    orders: &[(&'static str, i64)],
+) -> Vec<(StatusCode, Value)> {
+    cluster.arm_pause(0, 15_000, Some("before_commit")).await;
+    let send = |user: String, quantity: i64| {
+        let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
+        tokio::spawn(async move {
+            let body = json!({ "sku": sku, "user_id": user, "quantity": quantity });
+            let response = http.post(url).json(&body).send().await.expect("order");
+            let status = response.status();
+            (
+                status,
+                response.json::<Value>().await.unwrap_or(Value::Null),
+            )
+        })
+    };
+    let holder = send("holder".into(), 1);
+    assert!(cluster.wait_until_pause_claimed().await, "never stalled");
+    let mut queued = Vec::new();
+    for (i, (user, quantity)) in orders.iter().enumerate() {
+        queued.push(send(format!("{user}-{i}"), *quantity));
+        let waiting = eventually(Duration::from_secs(5), || async {
+            let stats = cluster.get_json(0, "/api/stats").await;
+            stats["replicas"][0]["lock_waiters"].as_u64() == Some(i as u64 + 1)
+        })
+        .await;
+        assert!(waiting, "order {i} never waited for the lock");
+    }
+    let holder = bounded("the stalled holder", holder).await.expect("task");
+    assert_eq!(holder.0, StatusCode::CREATED, "{holder:?}");
+    let mut answers = Vec::new();
+    for order in queued {
+        answers.push(bounded("a queued order", order).await.expect("task"));
+    }
+    answers
+}
+
 /// A holder stalls (the paused-holder fault, with a lease that outlives it) while six
 /// orders of 2, 2, 2, 1, 1 and 1 units queue behind it, one after the other, for the 5
 /// units left. The next holder sells all six in one section, judged in arrival order:
@@ -61,43 +105,8 @@ async fn a_holder_sells_the_queue_behind_it_in_arrival_order() {
     set_combine(&cluster, 8).await;
     let sku = "combined-in-order";
     cluster.reset(sku, 6).await;
-    cluster.arm_pause(0, 15_000, Some("before_commit")).await;
-    let first = {
-        let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
-        tokio::spawn(async move {
-            let body = json!({ "sku": sku, "user_id": "first", "quantity": 1 });
-            http.post(url).json(&body).send().await.map(|r| r.status())
-        })
-    };
-    assert!(cluster.wait_until_pause_claimed().await, "never stalled");
-    let quantities = [2, 2, 2, 1, 1, 1];
-    let mut queued = Vec::new();
-    for (i, quantity) in quantities.into_iter().enumerate() {
-        let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
-        queued.push(tokio::spawn(async move {
-            let body =
-                json!({ "sku": sku, "user_id": format!("queued-{i}"), "quantity": quantity });
-            let response = http.post(url).json(&body).send().await.expect("order");
-            let status = response.status();
-            (
-                status,
-                response.json::<Value>().await.unwrap_or(Value::Null),
-            )
-        }));
-        // Each waits before the next is sent, so that arrival order is this order.
-        let waiting = eventually(Duration::from_secs(5), || async {
-            let stats = cluster.get_json(0, "/api/stats").await;
-            stats["replicas"][0]["lock_waiters"].as_u64() == Some(i as u64 + 1)
-        })
-        .await;
-        assert!(waiting, "order {i} never waited for the lock");
-    }
-    let first = bounded("the stalled holder", first).await.expect("task");
-    assert_eq!(first.ok(), Some(StatusCode::CREATED));
-    let mut answers = Vec::new();
-    for order in queued {
-        answers.push(bounded("a queued order", order).await.expect("task"));
-    }
+    let orders = [2, 2, 2, 1, 1, 1].map(|quantity| ("queued", quantity));
+    let answers = behind_a_stalled_holder(&cluster, sku, &orders).await;
     let statuses: Vec<u16> = answers.iter().map(|(s, _)| s.as_u16()).collect();
     assert_eq!(statuses, [201, 201, 409, 201, 409, 409], "{answers:?}");
     assert_eq!(
@@ -234,6 +243,48 @@ async fn a_repeated_key_in_a_batch_refuses_only_itself() {
     assert_eq!(
         (&stats["stock_mysql"], &stats["consistent"]),
         (&json!(6), &json!(true)),
+        "{stats}"
+    );
+}
+
+/// A SKU with a limit of one unit per user, 3 units left; queued behind a stalled
+/// holder (who takes one): a user who bought already, then two newcomers. Allotted
+/// from the read (2 units), the newcomers are one too many, but the SKU's limit sends
+/// the batch to one-order transactions, where the repeat buyer is refused
+/// `limit_reached` and its unit goes to the next: both newcomers are sold, and the
+/// stock ends at 0.
+///
+/// Judged once from the read (the allotment kept in the one-order transactions), the
+/// second newcomer answers `sold_out` with a unit left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_refused_in_a_batch_leaves_its_unit_to_the_next() {
+    let cluster =
+        TestCluster::start(1, &["--lock-lease-ms", "30000", "--lock-wait-ms", "30000"]).await;
+    cluster.set_strategy("redis-lock").await;
+    set_combine(&cluster, 8).await;
+    let sku = "combined-limit";
+    crate::idempotency::reset_with_limit(&cluster, sku, 4, Some(1)).await;
+    let first = cluster.order(0, sku, "again-0", 1).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let orders = [("again", 1), ("new", 1), ("new", 1)];
+    let answers = behind_a_stalled_holder(&cluster, sku, &orders).await;
+    let codes: Vec<_> = answers
+        .iter()
+        .map(|(status, body)| (status.as_u16(), body["error"].clone()))
+        .collect();
+    assert_eq!(
+        codes,
+        [
+            (409, json!("limit_reached")),
+            (201, Value::Null),
+            (201, Value::Null)
+        ],
+        "{answers:?}"
+    );
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        (&stats["stock_mysql"], &stats["consistent"]),
+        (&json!(0), &json!(true)),
         "{stats}"
     );
 }

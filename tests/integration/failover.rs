@@ -225,6 +225,13 @@ struct Run {
 /// then the rival (replica 1) orders the same unit, sent again while it answers 503
 /// (its connections to the old primary are being replaced).
 async fn failover_run(cluster: &TestCluster, ha: &RedisHa, fault: Value) -> Run {
+    failover_tried(cluster, ha, fault)
+        .await
+        .expect("the failover happened")
+}
+
+/// `failover_run`, or `None` if the Redis never failed over (no holder in time).
+async fn failover_tried(cluster: &TestCluster, ha: &RedisHa, fault: Value) -> Option<Run> {
     let sku = fault["sku"].as_str().unwrap_or_default().to_owned();
     let sku = sku.as_str();
     let armed = cluster
@@ -247,47 +254,49 @@ async fn failover_run(cluster: &TestCluster, ha: &RedisHa, fault: Value) -> Run 
         RedisHa::get(primary, &record_key).await
     };
     let run = async {
-        let (holder, (rival, record, rival_at)) =
-            tokio::join!(cluster.order(0, sku, "holder", 1), async {
-                // The fault fails over once the holder holds and stalls; its record
-                // lands on the new primary.
-                let recorded = eventually(Duration::from_secs(40), || async {
-                    record().await.is_some()
-                })
-                .await;
-                assert!(recorded, "the failover never happened");
-                let record: Value = serde_json::from_str(&record().await.unwrap_or_default())
-                    .expect("the fault's record");
-                let deadline = Instant::now() + Duration::from_secs(20);
-                let rival = loop {
-                    let answer = cluster.order(1, sku, "rival", 1).await;
-                    let status = answer.status();
-                    if status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() >= deadline {
-                        if status == StatusCode::SERVICE_UNAVAILABLE {
-                            eprintln!(
-                                "the rival's last 503: {}",
-                                answer.text().await.unwrap_or_default()
-                            );
-                        }
-                        break status;
+        let (holder, rival) = tokio::join!(cluster.order(0, sku, "holder", 1), async {
+            // The fault fails over once the holder holds and stalls; its record
+            // lands on the new primary.
+            let recorded = eventually(Duration::from_secs(40), || async {
+                record().await.is_some()
+            })
+            .await;
+            if !recorded {
+                return None;
+            }
+            let record: Value = serde_json::from_str(&record().await.unwrap_or_default())
+                .expect("the fault's record");
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let rival = loop {
+                let answer = cluster.order(1, sku, "rival", 1).await;
+                let status = answer.status();
+                if status != StatusCode::SERVICE_UNAVAILABLE || Instant::now() >= deadline {
+                    if status == StatusCode::SERVICE_UNAVAILABLE {
+                        eprintln!(
+                            "the rival's last 503: {}",
+                            answer.text().await.unwrap_or_default()
+                        );
                     }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                };
-                (rival, record, now_ms())
-            });
-        (holder.status(), rival, record, rival_at)
+                    break status;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            Some((rival, record, now_ms()))
+        });
+        let (rival, record, rival_at) = rival?;
+        Some((holder.status(), rival, record, rival_at))
     };
     let (holder, rival, record, rival_at) =
-        within(Duration::from_secs(60), "the failover run", run).await;
+        within(Duration::from_secs(60), "the failover run", run).await?;
     let promoted_at = record["outcome"]["promoted_at_ms"]
         .as_f64()
         .unwrap_or(f64::NAN);
-    Run {
+    Some(Run {
         holder,
         rival,
         record,
         rival_after_promotion_ms: rival_at - promoted_at,
-    }
+    })
 }
 
 fn now_ms() -> f64 {
@@ -533,7 +542,8 @@ async fn a_pool_leaves_the_old_primary_when_sentinel_announces_a_failover() {
 /// `FAILOVER_TRIALS` (default 10) failover faults under each setting, each on a Redis
 /// set and a runtime of its own (a fault's task outlives its answer: on a shared
 /// runtime it could still be restoring one trial's nodes when the next trial's took
-/// their ports), fencing off; counts the trials that lost the held lock (the fault's
+/// their ports), fencing off; counts the trials that never failed over (no holder in
+/// time; the replica's replication state is printed), those that lost the held lock (the fault's
 /// record), those that sold the unit twice (MySQL), and how long after the promotion
 /// the rival's order was answered (an upper bound: the rival starts once the fault's
 /// record is on the new primary, and retries a 503 every 50 ms).
@@ -558,11 +568,12 @@ fn failover_trials() {
         ("WAIT 1, two replicas", 2, &wait, json!({})),
     ];
     println!(
-        "| setting | trials | lock lost | two orders for one unit | rival's answer (count) | rival answered after the promotion, ms: median (min–max) |"
+        "| setting | trials | no failover | lock lost | two orders for one unit | rival's answer (count) | rival answered after the promotion, ms: median (min–max) |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for (label, replicas, extra, fault) in settings {
         let (mut lost, mut doubled, mut after) = (0, 0, Vec::new());
+        let mut no_failover = 0;
         let mut answers = std::collections::BTreeMap::new();
         for trial in 0..trials {
             let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -570,23 +581,39 @@ fn failover_trials() {
                 .enable_all()
                 .build()
                 .expect("a runtime");
-            let (was_lost, orders, rival, ms) = runtime.block_on(async {
+            let tried = runtime.block_on(async {
                 let ha = RedisHa::start(replicas).await;
                 let sku = format!("failover-trial-{trial}");
                 let cluster = sale_on(&ha, false, extra, &sku).await;
                 let mut fault = fault.clone();
                 fault["sku"] = json!(sku);
-                let run = failover_run(&cluster, &ha, fault).await;
+                let Some(run) = failover_tried(&cluster, &ha, fault).await else {
+                    for &replica in &ha.replicas {
+                        if let Some(mut connection) = RedisHa::connection(replica).await {
+                            let info: String = redis::cmd("INFO")
+                                .arg("replication")
+                                .query_async(&mut connection)
+                                .await
+                                .unwrap_or_default();
+                            eprintln!("no failover; replica {replica}: {info}");
+                        }
+                    }
+                    return None;
+                };
                 let orders = cluster.count_orders(&sku).await;
-                (
+                Some((
                     run.record["outcome"]["lock_lost"] == true,
                     orders,
                     run.rival,
                     run.rival_after_promotion_ms,
-                )
+                ))
             });
             // Every task of the trial (the fault's among them) ends here.
             drop(runtime);
+            let Some((was_lost, orders, rival, ms)) = tried else {
+                no_failover += 1;
+                continue;
+            };
             lost += usize::from(was_lost);
             doubled += usize::from(orders >= 2);
             *answers.entry(rival.as_u16()).or_insert(0) += 1;
@@ -603,7 +630,7 @@ fn failover_trials() {
             .map(|(status, count)| format!("{status} × {count}"))
             .collect();
         println!(
-            "| {label} | {trials} | {lost} | {doubled} | {} | {median:.0} ({low:.0}–{high:.0}) |",
+            "| {label} | {trials} | {no_failover} | {lost} | {doubled} | {} | {median:.0} ({low:.0}–{high:.0}) |",
             answers.join(", ")
         );
     }

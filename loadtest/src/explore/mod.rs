@@ -475,6 +475,9 @@ fn replay_command(options: &ExploreOptions, seed: u64, round: u64) -> String {
         let on = switch == crate::options::Switch::On;
         command += if on { " --cohort on" } else { " --cohort off" };
     }
+    if let Some(combine) = options.combine {
+        command += &format!(" --combine {combine}");
+    }
     if options.disruptive {
         command += " --disruptive";
         for (flag, value) in [
