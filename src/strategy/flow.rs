@@ -56,7 +56,9 @@ impl SaleFlow {
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
         if options.combine > 1 {
-            return self.sell_combined(lock, order, strategy, options).await;
+            // Boxed: inline, the two flows' futures nest too deep for the compiler's
+            // layout of every strategy's future.
+            return Box::pin(self.sell_combined(lock, order, strategy, options)).await;
         }
         let guard = self.acquire(lock, &order.sku, strategy, &options).await?;
         let holding = Instant::now();
@@ -599,12 +601,14 @@ impl Placed for Order {
 /// Runs one step of an order's critical section and records how long it took, so
 /// `/metrics` shows where a strategy's time per order goes (`scripts/bench.sh` puts it
 /// in BENCHMARKS.md). A step that is dropped records nothing.
-pub(super) async fn timed<T>(
-    strategy: &str,
+pub(super) fn timed<'a, T: 'a>(
+    strategy: &'a str,
     step: &'static str,
-    work: impl Future<Output = T>,
-) -> T {
-    timed_for(strategy, step, 1, work).await
+    work: impl Future<Output = T> + 'a,
+) -> impl Future<Output = T> + 'a {
+    // The same future, not one more layer around it: the order path's futures nest
+    // deep enough as they are for the compiler's layout limit.
+    timed_for(strategy, step, 1, work)
 }
 
 /// `timed` for a step done once for `orders` orders (combining): each order records
