@@ -15,7 +15,9 @@ const COHORT: &str = "Around the lock, the cohort layer (on unless switched off)
                       replica's requests for a SKU queue locally, and a holder hands the \
                       lock to the next of them instead of releasing it, up to 8 in a row; for \
                       db-unique and Redlock a release is announced on Redis and each \
-                      replica's first waiter asks again at once.";
+                      replica's first waiter asks again at once. With combining switched on \
+                      (combine N), a holder also sells up to N orders queued for the SKU in \
+                      its replica in its one critical section: one read, one transaction.";
 
 pub struct LockStrategy<L: DistributedLock> {
     explanation: Explanation,
