@@ -404,4 +404,16 @@ mod tests {
         assert!(queues.turn("a", soon).await.is_some());
         assert_eq!(queues.live(), 0);
     }
+
+    /// `acquisition_of` undoes `token_in_run`: a fence floor reads MySQL's fence (a
+    /// hold's token) back as the lock's own counter, so that a counter Redis lost
+    /// restarts just above it. Returning 0 or 1 restarted it below tokens already
+    /// written; shifting the wrong way restarted it 2^32 times too high.
+    #[test]
+    fn a_holds_token_gives_back_its_acquisitions_token() {
+        for (id, run) in [(1, 0), (1000, 5), ((1 << 48) - 1, RUN_LIMIT)] {
+            let token = token_in_run(id, run).expect("ids below 2^48 have tokens");
+            assert_eq!(acquisition_of(token), id, "id {id}, run {run}");
+        }
+    }
 }

@@ -1029,6 +1029,40 @@ async fn failed_release_is_retried_in_the_background() {
     tasks_end::<Redis>(&holder).await;
 }
 
+/// A holder whose watchdog finds its key gone (deleted by hand here, as a takeover
+/// after an expiry or a Redis that lost it would) knows without asking (`known_lost`)
+/// within a renewal or two, so the cohort layer never hands the hold on; its release
+/// then reports the loss and names the lock's key. Without the watchdog's mark (or
+/// with `known_lost` answering `false`) the test fails at the wait; with an empty
+/// `describe`, at the error's text.
+#[tokio::test]
+async fn redis_lock_holder_knows_when_its_watchdog_finds_the_key_gone() {
+    let (cluster, _factory) = redis_factory().await;
+    let holder = RedisLock::new(
+        redis_client(),
+        redis_pool(),
+        &cluster.namespace,
+        "holder",
+        SHORT_LEASE,
+    );
+    let guard = holder.acquire("item", LONG).await.expect("acquired");
+    assert!(!guard.known_lost(), "a fresh hold is not known lost");
+    let mut conn = redis_pool().get().await.expect("redis");
+    let () = conn.del(holder.key("item")).await.expect("DEL");
+    until("the watchdog marks the hold lost", || async {
+        guard.known_lost()
+    })
+    .await;
+    match guard.release().await {
+        Err(LockError::Lost(message)) => assert!(
+            message.contains(&holder.key("item")),
+            "the error names the key: {message}"
+        ),
+        other => panic!("expected the loss to be reported, got {other:?}"),
+    }
+    tasks_end::<Redis>(&holder).await;
+}
+
 /// Fencing counters kept in Redis restart above the fence MySQL has seen when Redis
 /// lost them: the next token is still greater than any token already written. The
 /// locks go through the cohort layer, as the service's do: MySQL's fence is a hold's
