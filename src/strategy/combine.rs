@@ -287,9 +287,10 @@ impl SaleFlow {
         // Marked pending only if the stock covers the smallest order: then one at
         // least is sold and the cache write clears the mark.
         let mark = acquisition_token(&self.replica_id);
-        let stock = timed(
+        let stock = timed_for(
             strategy,
             "read",
+            orders.len(),
             self.read_to_sell(smallest, &mark, options.epoch),
         )
         .instrument(debug_span!("read"))
