@@ -20,6 +20,17 @@ async fn set_cohort(cluster: &TestCluster, replica: usize, body: &Value) -> (Sta
     (status, response.json().await.unwrap_or(Value::Null))
 }
 
+/// The switch's durable copy in MySQL, as written.
+async fn stored_switch(cluster: &TestCluster) -> String {
+    let mysql = cluster.mysql().await;
+    let stored = sqlx::query_scalar("SELECT value FROM cluster_settings WHERE name = 'cohort'")
+        .fetch_one(&mysql)
+        .await
+        .expect("the durable copy");
+    mysql.close().await;
+    stored
+}
+
 /// On by default; switched through one replica, every replica reads the new value
 /// (GET and `/api/stats`), the sale epoch moved, MySQL holds it, and a Redis that lost
 /// the key gets it back from MySQL rather than the default.
@@ -56,14 +67,7 @@ async fn the_cohort_switch_is_on_by_default_shared_and_durable() {
         stats["epoch"]
     );
 
-    let mysql = cluster.mysql().await;
-    let stored: String =
-        sqlx::query_scalar("SELECT value FROM cluster_settings WHERE name = 'cohort'")
-            .fetch_one(&mysql)
-            .await
-            .expect("the durable copy");
-    assert_eq!(stored, "off");
-    mysql.close().await;
+    assert_eq!(stored_switch(&cluster).await, "off");
 
     let pool = redis_pool();
     let mut redis = pool.get().await.expect("redis");
@@ -87,14 +91,7 @@ async fn the_cohort_switch_is_on_by_default_shared_and_durable() {
         (&stats["cohort"], &stats["combine"]),
         (&json!(true), &json!(8))
     );
-    let mysql = cluster.mysql().await;
-    let stored: String =
-        sqlx::query_scalar("SELECT value FROM cluster_settings WHERE name = 'cohort'")
-            .fetch_one(&mysql)
-            .await
-            .expect("the durable copy");
-    assert_eq!(stored, "combine:8");
-    mysql.close().await;
+    assert_eq!(stored_switch(&cluster).await, "combine:8");
     let removed: i64 = redis.del(&key).await.expect("DEL");
     assert_eq!(removed, 1);
     assert_eq!(
