@@ -138,7 +138,7 @@ pub async fn place_order(
     let options = OrderOptions {
         fencing: settings.fencing,
         cohort: settings.cohort,
-        combine: if settings.cohort { settings.combine } else { 1 },
+        combine: settings.combine,
         epoch: settings.epoch,
         pause: settings.pause.map(|p| p.at),
         client_gone,

@@ -56,9 +56,7 @@ impl SaleFlow {
         options: OrderOptions,
     ) -> Result<Order, OrderError> {
         if options.combine > 1 {
-            // Boxed: inline, the two flows' futures nest too deep for the compiler's
-            // layout of every strategy's future.
-            return Box::pin(self.sell_combined(lock, order, strategy, options)).await;
+            return self.sell_combined(lock, order, strategy, options).await;
         }
         let guard = self.acquire(lock, &order.sku, strategy, &options).await?;
         let holding = Instant::now();

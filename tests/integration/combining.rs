@@ -288,3 +288,61 @@ async fn a_limit_refused_in_a_batch_leaves_its_unit_to_the_next() {
         "{stats}"
     );
 }
+
+/// A shopper hangs up while its order waits behind a stalled holder, before any batch
+/// has taken it; another waits on. The next holder's batch sells the one who stayed
+/// and not the one who left: MySQL holds no order of that user.
+///
+/// Without both guards (the order leaves its list when its lock wait ends
+/// `abandoned`; a batch skips orders whose shopper has left), the next batch sells it
+/// to nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shopper_who_left_before_the_batch_is_not_sold_to() {
+    let cluster =
+        TestCluster::start(1, &["--lock-lease-ms", "30000", "--lock-wait-ms", "30000"]).await;
+    cluster.set_strategy("redis-lock").await;
+    set_combine(&cluster, 8).await;
+    let sku = "combined-left";
+    cluster.reset(sku, 5).await;
+    cluster.arm_pause(0, 4000, Some("before_commit")).await;
+    let (http, url) = (cluster.http.clone(), cluster.url(0, "/api/orders"));
+    let holder = tokio::spawn(async move {
+        let body = json!({ "sku": sku, "user_id": "holder", "quantity": 1 });
+        http.post(url).json(&body).send().await.map(|r| r.status())
+    });
+    assert!(cluster.wait_until_pause_claimed().await, "never stalled");
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .expect("HTTP client");
+    let body = json!({ "sku": sku, "user_id": "left", "quantity": 1 });
+    let left = impatient
+        .post(cluster.url(0, "/api/orders"))
+        .json(&body)
+        .send()
+        .await;
+    assert!(left.is_err(), "the shopper hung up before an answer");
+    let stayed = cluster.order(0, sku, "stayed", 1).await;
+    assert_eq!(stayed.status(), StatusCode::CREATED);
+    let holder = bounded("the stalled holder", holder).await.expect("task");
+    assert_eq!(holder.ok(), Some(StatusCode::CREATED));
+    let mysql = cluster.mysql().await;
+    let left: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM orders WHERE sku = ? AND user_id = 'left'")
+            .bind(sku)
+            .fetch_one(&mysql)
+            .await
+            .expect("count");
+    mysql.close().await;
+    assert_eq!(left, 0, "nobody was sold to the shopper who left");
+    let stats = cluster.sku_stats(sku).await;
+    assert_eq!(
+        (
+            &stats["stock_mysql"],
+            &stats["orders"],
+            &stats["consistent"]
+        ),
+        (&json!(3), &json!(2), &json!(true)),
+        "{stats}"
+    );
+}
