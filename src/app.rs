@@ -93,6 +93,7 @@ impl Server {
             admin_token: config.admin_token.clone(),
             metrics: crate::telemetry::prometheus(),
             orders_in_flight: TaskTracker::new(),
+            stock_audit: Default::default(),
         };
         crate::telemetry::register_events(&state.strategies.names());
         let advertised = config

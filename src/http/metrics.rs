@@ -2,7 +2,8 @@
 //! times every request by its route template (never the raw path, whose variety
 //! would blow up the label set).
 
-use std::time::Instant;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use axum::extract::{MatchedPath, Request, State};
 use axum::http::header::CONTENT_TYPE;
@@ -34,24 +35,61 @@ pub async fn observe(request: Request, next: Next) -> Response {
 /// bounded however many SKUs there are.
 const SKU_GAUGES: usize = 50;
 
-/// Refreshes the stock gauges from the records, then renders everything. Answers 200
-/// even while Redis or MySQL is down, so the graphs show the outage:
-/// `flashsale_records_up` is then 0 and the per-SKU gauges are not refreshed.
+/// How often the records are audited for the per-SKU gauges, at most, and how long
+/// one audit may take before the records count as down.
+const AUDIT_INTERVAL: Duration = Duration::from_secs(5);
+
+/// The per-SKU gauges (stock in each store, oversold, consistent) and
+/// `flashsale_records_up` come from an audit of the records that reads every SKU's
+/// orders, which grows with the sale. A scrape never waits for it: it starts one when
+/// the last is older than `AUDIT_INTERVAL` and renders what the last one found. So
+/// however many scrapers there are, and however slow MySQL is, a replica reads the
+/// records at most once per interval for its metrics, and not at all unless scraped.
+#[derive(Default)]
+pub struct StockAudit {
+    last_started: Mutex<Option<Instant>>,
+}
+
+impl StockAudit {
+    /// Whether an audit is due now; if so, the caller runs it.
+    fn due(&self) -> bool {
+        let mut last = self.last_started.lock().unwrap_or_else(|p| p.into_inner());
+        let due = last.is_none_or(|at| at.elapsed() >= AUDIT_INTERVAL);
+        if due {
+            *last = Some(Instant::now());
+        }
+        due
+    }
+}
+
+async fn audit(state: AppState) {
+    match tokio::time::timeout(AUDIT_INTERVAL, stats::collect(&state, None)).await {
+        Ok(Ok(stats)) => {
+            metrics::gauge!("flashsale_records_up").set(1.0);
+            set_sku_gauges(&stats.skus);
+        }
+        Ok(Err(error)) => {
+            tracing::debug!(%error, "metrics without the records");
+            metrics::gauge!("flashsale_records_up").set(0.0);
+        }
+        Err(_) => {
+            tracing::debug!("the records' audit took longer than its interval");
+            metrics::gauge!("flashsale_records_up").set(0.0);
+        }
+    }
+}
+
+/// Renders every metric. Answers 200 even while Redis or MySQL is down, so the graphs
+/// show the outage: the audit then sets `flashsale_records_up` to 0 and leaves the
+/// per-SKU gauges as they were.
 #[utoipa::path(get, path = "/metrics", tag = "service",
     responses(
         (status = 200, description = "Prometheus text format", content_type = "text/plain",
             body = String),
     ))]
 pub async fn render(State(state): State<AppState>) -> Response {
-    match stats::collect(&state, None).await {
-        Ok(stats) => {
-            metrics::gauge!("flashsale_records_up").set(1.0);
-            set_sku_gauges(&stats.skus);
-        }
-        Err(error) => {
-            tracing::debug!(%error, "metrics without the records");
-            metrics::gauge!("flashsale_records_up").set(0.0);
-        }
+    if state.stock_audit.due() {
+        tokio::spawn(audit(state.clone()));
     }
     crate::telemetry::collect_process();
     set_load_gauges(&state);
@@ -88,5 +126,22 @@ fn set_load_gauges(state: &AppState) {
         if let Some(waiting) = pool.waiting {
             metrics::gauge!("flashsale_pool_waiters", "pool" => name).set(waiting as f64);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// However many scrapes come, one audit per interval: the first scrape starts one,
+    /// the scrapes after it within the interval do not.
+    #[test]
+    fn one_audit_per_interval() {
+        let audit = StockAudit::default();
+        assert!(audit.due());
+        assert!(!audit.due());
+        *audit.last_started.lock().unwrap() = Instant::now().checked_sub(AUDIT_INTERVAL);
+        assert!(audit.due());
+        assert!(!audit.due());
     }
 }

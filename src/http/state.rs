@@ -35,6 +35,8 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// Orders run in tasks of their own (see `orders.rs`); shutdown waits for them.
     pub orders_in_flight: TaskTracker,
+    /// When the records were last read for the per-SKU gauges (`metrics.rs`).
+    pub stock_audit: Arc<super::metrics::StockAudit>,
 }
 
 impl AppState {

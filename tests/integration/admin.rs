@@ -1,6 +1,8 @@
 //! Cluster-wide admin state: a reset and a strategy switch made through one replica
 //! are seen by all of them, and every replica shows up in the stats.
 
+use std::time::Duration;
+
 use reqwest::StatusCode;
 use serde_json::json;
 
@@ -165,10 +167,7 @@ async fn metrics_are_exposed_in_prometheus_format() {
         "flashsale_build_info{{version=\"{}\",commit=\"{commit}\"}} 1\n",
         env!("CARGO_PKG_VERSION")
     );
-    let response = http.get(url("/metrics")).send().await.expect("GET");
-    assert_eq!(response.status(), StatusCode::OK);
-    let text = response.text().await.expect("body");
-    for expected in [
+    let expected = [
         "flashsale_http_requests_total{route=\"/api/orders\",method=\"POST\",status=\"201\"} 2\n",
         "flashsale_http_requests_total{route=\"/api/orders\",method=\"POST\",status=\"409\"} 2\n",
         "flashsale_http_request_duration_seconds_count{route=\"/api/orders\"} 4\n",
@@ -192,7 +191,22 @@ async fn metrics_are_exposed_in_prometheus_format() {
         "process_resident_memory_bytes ",
         "# HELP flashsale_orders_total",
         "# TYPE flashsale_orders_total counter",
-    ] {
+    ];
+    // The per-SKU gauges come from an audit the first scrape starts: scrape until they
+    // are there, then every series must be.
+    let scrape = || async {
+        let response = http.get(url("/metrics")).send().await.expect("GET");
+        assert_eq!(response.status(), StatusCode::OK);
+        response.text().await.expect("body")
+    };
+    let mut text = scrape().await;
+    let audited = "flashsale_stock{sku=\"measured\",store=\"redis\"} NaN\n";
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !text.contains(audited) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        text = scrape().await;
+    }
+    for expected in expected {
         assert!(
             text.contains(expected),
             "/metrics lacks {expected}:\n{text}"
@@ -216,10 +230,10 @@ async fn cluster_strategy(http: &reqwest::Client, url: &str, strategy: &str) {
 async fn metrics_answer_while_redis_is_down() {
     let nowhere = format!("redis://127.0.0.1:{}", crate::support::free_port());
     let cluster = TestCluster::start(1, &["--redis-url", &nowhere]).await;
-    // The recorder is shared by every replica of this test process: another test's
-    // replica may set the gauge back to 1 between our refresh and our render.
-    let mut seen_down = false;
-    for _ in 0..10 {
+    // The audit the first scrape starts says 0 soon after. The recorder is shared by
+    // every replica of this test process: another test's replica may set the gauge
+    // back to 1 between our audit and our render, so look for the 0 a while.
+    let seen_down = crate::support::eventually(Duration::from_secs(15), || async {
         let response = cluster
             .http
             .get(cluster.url(0, "/metrics"))
@@ -228,13 +242,41 @@ async fn metrics_answer_while_redis_is_down() {
             .expect("GET");
         assert_eq!(response.status(), StatusCode::OK);
         let text = response.text().await.expect("body");
-        assert!(text.contains("# HELP flashsale_records_up"), "{text}");
-        if text.contains("flashsale_records_up 0") {
-            seen_down = true;
-            break;
-        }
-    }
+        text.contains("# HELP flashsale_records_up") && text.contains("flashsale_records_up 0")
+    })
+    .await;
     assert!(seen_down, "flashsale_records_up never said 0");
+}
+
+/// A scrape never waits for the records: with the orders table locked (as a long
+/// migration or a backup would), `/metrics` still answers at once, and Prometheus,
+/// which gives up on a scrape after 10 s by default, keeps the process, pool and
+/// request series. Without the audit beside the scrape (the records read inside it),
+/// the scrape waits for the lock and this test times out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scrape_does_not_wait_for_the_records() {
+    use sqlx::Connection;
+    let cluster = TestCluster::start(1, &[]).await;
+    cluster.reset("audited", 3).await;
+    let mut locker = sqlx::MySqlConnection::connect(&cluster.database_url)
+        .await
+        .expect("MySQL");
+    sqlx::query("LOCK TABLES orders WRITE")
+        .execute(&mut locker)
+        .await
+        .expect("LOCK TABLES");
+    for _ in 0..2 {
+        let scrape = cluster.http.get(cluster.url(0, "/metrics")).send();
+        let response = tokio::time::timeout(Duration::from_secs(3), scrape)
+            .await
+            .expect("the scrape waited for the locked records")
+            .expect("GET");
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    sqlx::query("UNLOCK TABLES")
+        .execute(&mut locker)
+        .await
+        .expect("UNLOCK TABLES");
 }
 
 /// A load test started from the dashboard ends with the replica that started it: it

@@ -271,12 +271,31 @@ impl TestCluster {
                 .await
                 .expect("the replica serves");
         }
-        TestCluster {
+        let cluster = TestCluster {
             replicas,
             database_url,
             namespace: name,
             http,
+        };
+        cluster.combine_if_asked().await;
+        cluster
+    }
+
+    /// With `FLASHSALE_TEST_COMBINE=N` set, every cluster starts with combining on (up
+    /// to N orders per critical section), so the whole suite can be run again that way
+    /// (TESTING.md). A test that sets the cohort switch itself decides for itself.
+    async fn combine_if_asked(&self) {
+        let Ok(combine) = std::env::var("FLASHSALE_TEST_COMBINE") else {
+            return;
+        };
+        let combine: u16 = combine.parse().expect("FLASHSALE_TEST_COMBINE: 1 to 64");
+        if self.replicas.is_empty() {
+            return;
         }
+        let body = json!({ "enabled": true, "combine": combine });
+        // A cluster started without a reachable Redis cannot store it, and is not
+        // selling anyway.
+        let _ = self.admin(Method::PUT, "/api/admin/cohort", &body).await;
     }
 
     pub fn url(&self, replica: usize, path: &str) -> String {
