@@ -10,13 +10,17 @@ so that a row adds up:
                                 steps of its critical section, the time between
                                 them (mostly the handoff), and what the goal leaves
                                 the lock
-  orders_table.py cpu RUNS N S  CPU time per order by process over runs of S seconds,
-                                and the most orders/s N cores could give at that cost
+  orders_table.py cpu RUNS N S [BASE]
+                                CPU time per order by process over runs of S seconds,
+                                and the most orders/s N cores could give at that cost,
+                                as a ratio to BASE's orders/s in the same repeat (the
+                                strategy measured as the base; default the one-
+                                connection `none` of the per-order table)
   orders_table.py latency RUNS  the open model at a share of each strategy's capacity
                                 (scripts/bench/latency.sh): rates, p50/p99/p99.9
                                 against the goal, the cores' use
-  orders_table.py skus RUNS     orders/s on many SKUs (JSON lines from `measure`) and
-                                the ratio to `none` on the same SKUs in the same repeat
+  orders_table.py skus RUNS     orders/s on many SKUs and the ratio to `none` on the
+                                same SKUs in the same repeat
 
 """
 import json
@@ -68,8 +72,8 @@ def names(runs):
     return order
 
 
-def base_rates(runs):
-    return {r["repeat"]: r["orders_per_s"] for r in runs if r["strategy"] == "baseline"}
+def base_rates(runs, base="baseline"):
+    return {r["repeat"]: r["orders_per_s"] for r in runs if r["strategy"] == base}
 
 
 def ratios(runs):
@@ -158,10 +162,10 @@ def time(runs):
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
-def cpu(runs, cores, seconds):
+def cpu(runs, cores, seconds, base="baseline"):
     """Pooled over the repeats: every tick of every run over every order."""
     hz = os.sysconf("SC_CLK_TCK")
-    baseline = base_rates(runs)
+    baseline = base_rates(runs, base)
     pooled = {}
     for run in runs:
         before, after = run["before"], run["after"]
@@ -244,9 +248,8 @@ def latency(path):
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-def skus(path):
+def skus(runs):
     """Orders/s per strategy and its ratio to `none` in the same repeat."""
-    runs = lines(path)
     measure = {r["repeat"]: r["orders_per_s"] for r in runs if r["strategy"] == "none"}
     print("| strategy | orders/s | ÷ none, same connections and SKUs | goal | non-2xx answers/s |")
     print("|---|---|---|---|---|")
@@ -264,15 +267,15 @@ if __name__ == "__main__":
     if mode == "latency":
         latency(path)
         sys.exit()
-    if mode == "skus":
-        skus(path)
-        sys.exit()
     runs = load(path)
+    if mode == "skus":
+        skus(runs)
+        sys.exit()
     if mode == "ratios":
         ratios(runs)
     elif mode == "time":
         time(runs)
     elif mode == "cpu":
-        cpu(runs, int(sys.argv[3]), float(sys.argv[4]))
+        cpu(runs, int(sys.argv[3]), float(sys.argv[4]), *sys.argv[5:6])
     else:
         sys.exit(f"unknown table {mode!r}; see the module's docstring")

@@ -1,6 +1,6 @@
 # Sourced by scripts/bench.sh after scripts/bench/orders.sh (uses their WORK, REPEAT,
 # COMMIT, CORES, CPU, MEMORY, PORT, CONNECTIONS, ORDER_SECONDS, STRATEGIES, STOCK,
-# BINARY, log, die, admin, measure, modes_of, start_replicas, stop_replicas and
+# BINARY, log, die, admin, measure, measure_costs, modes_of, cohort_body, start_replicas, stop_replicas and
 # replace_section): the per-order table again with the orders spread over many SKUs,
 # against `none` on the same SKUs with the same connections.
 
@@ -26,18 +26,18 @@ section_skus() {
     for strategy in "${measured[@]}"; do
       for mode in $(modes_of "$strategy"); do
         label=$strategy
-        [ "$mode" = classic ] && label="$strategy classic"
+        [ "$mode" = cohort ] || label="$strategy $mode"
         log "skus: repeat $repeat of $REPEAT, $label on $SKU_COUNT SKUs"
-        admin PUT /api/admin/cohort "{\"enabled\":$([ "$mode" = classic ] && echo false || echo true)}"
+        admin PUT /api/admin/cohort "$(cohort_body "$mode")"
         admin PUT /api/admin/strategy "{\"strategy\":\"$strategy\"}"
         for sku in ${SKUS//,/ }; do
           admin POST /api/admin/reset "{\"sku\":\"$sku\",\"stock\":$STOCK}"
         done
         measure "$CONNECTIONS" 1 warm "$repeat" "${ports[@]}" >/dev/null
-        measure "$CONNECTIONS" "$ORDER_SECONDS" "$label" "$repeat" "${ports[@]}" >>"$results"
+        measure_costs "$CONNECTIONS" "$ORDER_SECONDS" "$label" "$repeat" "${ports[@]}" >>"$results"
       done
     done
-    admin PUT /api/admin/cohort '{"enabled":true}'
+    admin PUT /api/admin/cohort "$(cohort_body cohort)"
   done
   stop_replicas
 
@@ -55,7 +55,8 @@ section_skus() {
     echo "no simulated work, fencing off, $STOCK units per SKU (nothing sells out). The"
     echo "measure is \`none\` with the same connections on the same SKUs in the same repeat."
     echo "A lock strategy's row has the cohort layer on (the service's default); its"
-    echo "\`classic\` row has it off: reported, not judged. Every strategy is measured"
+    echo "\`combined\` row adds combining (up to $COMBINE orders per critical section), its"
+    echo "\`classic\` row has the layer off: reported, not judged. Every strategy is measured"
     echo "$REPEAT times, the repeats interleaved."
     echo
     echo "    BENCH_SKUS=bench-many-1,…,bench-many-$SKU_COUNT wrk -t1 -c$CONNECTIONS -d${ORDER_SECONDS}s -s scripts/bench/order.lua http://127.0.0.1:PORT   # per replica"
@@ -69,6 +70,15 @@ section_skus() {
     python3 scripts/bench/orders_table.py skus "$results"
     echo
     echo "**non-2xx answers/s**: refusals (503 \`lock_timeout\`, optimistic giving up)."
+    echo
+    echo "### Where each order's CPU goes, on $SKU_COUNT SKUs"
+    echo
+    echo "The same runs' CPU per order, as in the per-order table's CPU table; here **÷ base**"
+    echo "is the ceiling as a ratio to \`none\` on the same SKUs in the same repeat. With the"
+    echo "orders spread over $SKU_COUNT locks, few wait for each other: when the cores are"
+    echo "busy, what a lock's order costs in CPU beside \`none\`'s bounds its ratio."
+    echo
+    python3 scripts/bench/orders_table.py cpu "$results" "$CORES" "$ORDER_SECONDS" none
     echo '<!-- skus:end -->'
   } >"$WORK/skus.md"
   replace_section skus "$WORK/skus.md"
