@@ -72,15 +72,15 @@ section_latency() {
           continue
         fi
         python3 -c '
-  import json, sys
-  strategy, repeat, capacity, rate, path, before, after = sys.argv[1:]
-  run = json.load(open(path))["runs"][0]
-  print(json.dumps({"strategy": strategy, "repeat": int(repeat), "capacity": float(capacity),
-                    "rate": float(rate), "run": run,
-                    "before": json.loads(before), "after": json.loads(after)}))
-  said = (strategy, run["orders_per_s"], run["latency_ms"]["p99"], run["busy"], run["errors"], run["sold_out"])
-  print("[bench] latency: %s sold %.0f/s, p99 %.2f ms, busy %d, errors %d, sold out %d" % said,
-        file=sys.stderr)' \
+import json, sys
+strategy, repeat, capacity, rate, path, before, after = sys.argv[1:]
+run = json.load(open(path))["runs"][0]
+print(json.dumps({"strategy": strategy, "repeat": int(repeat), "capacity": float(capacity),
+                  "rate": float(rate), "run": run,
+                  "before": json.loads(before), "after": json.loads(after)}))
+said = (strategy, run["orders_per_s"], run["latency_ms"]["p99"], run["busy"], run["errors"], run["sold_out"])
+print("[bench] latency: %s sold %.0f/s, p99 %.2f ms, busy %d, errors %d, sold out %d" % said,
+      file=sys.stderr)' \
           "$label" "$repeat" "$capacity" "$rate" "$out/report.json" "$before" "$after" >>"$results"
       done
     done
