@@ -14,10 +14,11 @@
 //! | `flashsale_order_step_seconds` (histogram) | strategy, step (`read`, `check`: the lock's last check, `commit`, `cache_write`, `release`) | `strategy::flow`, the steps of the critical section `none` and the lease and queue locks share (redis-lock, db-unique, zookeeper, etcd, redlock); a failed step is timed too |
 //! | `flashsale_lock_timeouts_total`, `flashsale_locks_lost_total`, `flashsale_fencing_rejections_total`, `flashsale_optimistic_conflicts_total`, `flashsale_optimistic_gave_up_total`, `flashsale_paused_holders_total` | strategy | `store::ClusterState::count` (`store::ClusterEvent`) |
 //! | `flashsale_lease_renewals_total` | outcome (`renewed`, `lost`, `error`) | `lock::lease` |
-//! | `flashsale_stock` (gauge) | sku, store (`redis`, `mysql`) | `http::metrics`' audit of the records (at most every 5 s, started by a scrape) |
-//! | `flashsale_oversold` (gauge) | sku | `http::metrics`' audit of the records (at most every 5 s, started by a scrape) |
-//! | `flashsale_consistent` (gauge) | sku | `http::metrics`' audit of the records (at most every 5 s, started by a scrape) |
+//! | `flashsale_stock` (gauge) | sku, store (`redis`, `mysql`) | `http::metrics`' audit of the records (one at a time, at most every 4 s, started by a scrape) |
+//! | `flashsale_oversold` (gauge) | sku | `http::metrics`' audit of the records (one at a time, at most every 4 s, started by a scrape) |
+//! | `flashsale_consistent` (gauge) | sku | `http::metrics`' audit of the records (one at a time, at most every 4 s, started by a scrape) |
 //! | `flashsale_records_up` (gauge) | — | the same audit: 0 while the records cannot be read |
+//! | `flashsale_records_audit_age_seconds` (gauge) | — | `/metrics`: since the last audit ended; it grows while one hangs (MySQL waiting on a lock) |
 //! | `flashsale_timeline_dropped_total` | — | `store::Timeline`, sections not recorded |
 //! | `flashsale_group_commit_orders` (histogram, buckets 1 to 512 orders) | — | `store::group_commit`, orders per batch (redis-atomic) |
 //! | `flashsale_orders_in_flight` (gauge) | — | `/metrics`: orders this replica runs now, their shoppers gone or not |
@@ -92,7 +93,11 @@ fn describe() {
     );
     describe_gauge!(
         "flashsale_records_up",
-        "1 when the last /metrics could read the records, 0 during an outage"
+        "1 when the last audit of the records could read them, 0 when it could not"
+    );
+    describe_gauge!(
+        "flashsale_records_audit_age_seconds",
+        "Seconds since the last audit of the records ended (grows while one hangs)"
     );
     describe_counter!(
         "flashsale_timeline_dropped_total",

@@ -2,7 +2,7 @@
 //! times every request by its route template (never the raw path, whose variety
 //! would blow up the label set).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::extract::{MatchedPath, Request, State};
@@ -35,45 +35,85 @@ pub async fn observe(request: Request, next: Next) -> Response {
 /// bounded however many SKUs there are.
 const SKU_GAUGES: usize = 50;
 
-/// How often the records are audited for the per-SKU gauges, at most, and how long
-/// one audit may take before the records count as down.
-const AUDIT_INTERVAL: Duration = Duration::from_secs(5);
+/// How often the records are audited for the per-SKU gauges, at most: under the
+/// 5 s scrape interval of deploy/prometheus, so each scrape of it finds one due.
+const AUDIT_INTERVAL: Duration = Duration::from_secs(4);
+
+/// How long a scrape waits for the audit it started, so that it usually shows what
+/// that audit found rather than the one before; a slower audit is shown by the next.
+const AUDIT_WAIT: Duration = Duration::from_millis(500);
 
 /// The per-SKU gauges (stock in each store, oversold, consistent) and
 /// `flashsale_records_up` come from an audit of the records that reads every SKU's
-/// orders, which grows with the sale. A scrape never waits for it: it starts one when
-/// the last is older than `AUDIT_INTERVAL` and renders what the last one found. So
-/// however many scrapers there are, and however slow MySQL is, a replica reads the
-/// records at most once per interval for its metrics, and not at all unless scraped.
+/// orders, which grows with the sale. A scrape starts one when none runs and the last
+/// began over `AUDIT_INTERVAL` ago, and waits for it at most `AUDIT_WAIT`. So however
+/// many scrapers there are, a replica runs one audit at a time, at most one per
+/// interval, none unscraped; and a scrape answers even while MySQL hangs.
+/// `flashsale_records_audit_age_seconds` says how long ago the last audit ended, so a
+/// hung one shows (an audit is never cut short: a cut MySQL query keeps its
+/// connection until the server finishes it, and cut audits would pile up).
 #[derive(Default)]
 pub struct StockAudit {
-    last_started: Mutex<Option<Instant>>,
+    times: Mutex<AuditTimes>,
+}
+
+#[derive(Default)]
+struct AuditTimes {
+    started: Option<Instant>,
+    running: bool,
+    finished: Option<Instant>,
 }
 
 impl StockAudit {
-    /// Whether an audit is due now; if so, the caller runs it.
+    fn times(&self) -> std::sync::MutexGuard<'_, AuditTimes> {
+        self.times
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Whether an audit is due now; if so, the caller runs it and calls `finished`.
     fn due(&self) -> bool {
-        let mut last = self.last_started.lock().unwrap_or_else(|p| p.into_inner());
-        let due = last.is_none_or(|at| at.elapsed() >= AUDIT_INTERVAL);
+        let mut times = self.times();
+        let due = !times.running
+            && times
+                .started
+                .is_none_or(|at| at.elapsed() >= AUDIT_INTERVAL);
         if due {
-            *last = Some(Instant::now());
+            times.started = Some(Instant::now());
+            times.running = true;
         }
         due
+    }
+
+    fn finished(&self) {
+        let mut times = self.times();
+        times.running = false;
+        times.finished = Some(Instant::now());
+    }
+
+    fn age(&self) -> Option<Duration> {
+        self.times().finished.map(|at| at.elapsed())
+    }
+}
+
+/// Ends the audit's turn however its task ends (a panic included), so audits go on.
+struct AuditTurn(Arc<StockAudit>);
+
+impl Drop for AuditTurn {
+    fn drop(&mut self) {
+        self.0.finished();
     }
 }
 
 async fn audit(state: AppState) {
-    match tokio::time::timeout(AUDIT_INTERVAL, stats::collect(&state, None)).await {
-        Ok(Ok(stats)) => {
+    let _turn = AuditTurn(state.stock_audit.clone());
+    match stats::collect(&state, None).await {
+        Ok(stats) => {
             metrics::gauge!("flashsale_records_up").set(1.0);
             set_sku_gauges(&stats.skus);
         }
-        Ok(Err(error)) => {
+        Err(error) => {
             tracing::debug!(%error, "metrics without the records");
-            metrics::gauge!("flashsale_records_up").set(0.0);
-        }
-        Err(_) => {
-            tracing::debug!("the records' audit took longer than its interval");
             metrics::gauge!("flashsale_records_up").set(0.0);
         }
     }
@@ -89,7 +129,11 @@ async fn audit(state: AppState) {
     ))]
 pub async fn render(State(state): State<AppState>) -> Response {
     if state.stock_audit.due() {
-        tokio::spawn(audit(state.clone()));
+        // Waiting on the handle, not the audit: past AUDIT_WAIT the audit goes on.
+        let _ = tokio::time::timeout(AUDIT_WAIT, tokio::spawn(audit(state.clone()))).await;
+    }
+    if let Some(age) = state.stock_audit.age() {
+        metrics::gauge!("flashsale_records_audit_age_seconds").set(age.as_secs_f64());
     }
     crate::telemetry::collect_process();
     set_load_gauges(&state);
@@ -133,15 +177,19 @@ fn set_load_gauges(state: &AppState) {
 mod tests {
     use super::*;
 
-    /// However many scrapes come, one audit per interval: the first scrape starts one,
-    /// the scrapes after it within the interval do not.
+    /// However many scrapes come, one audit at a time and one per interval: the first
+    /// scrape starts one; the scrapes after it wait for it to end and the interval to
+    /// pass.
     #[test]
-    fn one_audit_per_interval() {
+    fn one_audit_at_a_time_and_per_interval() {
         let audit = StockAudit::default();
         assert!(audit.due());
-        assert!(!audit.due());
-        *audit.last_started.lock().unwrap() = Instant::now().checked_sub(AUDIT_INTERVAL);
-        assert!(audit.due());
-        assert!(!audit.due());
+        audit.times().started = Instant::now().checked_sub(AUDIT_INTERVAL);
+        assert!(!audit.due(), "another began while the first runs");
+        audit.finished();
+        assert!(audit.due(), "the interval passed and none runs");
+        audit.finished();
+        assert!(!audit.due(), "within the interval");
+        assert!(audit.age().is_some());
     }
 }
