@@ -288,14 +288,32 @@ impl TestCluster {
         let Ok(combine) = std::env::var("FLASHSALE_TEST_COMBINE") else {
             return;
         };
-        let combine: u16 = combine.parse().expect("FLASHSALE_TEST_COMBINE: 1 to 64");
+        let combine: u16 = combine
+            .parse()
+            .ok()
+            .filter(|n| (1..=64).contains(n))
+            .expect("FLASHSALE_TEST_COMBINE: a whole number from 1 to 64");
         if self.replicas.is_empty() {
             return;
         }
-        let body = json!({ "enabled": true, "combine": combine });
-        // A cluster started without a reachable Redis cannot store it, and is not
-        // selling anyway.
-        let _ = self.admin(Method::PUT, "/api/admin/cohort", &body).await;
+        // Once, not `admin`'s retries: a cluster started without a reachable Redis
+        // (503) cannot store the switch, and is not selling anyway.
+        let status = self
+            .http
+            .put(self.url(0, "/api/admin/cohort"))
+            .json(&json!({ "enabled": true, "combine": combine }))
+            .send()
+            .await
+            .map(|response| response.status());
+        match status {
+            Ok(StatusCode::OK) => {}
+            Ok(StatusCode::SERVICE_UNAVAILABLE) | Err(_) => {
+                eprintln!(
+                    "FLASHSALE_TEST_COMBINE: this cluster runs without combining ({status:?})"
+                );
+            }
+            Ok(other) => panic!("switching combining on: {other}"),
+        }
     }
 
     pub fn url(&self, replica: usize, path: &str) -> String {
