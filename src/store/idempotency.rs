@@ -101,12 +101,17 @@ pub(crate) async fn settle_in_order(
         return Ok(true);
     }
     let whens = vec!["WHEN ? THEN ?"; claimed.len()].join(" ");
-    let pairs = vec!["(?, ?)"; claimed.len()].join(", ");
+    // Not `(idem_key, claim) IN ((?, ?), ...)`: MariaDB reads a row constructor's list
+    // by scanning the whole table, and under REPEATABLE READ an UPDATE locks every row
+    // it scans, so each order locked every claim, waited for every other key's
+    // transaction, and held its SKU's row meanwhile. Equalities on the key are a range
+    // of the primary key: only these rows.
+    let pairs = vec!["(idem_key = ? AND claim = ?)"; claimed.len()].join(" OR ");
     // Built from constant pieces and the number of orders only; the values are bound.
     let statement = sqlx::AssertSqlSafe(format!(
         "UPDATE idempotency_keys SET claim = NULL, claimed_until = NULL, status = 201,
              answer = CASE idem_key {whens} END
-         WHERE (idem_key, claim) IN ({pairs})"
+         WHERE {pairs}"
     ));
     let mut update = sqlx::query(statement);
     for (key, _, body) in &claimed {

@@ -247,6 +247,51 @@ async fn an_expired_claim_still_makes_one_order() {
     );
 }
 
+/// A keyed order settles its own claim and touches no other: with another key's claim
+/// row locked by a transaction that stays open, orders with keys of their own are
+/// answered at once, under `none` (one claim per transaction) and redis-atomic (a
+/// group's claims in one statement). Settled with a row-constructor `IN`, which
+/// MariaDB reads by scanning the whole table and so locks every claim, each order
+/// waited for that transaction (innodb_lock_wait_timeout), and every keyed order of
+/// every SKU waited for each other's while holding its SKU's row.
+#[tokio::test]
+async fn a_keyed_order_waits_for_no_other_key() {
+    use sqlx::Connection;
+    let cluster = TestCluster::start(1, &[]).await;
+    let sku = "own-claim";
+    cluster.reset(sku, 10).await;
+    let mut other = sqlx::MySqlConnection::connect(&cluster.database_url)
+        .await
+        .expect("MySQL");
+    sqlx::query(
+        "INSERT INTO idempotency_keys (idem_key, fingerprint, status, answer)
+         VALUES ('someone-else', REPEAT('0', 64), 201, '{}')",
+    )
+    .execute(&mut other)
+    .await
+    .expect("another key's answer");
+    let mut held = other.begin().await.expect("BEGIN");
+    sqlx::query("SELECT 1 FROM idempotency_keys WHERE idem_key = 'someone-else' FOR UPDATE")
+        .execute(&mut *held)
+        .await
+        .expect("lock the other key's row");
+    for (strategy, key) in [("none", "mine-1"), ("redis-atomic", "mine-2")] {
+        cluster.set_strategy(strategy).await;
+        let body = json!({ "sku": sku, "user_id": key, "quantity": 1 });
+        let order = keyed_order(&cluster, &cluster.replicas[0].base_url, &body, key);
+        let answer = tokio::time::timeout(Duration::from_secs(5), order)
+            .await
+            .unwrap_or_else(|_| panic!("{strategy}: the order waited for another key's row"));
+        assert_eq!(
+            answer.status,
+            StatusCode::CREATED,
+            "{strategy}: {}",
+            answer.body
+        );
+    }
+    held.rollback().await.expect("ROLLBACK");
+}
+
 /// The same key with another body is refused (422 `idempotency_key_reused`) and
 /// nothing stored changes; a definitive refusal (`sold_out`) is answered again as it
 /// was, even after a restock (a key is answered once, for 24 hours); lookups answer
