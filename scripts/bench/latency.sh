@@ -1,6 +1,6 @@
 # Sourced by scripts/bench.sh after scripts/bench/orders.sh (uses their WORK, REPEAT,
 # COMMIT, CORES, CPU, MEMORY, BIN_DIR, PORT, CONNECTIONS, ORDER_SECONDS, STRATEGIES,
-# BINARY, log, die, admin, measure, modes_of, cohort_body, costs, start_replicas, stop_replicas and
+# BINARY, log, die, admin, measure, modes_of, label_of, set_up, costs, start_replicas, stop_replicas and
 # replace_section): each strategy's latency in an open model at a share of its
 # capacity, the capacity measured in the same repeat just before.
 
@@ -35,12 +35,9 @@ section_latency() {
   for repeat in $(seq 1 "$REPEAT"); do
     for strategy in "${STRATEGIES[@]}"; do
       for mode in $(MODES=$LATENCY_MODES modes_of "$strategy"); do
-        label=$strategy
-        [ "$mode" = cohort ] || label="$strategy $mode"
+        label=$(label_of "$strategy" "$mode")
         log "latency: repeat $repeat of $REPEAT, $label: its capacity"
-        admin PUT /api/admin/cohort "$(cohort_body "$mode")"
-        admin PUT /api/admin/strategy "{\"strategy\":\"$strategy\"}"
-        admin POST /api/admin/reset "{\"sku\":\"$SKU\",\"stock\":$LATENCY_STOCK}"
+        set_up "$strategy" "$mode" "$LATENCY_STOCK"
         measure "$CONNECTIONS" 1 warm "$repeat" "${ports[@]}" >/dev/null
         capacity=$(measure "$CONNECTIONS" "$ORDER_SECONDS" "$label" "$repeat" "${ports[@]}" |
           python3 -c 'import json, sys; print(json.load(sys.stdin)["orders_per_s"])')

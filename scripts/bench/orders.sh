@@ -164,6 +164,22 @@ modes_of() {
   esac
 }
 
+# label_of STRATEGY MODE: a row's name, the strategy with its mode unless "cohort".
+label_of() {
+  if [ "$2" = cohort ]; then echo "$1"; else echo "$1 $2"; fi
+}
+
+# set_up STRATEGY MODE STOCK: the cluster switched to MODE and STRATEGY, and the SKUs
+# measured ($SKUS, or $SKU) restocked to STOCK.
+set_up() {
+  local sku skus=${SKUS:-$SKU}
+  admin PUT /api/admin/cohort "$(cohort_body "$2")"
+  admin PUT /api/admin/strategy "{\"strategy\":\"$1\"}"
+  for sku in ${skus//,/ }; do
+    admin POST /api/admin/reset "{\"sku\":\"$sku\",\"stock\":$3}"
+  done
+}
+
 # cohort_body MODE: the cohort switch's body for a mode of modes_of.
 cohort_body() {
   case "$1" in
@@ -241,12 +257,10 @@ section_orders() {
     measure_costs 1 "$ORDER_SECONDS" baseline "$repeat" "$PORT" >>"$results"
     for strategy in "${STRATEGIES[@]}"; do
       for mode in $(modes_of "$strategy"); do
-        local label=$strategy
-        [ "$mode" = cohort ] || label="$strategy $mode"
+        local label
+        label=$(label_of "$strategy" "$mode")
         log "orders: repeat $repeat of $REPEAT, $label"
-        admin PUT /api/admin/cohort "$(cohort_body "$mode")"
-        admin PUT /api/admin/strategy "{\"strategy\":\"$strategy\"}"
-        admin POST /api/admin/reset "{\"sku\":\"$SKU\",\"stock\":$STOCK}"
+        set_up "$strategy" "$mode" "$STOCK"
         measure "$CONNECTIONS" 1 warm "$repeat" "${ports[@]}" >/dev/null
         measure_costs "$CONNECTIONS" "$ORDER_SECONDS" "$label" "$repeat" "${ports[@]}" >>"$results"
       done

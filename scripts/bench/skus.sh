@@ -1,6 +1,6 @@
 # Sourced by scripts/bench.sh after scripts/bench/orders.sh (uses their WORK, REPEAT,
 # COMMIT, CORES, CPU, MEMORY, PORT, CONNECTIONS, ORDER_SECONDS, STRATEGIES, STOCK,
-# BINARY, log, die, admin, measure, measure_costs, modes_of, cohort_body, start_replicas, stop_replicas and
+# BINARY, log, die, admin, measure, measure_costs, modes_of, label_of, set_up, cohort_body, start_replicas, stop_replicas and
 # replace_section): the per-order table again with the orders spread over many SKUs,
 # against `none` on the same SKUs with the same connections.
 
@@ -8,7 +8,7 @@ SKU_COUNT=${BENCH_SKU_COUNT:-16}
 
 section_skus() {
   local results="$WORK/skus.jsonl" ports=("$PORT" $((PORT + 1)) $((PORT + 2)))
-  local repeat strategy mode label sku load measured=(none)
+  local repeat strategy mode label load measured=(none)
   [[ "$SKU_COUNT" =~ ^[1-9][0-9]*$ ]] || die "BENCH_SKU_COUNT must be a whole number above 0"
   # `none` first in every repeat, whatever BENCH_STRATEGIES says: it is the measure.
   for strategy in "${STRATEGIES[@]}"; do
@@ -25,14 +25,9 @@ section_skus() {
   for repeat in $(seq 1 "$REPEAT"); do
     for strategy in "${measured[@]}"; do
       for mode in $(modes_of "$strategy"); do
-        label=$strategy
-        [ "$mode" = cohort ] || label="$strategy $mode"
+        label=$(label_of "$strategy" "$mode")
         log "skus: repeat $repeat of $REPEAT, $label on $SKU_COUNT SKUs"
-        admin PUT /api/admin/cohort "$(cohort_body "$mode")"
-        admin PUT /api/admin/strategy "{\"strategy\":\"$strategy\"}"
-        for sku in ${SKUS//,/ }; do
-          admin POST /api/admin/reset "{\"sku\":\"$sku\",\"stock\":$STOCK}"
-        done
+        set_up "$strategy" "$mode" "$STOCK"
         measure "$CONNECTIONS" 1 warm "$repeat" "${ports[@]}" >/dev/null
         measure_costs "$CONNECTIONS" "$ORDER_SECONDS" "$label" "$repeat" "${ports[@]}" >>"$results"
       done

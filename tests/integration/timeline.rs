@@ -32,6 +32,22 @@ fn orders_of(section: &Value) -> u64 {
     section["orders"].as_u64().unwrap_or(1)
 }
 
+/// The crowd bought the 10 units: ten `created` sections, or with combining, sections
+/// of at least ten orders (a batch that sold any is `created`, its sold-out ones
+/// included).
+fn assert_ten_sold(sections: &[Value]) {
+    let created: u64 = sections
+        .iter()
+        .filter(|s| s["outcome"] == "created")
+        .map(orders_of)
+        .sum();
+    if sections.iter().all(|s| orders_of(s) == 1) {
+        assert_eq!(created, 10);
+    } else {
+        assert!(created >= 10, "{sections:?}");
+    }
+}
+
 async fn timeline_after_a_crowd(strategy: &str) -> Vec<Value> {
     let cluster = TestCluster::start(2, &["--work-ms", "20", "--lock-wait-ms", "30000"]).await;
     cluster.set_strategy(strategy).await;
@@ -74,17 +90,7 @@ async fn sections_line_up_under_a_lock() {
         sections.iter().all(|s| s["fence"].as_u64().is_some()),
         "each holder's token is shown"
     );
-    // A combined batch that sold any is `created`, its sold-out ones included.
-    let created: u64 = sections
-        .iter()
-        .filter(|s| s["outcome"] == "created")
-        .map(orders_of)
-        .sum();
-    if sections.iter().all(|s| orders_of(s) == 1) {
-        assert_eq!(created, 10);
-    } else {
-        assert!(created >= 10, "{sections:?}");
-    }
+    assert_ten_sold(&sections);
 }
 
 /// Under db-for-update the lock is the row, held until COMMIT: a section ends there,
@@ -95,15 +101,5 @@ async fn sections_line_up_under_a_lock() {
 async fn sections_line_up_under_the_row_lock() {
     let sections = timeline_after_a_crowd("db-for-update").await;
     assert_eq!(overlaps(&sections), 0, "{sections:?}");
-    // A combined batch that sold any is `created`, its sold-out ones included.
-    let created: u64 = sections
-        .iter()
-        .filter(|s| s["outcome"] == "created")
-        .map(orders_of)
-        .sum();
-    if sections.iter().all(|s| orders_of(s) == 1) {
-        assert_eq!(created, 10);
-    } else {
-        assert!(created >= 10, "{sections:?}");
-    }
+    assert_ten_sold(&sections);
 }
