@@ -265,15 +265,12 @@ section_orders() {
         measure_costs "$CONNECTIONS" "$ORDER_SECONDS" "$label" "$repeat" "${ports[@]}" >>"$results"
       done
     done
-    admin PUT /api/admin/cohort "$(cohort_body cohort)"
     for strategy in ${KEYED[@]+"${KEYED[@]}"}; do
       log "orders: repeat $repeat of $REPEAT, $strategy keyed"
-      admin PUT /api/admin/strategy "{\"strategy\":\"$strategy\"}"
-      admin POST /api/admin/reset "{\"sku\":\"$SKU\",\"stock\":$STOCK}"
+      set_up "$strategy" cohort "$STOCK"
       measure "$CONNECTIONS" 1 "warm keyed" "$repeat" "${ports[@]}" >/dev/null
       measure_costs "$CONNECTIONS" "$ORDER_SECONDS" "$strategy keyed" "$repeat" "${ports[@]}" >>"$results"
     done
-    admin PUT /api/admin/cohort "$(cohort_body cohort)"
   done
   stop_replicas
 

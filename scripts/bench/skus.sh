@@ -1,6 +1,6 @@
 # Sourced by scripts/bench.sh after scripts/bench/orders.sh (uses their WORK, REPEAT,
 # COMMIT, CORES, CPU, MEMORY, PORT, CONNECTIONS, ORDER_SECONDS, STRATEGIES, STOCK,
-# BINARY, log, die, admin, measure, measure_costs, modes_of, label_of, set_up, cohort_body, start_replicas, stop_replicas and
+# BINARY, log, die, admin, measure, measure_costs, modes_of, label_of, set_up, start_replicas, stop_replicas and
 # replace_section): the per-order table again with the orders spread over many SKUs,
 # against `none` on the same SKUs with the same connections.
 
@@ -32,7 +32,6 @@ section_skus() {
         measure_costs "$CONNECTIONS" "$ORDER_SECONDS" "$label" "$repeat" "${ports[@]}" >>"$results"
       done
     done
-    admin PUT /api/admin/cohort "$(cohort_body cohort)"
   done
   stop_replicas
 

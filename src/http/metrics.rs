@@ -107,10 +107,15 @@ impl Drop for AuditTurn {
 
 async fn audit(state: AppState) {
     let _turn = AuditTurn(state.stock_audit.clone());
-    match stats::collect(&state, None).await {
-        Ok(stats) => {
+    // Redis pinged as well: with no SKU stocked the audit would not reach it.
+    let read = async {
+        state.flow.store.cache.ping().await?;
+        stats::collect_skus(&state, None).await
+    };
+    match read.await {
+        Ok(skus) => {
             metrics::gauge!("flashsale_records_up").set(1.0);
-            set_sku_gauges(&stats.skus);
+            set_sku_gauges(&skus);
         }
         Err(error) => {
             tracing::debug!(%error, "metrics without the records");

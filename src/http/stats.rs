@@ -82,13 +82,10 @@ pub async fn stats(
 /// The stats of every SKU, or of `sku` alone (404 if unknown).
 pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppError> {
     let store = &state.flow.store;
-    let records = store.records.products(sku).await?;
-    if let (Some(sku), true) = (sku, records.is_empty()) {
+    let skus = collect_skus(state, sku).await?;
+    if let (Some(sku), true) = (sku, skus.is_empty()) {
         return Err(AppError::NotFound(format!("unknown SKU '{sku}'")));
     }
-    let skus: Vec<Sku> = records.iter().map(|r| r.sku.clone()).collect();
-    let redis_stocks = store.cache.stocks(&skus).await?;
-    let mut duplicates = store.records.duplicates(sku).await?;
     let (settings, strategy) = state.settings_and_strategy().await?;
     Ok(Stats {
         strategy: strategy.name().to_owned(),
@@ -104,15 +101,26 @@ pub async fn collect(state: &AppState, sku: Option<&Sku>) -> Result<Stats, AppEr
         commit: Some(env!("FLASHSALE_COMMIT").to_owned()),
         replicas: store.cluster.live_replicas().await?,
         counters: store.cluster.counters().await?,
-        skus: records
-            .into_iter()
-            .zip(redis_stocks)
-            .map(|(record, redis)| {
-                let found = duplicates.remove(record.sku.as_str()).unwrap_or_default();
-                sku_stats(record, redis, found)
-            })
-            .collect(),
+        skus,
     })
+}
+
+/// Each SKU's figures from the records (MySQL's row and orders, Redis's stock), without
+/// the cluster's settings and replicas: what the metrics' audit needs.
+pub async fn collect_skus(state: &AppState, sku: Option<&Sku>) -> Result<Vec<SkuStats>, AppError> {
+    let store = &state.flow.store;
+    let records = store.records.products(sku).await?;
+    let skus: Vec<Sku> = records.iter().map(|r| r.sku.clone()).collect();
+    let redis_stocks = store.cache.stocks(&skus).await?;
+    let mut duplicates = store.records.duplicates(sku).await?;
+    Ok(records
+        .into_iter()
+        .zip(redis_stocks)
+        .map(|(record, redis)| {
+            let found = duplicates.remove(record.sku.as_str()).unwrap_or_default();
+            sku_stats(record, redis, found)
+        })
+        .collect())
 }
 
 /// A configured duration in whole milliseconds, as the stats report it.

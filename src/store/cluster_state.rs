@@ -353,8 +353,9 @@ impl ClusterState {
     /// redis-lock key on the primary, the Redis fails over. Replication stays cut for
     /// at most `within` (a lock with `WAIT` is not held meanwhile), then resumes while
     /// the fault waits as long again, and at least `RESUMED_WAIT`, for a holder;
-    /// without one, or once an admin withdrew the fault, the pause is withdrawn. Every way out undoes the cut. The
-    /// outcome is kept (on the new primary) for the timeline.
+    /// without one, or once an admin withdrew the fault, the pause is withdrawn. Every
+    /// way out undoes the cut. The outcome is kept (on the new primary) for the
+    /// timeline.
     pub async fn fail_over_when_held(
         &self,
         sentinel: &crate::redis_pool::SentinelSource,
