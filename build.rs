@@ -20,6 +20,11 @@ fn main() {
     }
     if let Some(dir) = git(&["rev-parse", "--git-common-dir"]) {
         println!("cargo:rerun-if-changed={dir}/refs/heads");
-        println!("cargo:rerun-if-changed={dir}/packed-refs");
+        // Only when it exists: cargo counts a missing file as changed, and so built the
+        // crate again at every command in a checkout whose refs were never packed.
+        let packed = format!("{dir}/packed-refs");
+        if std::path::Path::new(&packed).exists() {
+            println!("cargo:rerun-if-changed={packed}");
+        }
     }
 }

@@ -3,6 +3,8 @@
 #
 #   scripts/stack.sh up       install what is missing, start everything, wait until ready
 #                             (Redis 6390 with its replica 6393 and Sentinel 26390)
+#   scripts/stack.sh tools    install only what building needs (gcc, protoc, ...), so
+#                             that a fresh machine can build while the services install
 #   scripts/stack.sh down     stop what `up` started (by the PIDs it recorded)
 #   scripts/stack.sh status   one line per service
 #   scripts/stack.sh env      the FLASHSALE_* variables pointing at this stack
@@ -89,7 +91,31 @@ started() { printf '%s' "$2" >"$1/settings"; }
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-install_missing() {
+# apt_install PACKAGE...: Debian's packages, after one look at the registry.
+apt_install() {
+  [ $# -eq 0 ] && return 0
+  log "installing: $*"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# What building and the scripts need that a minimal Debian lacks (not services): the
+# etcd client crate generates its gRPC code with protoc; ring compiles C and rustc
+# links with cc (gcc, and the C library's headers and startup files); cargo, pip and
+# npm check the registries' certificates; demo.sh and the bench use curl, and the
+# scripts find their processes with ps and pgrep (procps).
+install_tools() {
+  local missing=()
+  command -v protoc >/dev/null || missing+=(protobuf-compiler)
+  command -v cc >/dev/null || missing+=(gcc)
+  [ -f /usr/include/stdio.h ] || missing+=(libc6-dev)
+  [ -f /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
+  command -v curl >/dev/null || missing+=(curl)
+  command -v ps >/dev/null || missing+=(procps)
+  apt_install ${missing[@]+"${missing[@]}"}
+}
+
+install_services() {
   local missing=()
   command -v redis-server >/dev/null || missing+=(redis-server)
   { [ -x /usr/sbin/mariadbd ] && command -v mariadb-install-db && command -v mariadb; } >/dev/null || missing+=(mariadb-server)
@@ -97,22 +123,7 @@ install_missing() {
   command -v etcd >/dev/null || missing+=(etcd-server)
   command -v etcdctl >/dev/null || missing+=(etcd-client)
   command -v java >/dev/null || missing+=(default-jre-headless)
-  # Not services: what building and the scripts need that a minimal Debian lacks.
-  # Every script that builds runs `stack.sh up` first, so they are here before cargo:
-  # the etcd client crate generates its gRPC code with protoc; ring compiles C and
-  # rustc links with cc (gcc, and the C library's headers and startup files); cargo,
-  # pip and npm check the registries' certificates; demo.sh and the bench use curl,
-  # and the scripts find their processes with ps and pgrep (procps).
-  command -v protoc >/dev/null || missing+=(protobuf-compiler)
-  command -v cc >/dev/null || missing+=(gcc)
-  [ -f /usr/include/stdio.h ] || missing+=(libc6-dev)
-  [ -f /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
-  command -v curl >/dev/null || missing+=(curl)
-  command -v ps >/dev/null || missing+=(procps)
-  [ ${#missing[@]} -eq 0 ] && return 0
-  log "installing: ${missing[*]}"
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  apt_install ${missing[@]+"${missing[@]}"}
 }
 
 # --- Redis -------------------------------------------------------------------
@@ -341,7 +352,8 @@ stop_pidfile() {
 }
 
 cmd_up() {
-  install_missing
+  install_tools
+  install_services
   mkdir -p "$STACK"
   redis_up "${REDIS_PORTS[0]}" "${HA_ARGS[@]}"
   for port in "${REDIS_PORTS[@]:1}"; do redis_up "$port"; done
@@ -460,10 +472,11 @@ ENV
 
 case "${1:-}" in
   up) cmd_up ;;
+  tools) install_tools ;;
   down) cmd_down ;;
   status) cmd_status ;;
   env) cmd_env ;;
   restart) cmd_restart "${2:-}" ;;
   failover) cmd_failover ;;
-  *) echo "usage: $0 up|down|status|env|restart SERVICE|failover" >&2; exit 2 ;;
+  *) echo "usage: $0 up|tools|down|status|env|restart SERVICE|failover" >&2; exit 2 ;;
 esac
