@@ -30,11 +30,7 @@ if [ -z "$python" ]; then
 fi
 if [ ${#missing[@]} -gt 0 ]; then
   log "installing ${missing[*]}"
-  if [ "$(id -u)" = 0 ]; then sudo_cmd=(); else sudo_cmd=(sudo); fi
-  ${sudo_cmd[@]+"${sudo_cmd[@]}"} apt-get update -qq
-  # No recommends: prometheus recommends node-exporter, a daemon we do not need.
-  ${sudo_cmd[@]+"${sudo_cmd[@]}"} env DEBIAN_FRONTEND=noninteractive \
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  ./scripts/apt-install.sh "${missing[@]}"
 fi
 
 tmp=$(mktemp -d)

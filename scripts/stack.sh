@@ -89,14 +89,11 @@ already_up() {
 
 started() { printf '%s' "$2" >"$1/settings"; }
 
-as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-# apt_install PACKAGE...: Debian's packages, after one look at the registry.
 apt_install() {
   [ $# -eq 0 ] && return 0
   log "installing: $*"
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  "$ROOT/scripts/apt-install.sh" "$@"
 }
 
 # What building and the scripts need that a minimal Debian lacks (not services): the

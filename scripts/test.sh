@@ -53,15 +53,14 @@ redis-cli -p 6390 --scan --pattern 'flashsale_t_*' | xargs -r -n 500 redis-cli -
 # Python's venv (schemathesis, the OpenAPI fuzz). The bench installs its own wrk.
 missing=()
 command -v docker-compose >/dev/null || missing+=(docker-compose)
-[ -x /usr/bin/chromium ] || missing+=(chromium)
+# chromium only recommends fonts, and the dashboard's layout checks measure text.
+[ -x /usr/bin/chromium ] || missing+=(chromium fonts-liberation)
 command -v node >/dev/null || missing+=(nodejs)
 command -v npm >/dev/null || missing+=(npm)
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "[test] installing ${missing[*]}" >&2
-  if [ "$(id -u)" = 0 ]; then sudo_cmd=(); else sudo_cmd=(sudo); fi
-  ${sudo_cmd[@]+"${sudo_cmd[@]}"} apt-get update -qq
-  ${sudo_cmd[@]+"${sudo_cmd[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  ./scripts/apt-install.sh "${missing[@]}"
 fi
 # playwright-core drives that chromium; its version is pinned in the lockfile (again
 # when the lockfile changed since the last install: npm writes its own copy).

@@ -236,11 +236,7 @@ stop_replicas() {
 section_orders() {
   if ! command -v wrk >/dev/null; then
     log "installing wrk"
-    local sudo_cmd=()
-    [ "$(id -u)" = 0 ] || sudo_cmd=(sudo)
-    # A machine whose services came preinstalled may never have read the package lists.
-    "${sudo_cmd[@]}" apt-get update -qq
-    "${sudo_cmd[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null
+    scripts/apt-install.sh wrk
   fi
   local results="$WORK/orders.jsonl" ports=("$PORT" $((PORT + 1)) $((PORT + 2)))
   local repeat strategy load
