@@ -238,10 +238,10 @@ mariadb_up() {
   ensure_port_free mariadb "$MARIADB_PORT"
   if [ ! -d "$dir/data/mysql" ]; then
     log "initialising MariaDB datadir"
-    # --skip-name-resolve, as the server runs: without it the script refuses to run
-    # where `localhost` does not resolve (a minimal Debian without /etc/hosts).
+    # --force skips its look-up of the host's name, which fails where `localhost` does
+    # not resolve (a minimal Debian without /etc/hosts); the server resolves no names.
     mariadb-install-db --no-defaults --datadir="$dir/data" --user="$(id -un)" \
-      --skip-name-resolve --auth-root-authentication-method=socket >"$dir/install.log" 2>&1 \
+      --force --auth-root-authentication-method=socket >"$dir/install.log" 2>&1 \
       || { tail -n 20 "$dir/install.log" >&2; die "mariadb-install-db failed"; }
   fi
   nohup /usr/sbin/mariadbd "${args[@]}" >/dev/null 2>&1 &
