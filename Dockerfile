@@ -4,8 +4,9 @@
 # cached dependencies are ordinary image layers, so they work with any builder and
 # survive in a CI registry cache, where a cache mount starts empty.
 FROM rust:1-bookworm AS chef
-# protoc: the etcd client crate generates its gRPC code at build time.
-RUN apt-get update && apt-get install -y --no-install-recommends protobuf-compiler \
+# protoc: the etcd client crate generates its gRPC code at build time, and imports
+# protoc's own .proto files (libprotobuf-dev, which protoc only recommends).
+RUN apt-get update && apt-get install -y --no-install-recommends protobuf-compiler libprotobuf-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN cargo install cargo-chef --locked --version 0.1.73
 WORKDIR /src

@@ -97,13 +97,14 @@ apt_install() {
 }
 
 # What building and the scripts need that a minimal Debian lacks (not services): the
-# etcd client crate generates its gRPC code with protoc; ring compiles C and rustc
-# links with cc (gcc, and the C library's headers and startup files); cargo, pip and
-# npm check the registries' certificates; demo.sh and the bench use curl, and the
-# scripts find their processes with ps and pgrep (procps).
+# etcd client crate generates its gRPC code with protoc and protoc's own .proto files;
+# ring compiles C and rustc links with cc (gcc, and the C library's headers and startup
+# files); cargo, pip and npm check the registries' certificates; demo.sh and the bench
+# use curl, and the scripts find their processes with ps and pgrep (procps).
 install_tools() {
   local missing=()
   command -v protoc >/dev/null || missing+=(protobuf-compiler)
+  [ -f /usr/include/google/protobuf/descriptor.proto ] || missing+=(libprotobuf-dev)
   command -v cc >/dev/null || missing+=(gcc)
   [ -f /usr/include/stdio.h ] || missing+=(libc6-dev)
   [ -f /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)

@@ -23,15 +23,14 @@ install_nextest() {
 head_start_log=$(mktemp)
 set -m
 {
-  set +m
   if ! cargo nextest --version >/dev/null 2>&1; then install_nextest & fi
-  cargo test --workspace --no-run --quiet
+  cargo test --workspace --no-run --quiet || true
   wait
-} >"$head_start_log" 2>&1 &
+} <"/dev/null" >"$head_start_log" 2>&1 &
 head_start=$!
 set +m
 cleanup() {
-  kill -- "-$head_start" 2>/dev/null || true
+  [ -z "$head_start" ] || kill -- "-$head_start" 2>/dev/null || true
   rm -f "$head_start_log" "${log:-}" "${bench_doc:-}"
 }
 trap cleanup EXIT
@@ -80,6 +79,7 @@ fi
 
 started=$SECONDS
 wait "$head_start" || true
+head_start=
 echo "[test] waited $((SECONDS - started)) s for the head start's build" >&2
 cargo nextest --version >/dev/null 2>&1 || install_nextest
 

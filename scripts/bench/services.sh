@@ -54,7 +54,8 @@ services_up() {
     service_wait "redis:$port" redis-cli -p "$port" ping
   done
 
-  mariadb-install-db --no-defaults --datadir="$dir/mariadb" --user="$(id -un)" \
+  # --force: no look-up of the host's name, as in stack.sh.
+  mariadb-install-db --no-defaults --datadir="$dir/mariadb" --user="$(id -un)" --force \
     --auth-root-authentication-method=normal >"$dir/mariadb-install.log" 2>&1 ||
     die "mariadb-install-db failed (see $dir/mariadb-install.log)"
   /usr/sbin/mariadbd --no-defaults --datadir="$dir/mariadb" --user="$(id -un)" \

@@ -493,6 +493,9 @@ impl PrivateMariaDb {
             .arg("--no-defaults")
             .arg(format!("--datadir={}", dir.join("data").display()))
             .arg("--user=root")
+            // As scripts/stack.sh: no look-up of the host's name, which fails where
+            // `localhost` does not resolve.
+            .arg("--force")
             .output()
             .await
             .expect("mariadb-install-db from scripts/stack.sh");
