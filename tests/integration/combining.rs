@@ -11,14 +11,11 @@ use crate::lock_primitives::bounded;
 use crate::support::{TestCluster, eventually};
 
 async fn set_combine(cluster: &TestCluster, combine: u16) {
-    let response = cluster
-        .http
-        .put(cluster.url(0, "/api/admin/cohort"))
-        .json(&json!({ "enabled": true, "combine": combine }))
-        .send()
+    let status = cluster
+        .switch_combining_on(combine)
         .await
         .expect("PUT /api/admin/cohort");
-    assert_eq!(response.status(), StatusCode::OK, "combining switched on");
+    assert_eq!(status, StatusCode::OK, "combining switched on");
 }
 
 /// The timeline's sections of `sku` once `count` orders have been answered in them.

@@ -250,10 +250,10 @@ async fn an_expired_claim_still_makes_one_order() {
 /// A keyed order settles its own claim and touches no other: with another key's claim
 /// row locked by a transaction that stays open, orders with keys of their own are
 /// answered at once, under `none` (one claim per transaction) and redis-atomic (a
-/// group's claims in one statement: eight orders at once). Settled with a row-constructor `IN`, which
-/// MariaDB reads by scanning the whole table and so locks every claim, each order
-/// waited for that transaction (innodb_lock_wait_timeout), and every keyed order of
-/// every SKU waited for each other's while holding its SKU's row.
+/// group's claims in one statement: eight orders at once). Settled with a
+/// row-constructor `IN`, which MariaDB reads by scanning the whole table and so locks
+/// every claim, each order waited for that transaction (innodb_lock_wait_timeout), and
+/// every keyed order of every SKU waited for each other's while holding its SKU's row.
 #[tokio::test]
 async fn a_keyed_order_waits_for_no_other_key() {
     use sqlx::Connection;

@@ -281,6 +281,17 @@ impl TestCluster {
         cluster
     }
 
+    /// Switches combining on, up to `combine` orders per critical section, once.
+    pub async fn switch_combining_on(&self, combine: u16) -> reqwest::Result<StatusCode> {
+        let response = self
+            .http
+            .put(self.url(0, "/api/admin/cohort"))
+            .json(&json!({ "enabled": true, "combine": combine }))
+            .send()
+            .await?;
+        Ok(response.status())
+    }
+
     /// With `FLASHSALE_TEST_COMBINE=N` set, every cluster starts with combining on (up
     /// to N orders per critical section), so the whole suite can be run again that way
     /// (TESTING.md). A test that sets the cohort switch itself decides for itself.
@@ -298,13 +309,7 @@ impl TestCluster {
         }
         // Once, not `admin`'s retries: a cluster started without a reachable Redis
         // (503) cannot store the switch, and is not selling anyway.
-        let status = self
-            .http
-            .put(self.url(0, "/api/admin/cohort"))
-            .json(&json!({ "enabled": true, "combine": combine }))
-            .send()
-            .await
-            .map(|response| response.status());
+        let status = self.switch_combining_on(combine).await;
         match status {
             Ok(StatusCode::OK) => {}
             Ok(StatusCode::SERVICE_UNAVAILABLE) | Err(_) => {
